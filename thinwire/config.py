@@ -84,6 +84,10 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
 def _scalar(tp: Any, value: Any, field: str) -> Any:
     if tp is Any:
         return value
+    if tp is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(field, value, "a mapping")
     if tp is bool:
         if isinstance(value, bool):
             return value

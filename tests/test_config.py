@@ -1,0 +1,50 @@
+"""Config loading: unknown keys, wrong types and out-of-range values are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from thinwire.config import from_dict
+from thinwire.errors import ConfigError, ThinwireError
+from thinwire.train.config import TrainConfig, load_train_config
+from thinwire.workloads.charlm import CharLMConfig
+
+
+def test_defaults_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("workload: digits\nsteps: 50\nmodel: {channels: 8}\n")
+    cfg = load_train_config(str(f), {"steps": 70, "lr": None}, ["model.hidden=32", "seed=3"])
+    assert (cfg.workload, cfg.steps, cfg.seed, cfg.model) == ("digits", 70, 3, {"channels": 8, "hidden": 32})
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"stepz": 10}, r"stepz: must be one of the known fields \(.*steps.*\), got 10. Remove or rename the key."),
+    ({"steps": "ten"}, r"steps: must be an integer or null, got 'ten'"),
+    ({"steps": 0}, r"steps: must be an integer >= 1, got 0"),
+    ({"nproc": 0}, r"nproc: must be an integer >= 1, got 0. Use --nproc 1 for a single process."),
+    ({"lr": -1.0}, r"lr: must be a number > 0, got -1.0"),
+    ({"precision": "fp8"}, r"precision: must be one of 'fp32', 'bf16', got 'fp8'"),
+    ({"error_feedback": "yes"}, r"error_feedback: must be true or false, got 'yes'"),
+    ({"data": " "}, r"data: must be a path to a text file or folder, got ' '"),
+])
+def test_train_config_rejections(data, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(TrainConfig, data, where="")
+
+
+def test_model_options_validated_by_workload():
+    with pytest.raises(ConfigError, match=r"model.heads: must be a divisor of model.width \(128\), got 5"):
+        from_dict(CharLMConfig, {"heads": 5}, where="model")
+    with pytest.raises(ConfigError, match=r"model.depth: must be one of the known fields"):
+        from_dict(CharLMConfig, {"depth": 5}, where="model")
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ThinwireError, match=r"config file '.*missing.yaml' does not exist"):
+        load_train_config(str(tmp_path / "missing.yaml"), {}, [])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1,\n")
+    with pytest.raises(ThinwireError, match=r"is not valid YAML"):
+        load_train_config(str(bad), {}, [])
+    with pytest.raises(ConfigError, match=r"--set: must be KEY=VALUE"):
+        load_train_config(None, {}, ["steps"])

@@ -1,0 +1,3 @@
+from thinwire.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""``thinwire``: thin subcommands over library functions; all validation happens before dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from thinwire.errors import ThinwireError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from thinwire.cli import report, train
+
+    parser = argparse.ArgumentParser(prog="thinwire", description=__doc__.split(":", 1)[0] + ": data-parallel "
+                                     "PyTorch training over slow, uneven links and on small devices.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train.add_parser(sub)
+    report.add_parser(sub)
+    for optional in ("cluster", "bench"):
+        try:
+            module = __import__(f"thinwire.cli.{optional}", fromlist=["add_parser"])
+        except ImportError:
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="thinwire: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ThinwireError as e:
+        print(f"thinwire: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("thinwire: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""``thinwire train``: resolve and check the config, pick the run folder, then run or launch workers."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+from pathlib import Path
+
+from thinwire.errors import ThinwireError
+from thinwire.train import checkpoint as ckpt
+from thinwire.train.config import TrainConfig, load_train_config, save_config
+
+EPILOG = """examples:
+  thinwire train                                   # charlm on the Python standard library, 1 process
+  thinwire train --nproc 2 --compression int8      # 2 local workers, int8 gradients on the wire
+  thinwire train --workload digits --steps 300 --out runs/digits
+  thinwire train --resume runs/digits --steps 600  # continue a run where it stopped
+  thinwire train --workload mypkg.mod:make --set model.width=64
+multi-node (run on every node; rank 0 writes the run folder):
+  torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
+           --rdzv-id myjob --max-restarts 1 -m thinwire train --config run.yaml --out /shared/run1
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a workload data-parallel", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file of TrainConfig fields (flags override it)")
+    p.add_argument("--workload", help="charlm, digits, or package.module:function")
+    p.add_argument("--data", help="text file or folder for charlm (default: the Python standard library)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch per step, split evenly across workers")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--nproc", type=int, help="local worker processes (default 1)")
+    p.add_argument("--max-restarts", type=int, help="restart all workers up to K times after a failure")
+    p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    p.add_argument("--compression", help="codec spec, e.g. int8, topk:ratio=0.01, powersgd:rank=4")
+    p.add_argument("--precision", help="fp32 or bf16")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.add_argument("--cluster", help="cluster spec: one worker per emulated host (needs `thinwire cluster up`)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config field, e.g. --set model.width=256 (repeatable)")
+    p.set_defaults(func=run)
+
+
+FLAGS = ("workload", "data", "steps", "batch_size", "lr", "nproc", "max_restarts", "out", "resume", "compression",
+         "precision", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster")
+
+
+def run(args: argparse.Namespace) -> int:
+    from thinwire.train.distenv import read_env
+
+    cfg = resolve_config(args)
+    if read_env().launched:  # under the user's torchrun: this process is a worker
+        return _train_here(cfg, save=read_env().rank == 0)
+    preflight(cfg)
+    out = Path(cfg.out)
+    if cfg.cluster:
+        from thinwire.cluster.launch import launch_cluster
+
+        _prepare(cfg, out)
+        launch_cluster(cfg, out / "config.yaml")
+        return 0
+    if cfg.nproc == 1 and cfg.max_restarts == 0:
+        return _train_here(cfg, save=True)
+    from thinwire.train.launch import launch_local
+
+    _prepare(cfg, out)
+    launch_local(cfg, out / "config.yaml")
+    return 0
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    overrides = {k: getattr(args, k) for k in FLAGS}
+    base = args.config
+    if args.resume and not base:  # continue with the resumed run's own config unless told otherwise
+        saved = Path(args.resume) / "config.yaml"
+        base = str(saved) if saved.is_file() else None
+    cfg = load_train_config(base, overrides, args.set)
+    if args.resume and not args.out:
+        cfg = dataclasses.replace(cfg, out=args.resume)
+    if not cfg.out:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg = dataclasses.replace(cfg, out=str(Path("runs") / f"{cfg.workload.replace(':', '.')}-{stamp}"))
+    return cfg
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Every check that can fail before a worker starts, so bad input never leaves half a run."""
+    from thinwire.compress.spec import parse_codec_spec
+    from thinwire.train.loop import check_batch, resolve
+    from thinwire.workloads.registry import build_workload, check_workload_name
+
+    check_workload_name(cfg.workload)
+    parse_codec_spec(cfg.compression)
+    wl = build_workload(cfg.workload, cfg.model, cfg.data)
+    _, batch, _ = resolve(cfg, wl)
+    world = _world_size(cfg)
+    check_batch(batch, world)
+    out = Path(cfg.out)
+    if cfg.resume:
+        _check_resume(cfg, wl)
+    elif (out / "metrics.jsonl").exists() or ckpt.latest(out):
+        raise ThinwireError(f"out: folder {str(out)!r} already holds a run. Continue it with --resume {out}, "
+                            "or pass another --out; nothing was changed.")
+
+
+def _world_size(cfg: TrainConfig) -> int:
+    if cfg.cluster:
+        from thinwire.cluster.spec import load_cluster_spec
+
+        return len(load_cluster_spec(cfg.cluster).hosts)
+    return cfg.nproc
+
+
+def _check_resume(cfg: TrainConfig, wl) -> None:
+    found = ckpt.latest(Path(cfg.resume))
+    if found is None:
+        raise ThinwireError(f"resume: folder {cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
+                            "Pass the --out folder of an earlier run.")
+    state = ckpt.load(found)
+    ckpt.check_signature(found, state["signature"], ckpt.model_signature(wl.model))
+
+
+def _prepare(cfg: TrainConfig, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+
+
+def _train_here(cfg: TrainConfig, save: bool) -> int:
+    from thinwire.train.loop import train
+
+    out = Path(cfg.out)
+    if save:
+        _prepare(cfg, out)
+    train(cfg, out)
+    return 0

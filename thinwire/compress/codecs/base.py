@@ -1,0 +1,78 @@
+"""The codec interface: what a gradient compressor must say about itself.
+
+A codec turns a flat gradient tensor into a list of tensors that travel (the *payload*) and back.
+It never communicates and never keeps data-dependent state between calls: what the receiver needs
+to decode travels inside the payload, and the rest is :class:`Meta`, which every rank knows without
+communication (numel, dtype, a seed shared by all ranks for this bucket and step).
+
+* ``summable``: payloads of different ranks can be added element-wise by an all-reduce and the sum
+  decoded once (fp16, bf16, random-k values). Otherwise each rank's payload must be decoded before
+  summing (int8, bfp, qsgd, sign, top-k), and the collective layer picks a scheme for that.
+* ``payload_bytes(numel, dtype)`` prices a codec without running it: it is exactly
+  ``sum(t.numel() * t.element_size() for t in compress(x, meta))`` for any ``x`` of that size, so
+  the performance model and the planner can use it.
+
+Codecs take device and dtype from their input and never move tensors to a device of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """What both ends know about a tensor without sending it.
+
+    ``seed`` is identical on every rank for a given (step, bucket); codecs with
+    ``shared_randomness`` (random-k) draw from it directly, others mix in ``rank`` so that
+    stochastic-rounding noise is independent across ranks.
+    """
+
+    numel: int
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+    rank: int = 0
+
+
+class Codec(ABC):
+    """Base class of all codecs. Subclasses set ``name``, ``config_cls`` and ``summable``."""
+
+    name: ClassVar[str]
+    summable: ClassVar[bool] = False
+    shared_randomness: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
+    sparse: ClassVar[bool] = False  # payload is (values, indices): may fall back to a dense all-reduce
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    @abstractmethod
+    def compress(self, x: Tensor, meta: Meta) -> list[Tensor]:
+        """Encode flat tensor ``x`` (``x.numel() == meta.numel``) into the tensors that travel."""
+
+    @abstractmethod
+    def decompress(self, payload: list[Tensor], meta: Meta) -> Tensor:
+        """Decode a payload (or, for summable codecs, a sum of payloads) into a flat tensor of
+        ``meta.numel`` elements and dtype ``meta.dtype`` on the payload's device."""
+
+    @abstractmethod
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact bytes of ``compress``'s output for a tensor of ``numel`` elements of ``dtype``."""
+
+    def roundtrip(self, x: Tensor, meta: Meta) -> Tensor:
+        """What the receiver reconstructs from this rank's payload alone (used by error feedback)."""
+        return self.decompress(self.compress(x, meta), meta)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+
+def payload_nbytes(payload: list[Tensor]) -> int:
+    """Bytes a list of tensors occupies on the wire."""
+    return sum(t.numel() * t.element_size() for t in payload)

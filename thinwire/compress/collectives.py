@@ -1,0 +1,93 @@
+"""The collectives thinwire's hook issues, each counting the bytes this rank puts on the wire.
+
+Bytes are counted where the collective is issued, from the algorithm's per-rank traffic
+(p ranks, a tensor of n bytes):
+
+* all-reduce (ring, as gloo and NCCL use for large tensors): ``2 (p-1)/p * n`` per rank;
+* all-gather of ``s`` bytes per rank: ``(p-1) * s`` (each rank's piece reaches every other rank);
+* all-to-all of ``n`` bytes split in p equal chunks: ``(p-1)/p * n`` (the chunk kept is free).
+
+These are the formulas of Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
+Operations in MPICH" (2005), and of NCCL's bus-bandwidth notes. With one rank nothing is sent.
+Multi-tensor payloads of mixed dtypes travel as one byte buffer (:func:`pack` / :func:`unpack`),
+so a bucket costs one collective, not one per payload tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def ring_allreduce_bytes(nbytes: int, p: int) -> int:
+    return 0 if p <= 1 else (2 * (p - 1) * nbytes) // p
+
+
+def allgather_bytes(nbytes_per_rank: int, p: int) -> int:
+    return (p - 1) * nbytes_per_rank
+
+
+def alltoall_bytes(nbytes_total: int, p: int) -> int:
+    return 0 if p <= 1 else ((p - 1) * nbytes_total) // p
+
+
+class Wire:
+    """Blocking collectives on one process group, with a running count of bytes sent."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.bytes_sent = 0
+        self.calls = 0
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sum ``t`` in place across ranks."""
+        self.bytes_sent += ring_allreduce_bytes(t.numel() * t.element_size(), self.world)
+        self.calls += 1
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_reduce_async(self, t: Tensor) -> torch.futures.Future:
+        self.bytes_sent += ring_allreduce_bytes(t.numel() * t.element_size(), self.world)
+        self.calls += 1
+        return dist.all_reduce(t, group=self.group, async_op=True).get_future()
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        """Every rank's ``t`` (equal shapes on all ranks), this rank's included."""
+        self.bytes_sent += allgather_bytes(t.numel() * t.element_size(), self.world)
+        self.calls += 1
+        if self.world == 1:
+            return [t]
+        out = torch.empty((self.world, *t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        return list(out.unbind(0))
+
+    def all_to_all(self, t: Tensor) -> Tensor:
+        """Rank r receives chunk r of every rank's ``t`` (``t.shape[0]`` divisible by world size)."""
+        self.bytes_sent += alltoall_bytes(t.numel() * t.element_size(), self.world)
+        self.calls += 1
+        if self.world == 1:
+            return t.clone()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t.contiguous(), group=self.group)
+        return out
+
+
+def pack(tensors: list[Tensor]) -> Tensor:
+    """Concatenate tensors of any dtypes into one flat uint8 buffer."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(buf: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """Split a buffer made by :func:`pack` back into tensors shaped and typed like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        out.append(buf[offset : offset + n].view(t.dtype).view(t.shape))
+        offset += n
+    return out

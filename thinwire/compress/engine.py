@@ -1,0 +1,49 @@
+"""One communication thread per process, so every rank issues its collectives in the same order.
+
+A compressed bucket needs several steps, some of them collectives (PowerSGD: all-reduce P,
+orthogonalize, all-reduce Q). PyTorch's PowerSGD hook chains them with ``Future.then`` callbacks,
+which run on whichever thread completes the previous collective; with more than one bucket the
+collectives of different buckets then interleave differently on different ranks, and gloo aborts
+with a size mismatch. Here each bucket's whole job runs, in submission order, on a single thread.
+DDP hands buckets to the hook in the same order on every rank, so every rank issues the same
+sequence of collectives, while the main thread goes on with backward (communication still
+overlaps computation).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+
+class CommThread:
+    def __init__(self, name: str = "thinwire-comm") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> torch.futures.Future:
+        """Run ``fn(*args)`` after every job submitted before it; its result completes the future."""
+        fut: torch.futures.Future = torch.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting DDP reducer
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)

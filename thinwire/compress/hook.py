@@ -1,0 +1,196 @@
+"""The DDP communication hook: compressed, error-fed gradient averaging that any script can attach.
+
+    state = thinwire.attach(ddp_model, "topk:ratio=0.01", error_feedback=True)
+    ...train as usual...
+    state.stats()                          # bytes_raw, bytes_sent, compress_s, per-codec counts
+    torch.save(state.state_dict(), f)      # residuals travel with the checkpoint
+
+How a bucket travels (every rank decides identically, from sizes and the step number alone):
+
+1. The bucket is divided by the world size first (so fp16 sums cannot overflow).
+2. During ``warmup_steps``, or when the bucket is smaller than ``min_compress_bytes``, it is
+   all-reduced in fp32.
+3. Otherwise error feedback adds the bucket's residual, the codec encodes it, and the scheme in
+   :mod:`thinwire.compress.schemes` moves the payload: all-reduce for summable payloads, all-gather
+   (or a compressed reduce-scatter + all-gather) with local decoding for quantized ones, PowerSGD's
+   two factor all-reduces for ``powersgd``.
+4. A non-finite gradient on any rank is never folded into a residual. ``nonfinite="skip"`` (the
+   default) makes the bucket's result NaN on every rank, so the optimizer step is skipped as with
+   uncompressed DDP under a GradScaler, and logs a warning; ``"raise"`` raises ``FloatingPointError``.
+
+All bucket jobs run in order on one communication thread (:mod:`thinwire.compress.engine`), so any
+DDP bucket layout works on gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from thinwire.compress.codecs.base import Codec
+from thinwire.compress.collectives import Wire
+from thinwire.compress.engine import CommThread
+from thinwire.compress.feedback import ErrorFeedback
+from thinwire.compress import schemes
+
+log = logging.getLogger("thinwire.compress")
+
+
+class Policy(Protocol):
+    """Chooses the codec of each bucket; must answer identically on every rank."""
+
+    def codec_for(self, bucket: int, numel: int, step: int) -> Codec: ...
+    def describe(self) -> str: ...
+
+
+class StaticPolicy:
+    """The same codec for every bucket."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def codec_for(self, bucket: int, numel: int, step: int) -> Codec:
+        return self.codec
+
+    def describe(self) -> str:
+        from thinwire.compress.spec import spec_string
+
+        return spec_string(self.codec)
+
+
+class CommState:
+    """State of an attached hook: policy, error feedback, counters. Checkpoint it with ``state_dict``."""
+
+    def __init__(self, policy: Policy, *, error_feedback: bool, warmup_steps: int, min_compress_bytes: int,
+                 nonfinite: Literal["skip", "raise"], group=None) -> None:
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        if warmup_steps < 0 or min_compress_bytes < 0:
+            raise ValueError(f"warmup_steps and min_compress_bytes must be >= 0, got {warmup_steps}, {min_compress_bytes}")
+        self.policy, self.warmup_steps, self.min_compress_bytes = policy, warmup_steps, min_compress_bytes
+        self.nonfinite = nonfinite
+        self.feedback = ErrorFeedback() if error_feedback else None
+        self.wire = Wire(group)
+        self.step = 0
+        self.bytes_raw = 0
+        self.compress_s = 0.0
+        self.counts: Counter = Counter()
+        self.skipped_nonfinite = 0
+        self.extra: dict = {}           # per-scheme state, e.g. PowerSGD's Q matrices
+        self.last_bucket_ready = 0.0    # perf_counter() when the last bucket was handed over
+        self._thread = CommThread()
+
+    # -- the hook ------------------------------------------------------------------------------
+    def hook(self, bucket):  # no annotations: DDP rejects the string ones `from __future__` makes
+        step, index = self.step, bucket.index()
+        if bucket.is_last():
+            self.step += 1
+            self.last_bucket_ready = time.perf_counter()
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        return self._thread.submit(self._reduce, bucket.buffer(), index, step, shapes)
+
+    def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple]) -> Tensor:
+        self.bytes_raw += buf.numel() * buf.element_size()
+        buf.div_(self.wire.world)
+        if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
+            self.counts["fp32"] += 1
+            return self.wire.all_reduce(buf)
+        codec = self.policy.codec_for(index, buf.numel(), step)
+        self.counts[codec.name] += 1
+        job = schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, codec=codec, state=self)
+        out, finite = schemes.run(job)
+        if not finite:
+            return self._on_nonfinite(buf, index, step)
+        return out
+
+    def _on_nonfinite(self, buf: Tensor, index: int, step: int) -> Tensor:
+        self.skipped_nonfinite += 1
+        msg = f"non-finite gradient in bucket {index} at step {step} on some rank; residuals left unchanged"
+        if self.nonfinite == "raise":
+            raise FloatingPointError(msg)
+        log.warning("%s; the bucket is averaged as NaN so the optimizer step is skipped", msg)
+        return buf.fill_(float("nan"))
+
+    # -- introspection and checkpoints -----------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "bytes_raw": self.bytes_raw,
+            "bytes_sent": self.wire.bytes_sent,
+            "compress_s": self.compress_s,
+            "collectives": self.wire.calls,
+            "counts": dict(self.counts),
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "residual_bytes": self.feedback.nbytes() if self.feedback else 0,
+            "policy": self.policy.describe(),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "residuals": self.feedback.state_dict() if self.feedback else {},
+            "extra": {k: v.detach().cpu().clone() for k, v in self.extra.items()},
+            "policy": self.policy.describe(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+        if self.feedback is not None:
+            self.feedback.load_state_dict(sd.get("residuals", {}))
+        self.extra = {k: v.clone() for k, v in sd.get("extra", {}).items()}
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none", *, error_feedback: bool = True,
+           warmup_steps: int = 0, min_compress_bytes: int = 4096, nonfinite: Literal["skip", "raise"] = "skip",
+           process_group=None) -> CommState:
+    """Register thinwire's compressed all-reduce as ``model``'s DDP communication hook.
+
+    ``codec`` is a spec string (``"int8:block=64"``, ``"topk:ratio=0.01"``, ``"powersgd:rank=4"``;
+    see ``thinwire train --help-codecs``), a codec object, or a policy choosing one per bucket.
+    Buckets under ``min_compress_bytes`` and the first ``warmup_steps`` steps go uncompressed.
+    ``process_group``: the group to average over; by default a new group over all ranks, so the
+    hook's collectives never interleave with the script's own.
+
+    Example::
+
+        model = DDP(net)
+        state = thinwire.attach(model, "int8")
+        loss_fn(model(x), y).backward()   # gradients arrive averaged, int8 on the wire
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"thinwire.attach needs a DistributedDataParallel model, got {type(model).__name__}; "
+                        "wrap it first: model = DistributedDataParallel(model)")
+    if getattr(model, "_thinwire_state", None) is not None:
+        raise ValueError("thinwire.attach: a thinwire hook is already attached to this model; attach once per model")
+    policy = _as_policy(codec)
+    group = process_group if process_group is not None else dist.new_group(backend=dist.get_backend())
+    state = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
+                      min_compress_bytes=min_compress_bytes, nonfinite=nonfinite, group=group)
+    try:
+        model.register_comm_hook(state, CommState.hook)
+    except RuntimeError as e:
+        state.close()
+        raise ValueError(f"thinwire.attach: DDP refused the hook ({e}); a communication hook can be registered only once") from None
+    model._thinwire_state = state
+    return state
+
+
+def _as_policy(codec) -> Policy:
+    if isinstance(codec, str):
+        from thinwire.compress.spec import parse_codec_spec
+
+        return StaticPolicy(parse_codec_spec(codec))
+    if isinstance(codec, Codec):
+        return StaticPolicy(codec)
+    if hasattr(codec, "codec_for"):
+        return codec
+    raise TypeError(f"codec must be a spec string, a Codec or a policy, got {type(codec).__name__}")

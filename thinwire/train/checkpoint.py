@@ -1,0 +1,104 @@
+"""Checkpoints that survive a killed worker: atomic writes, loaded with ``weights_only=True``.
+
+Layout: ``OUT/checkpoints/step_000123.pt``. A checkpoint is written to a temporary file in the same
+folder, flushed and fsync'ed, then renamed over its final name (``os.replace`` is atomic on POSIX),
+and the folder is fsync'ed so the rename itself survives a crash. A reader therefore sees either the
+previous checkpoint or the complete new one, never half of one. Only the newest ``keep`` are kept.
+
+Contents (all plain tensors and containers, so ``torch.load(weights_only=True)`` accepts them):
+``step``, ``samples``, ``model``, ``optimizer``, ``scheduler``, ``signature`` (parameter names and
+shapes, to refuse a checkpoint of another model), ``config``, and ``ranks``: one entry per rank with
+its RNG state and communication state (error-feedback residuals), because those differ by rank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from thinwire.errors import ThinwireError
+
+FORMAT = "thinwire-checkpoint-1"
+NAME = re.compile(r"^step_(\d{9})\.pt$")
+
+
+def checkpoint_dir(out: Path) -> Path:
+    return out / "checkpoints"
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    d = checkpoint_dir(out)
+    if not d.is_dir():
+        return []
+    return sorted((p for p in d.iterdir() if NAME.match(p.name)), key=lambda p: p.name)
+
+
+def latest(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def save_atomic(obj: dict, path: Path) -> None:
+    """Write ``obj`` to ``path`` so that ``path`` is never seen half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(out: Path, state: dict, keep: int) -> Path:
+    path = checkpoint_dir(out) / f"step_{state['step']:09d}.pt"
+    save_atomic({"format": FORMAT, **state}, path)
+    for old in list_checkpoints(out)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load(path: Path) -> dict:
+    """Load a checkpoint, turning corruption or a foreign file into a clear error."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated/corrupt zip archives
+        raise ThinwireError(
+            f"checkpoint {str(path)!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'}). Remove it to resume from an earlier "
+            f"checkpoint, or start a new run without --resume."
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ThinwireError(f"checkpoint {str(path)!r} is not a thinwire checkpoint (format {FORMAT} expected).")
+    return state
+
+
+def model_signature(model: torch.nn.Module) -> dict[str, list[int]]:
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def check_signature(path: Path, saved: dict, current: dict) -> None:
+    if saved == current:
+        return
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    diff = [k for k in current if k in saved and saved[k] != current[k]]
+    detail = (f"parameters missing from it: {missing[:3]}" if missing else
+              f"parameters it has that the model lacks: {extra[:3]}" if extra else
+              f"shape of {diff[0]}: checkpoint {saved[diff[0]]}, model {current[diff[0]]}")
+    raise ThinwireError(
+        f"checkpoint {str(path)!r} belongs to a different model ({detail}). Resume with the same workload "
+        f"and model options as the run that wrote it, or start a new run without --resume."
+    )

@@ -1,0 +1,268 @@
+"""The training loop: the same code for one process, N local processes and many nodes.
+
+Reading order: :func:`train` sets up the process group, :class:`Trainer` builds the workload, wraps
+the model in DDP, attaches thinwire's communication hook, resumes from a checkpoint if there is one,
+and then each step is: take this rank's slice of the global batch, forward, backward (DDP averages
+gradients through the hook while backward runs), clip, optimizer step, log, and now and then
+validate and checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from thinwire.compress.hook import attach
+from thinwire.config import to_dict
+from thinwire.errors import ThinwireError
+from thinwire.train import checkpoint as ckpt
+from thinwire.train.config import TrainConfig
+from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
+from thinwire.train.metrics import MetricsWriter, write_summary
+from thinwire.train.progress import ProgressBar, console, summary_table
+from thinwire.train.timing import GradReadyClock
+from thinwire.workloads.base import GlobalSampler, collate, even_shares
+from thinwire.workloads.registry import build_workload
+
+
+def train(cfg: TrainConfig, out: Path) -> dict:
+    env = read_env()
+    device = device_for(env)
+    set_threads(env, cfg.threads)
+    init(env, device)
+    try:
+        return Trainer(cfg, out, env, device).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def resolve(cfg: TrainConfig, wl) -> tuple[int, int, float]:
+    return cfg.steps or wl.steps, cfg.batch_size or wl.batch_size, cfg.lr or wl.lr
+
+
+def check_batch(batch: int, world: int) -> None:
+    if batch % world:
+        lo, hi = (batch // world) * world, (batch // world + 1) * world
+        raise ThinwireError(
+            f"batch_size: must be divisible by the number of workers ({world}) so every worker gets an equal "
+            f"share, got {batch}. Use {hi}" + (f" or {lo}" if lo else "") + " instead."
+        )
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, out: Path, env: DistEnv, device: torch.device) -> None:
+        self.cfg, self.out, self.env, self.device = cfg, out, env, device
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.wl = build_workload(cfg.workload, cfg.model, cfg.data)
+        self.steps, self.batch, lr = resolve(cfg, self.wl)
+        check_batch(self.batch, env.world)
+        self.shares = even_shares(self.batch, env.world)
+        model = self.wl.model.to(device)
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb,
+                                           device_ids=[device.index] if device.type == "cuda" else None)
+        self.comm = attach(self.ddp, cfg.compression, error_feedback=cfg.error_feedback,
+                           warmup_steps=cfg.compression_warmup)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
+        self.clock = GradReadyClock(model)
+        self.metrics = MetricsWriter(out, env.is_main)
+        self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
+        torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
+        self.step_times: list[float] = []
+        self.waits: list[float] = []
+        self.last_val: dict = {}
+
+    def _lr_factor(self, step: int) -> float:
+        warm = self.cfg.warmup_steps
+        if step < warm:
+            return (step + 1) / warm
+        if self.cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, self.steps - warm))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    # -- the run -------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        self._maybe_resume()
+        self.t_start = time.perf_counter()
+        bar = ProgressBar(self.steps, self.step, self.env.is_main, f"{self.cfg.workload} x{self.env.world}")
+        try:
+            while self.step < self.steps:
+                rec = self._train_step()
+                self.step += 1
+                self._log(rec, bar)
+                if self.step % self.cfg.eval_every == 0 or self.step == self.steps:
+                    self._validate(bar)
+                if self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps:
+                    self._checkpoint()
+        finally:
+            bar.close()
+            self.comm.close()
+        return self._finish()
+
+    def _train_step(self) -> dict:
+        t0 = time.perf_counter()
+        x, y = collate(self.wl.train, self.sampler.rank_indices(self.step, self.env.rank, self.shares))
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        t1 = time.perf_counter()
+        with self._autocast():
+            loss = self.wl.loss(self.ddp(x), y)
+        bytes_before = self.comm.wire.bytes_sent
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        wait = self.clock.exposed_wait(t3, t2)
+        norm = torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.cfg.grad_clip or float("inf"))
+        skipped = not bool(torch.isfinite(norm))
+        if not skipped:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        t4 = time.perf_counter()
+        self.step_times.append(t4 - t0)
+        self.waits.append(wait)
+        return {"loss": loss.item(), "step_time_s": t4 - t0, "compute_s": (t4 - t1) - wait, "comm_wait_s": wait,
+                "data_s": t1 - t0, "bytes_sent": self.comm.wire.bytes_sent - bytes_before,
+                "lr": self.sched.get_last_lr()[0], "skipped": skipped}
+
+    def _autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _log(self, rec: dict, bar: ProgressBar) -> None:
+        if rec["skipped"]:
+            bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
+        if self.step % self.cfg.log_every == 0 or rec["skipped"]:
+            rec = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), **rec}
+            if not rec["skipped"]:
+                rec.pop("skipped")
+            self.metrics.write(rec)
+        val = f" val {self.last_val['val_loss']:.3f}" if self.last_val else ""
+        bar.update(self.step, f"loss {rec['loss']:.3f}{val} {rec['step_time_s'] * 1e3:.0f} ms/step")
+
+    def _wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t_start
+
+    # -- validation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _validate(self, bar: ProgressBar) -> None:
+        model, val = self.ddp.module, self.wl.val
+        model.eval()
+        mine = list(range(self.env.rank, len(val), self.env.world))
+        per = max(1, self.shares[self.env.rank])
+        totals = torch.zeros(3, dtype=torch.float64)
+        for i in range(0, len(mine), per):
+            x, y = collate(val, mine[i : i + per])
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                out = model(x)
+            totals += torch.tensor([float(self.wl.loss(out, y)) * len(y), self._correct(out, y), len(y)], dtype=torch.float64)
+        model.train()
+        dist.all_reduce(totals)
+        self.last_val = self._val_record(*totals.tolist())
+        self.metrics.write({"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), **self.last_val})
+        bar.log(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_val.items()))
+
+    def _correct(self, out: torch.Tensor, y: torch.Tensor) -> float:
+        return float((out.argmax(-1) == y).sum()) if self.wl.task == "classification" else 0.0
+
+    def _val_record(self, loss_sum: float, correct: float, count: float) -> dict:
+        rec = {"val_loss": loss_sum / count}
+        if self.wl.task == "lm":
+            rec["val_bpb"] = rec["val_loss"] / math.log(2)
+        if self.wl.task == "classification":
+            rec["val_accuracy"] = correct / count
+        return rec
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _rank_state(self) -> dict:
+        s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict()}
+        if self.device.type == "cuda":
+            s["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return s
+
+    def _checkpoint(self) -> None:
+        ranks = [None] * self.env.world if self.env.is_main else None
+        dist.gather_object(self._rank_state(), ranks, dst=0)
+        if not self.env.is_main:
+            return
+        state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
+                 "model": self.ddp.module.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "signature": ckpt.model_signature(self.ddp.module),
+                 "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks}
+        ckpt.save(self.out, state, self.cfg.keep_checkpoints)
+
+    def _maybe_resume(self) -> None:
+        source = self._resume_source()
+        box = [None]
+        if self.env.is_main and source is not None:
+            box[0] = ckpt.load(source)
+            ckpt.check_signature(source, box[0]["signature"], ckpt.model_signature(self.ddp.module))
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            self.metrics.write({"event": "start", "step": 0, "restart_count": self.restarts})
+            return
+        self._load(box[0])
+        event = "restart" if self.env.restart_count else "resume"
+        self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source)})
+        if self.env.is_main:
+            console.print(f"[bold]{event}[/bold] from {source} at step {self.step}")
+
+    def _resume_source(self) -> Path | None:
+        if not self.env.is_main:
+            return None
+        if self.env.restart_count > 0 and ckpt.latest(self.out):
+            return ckpt.latest(self.out)
+        if self.cfg.resume:
+            found = ckpt.latest(Path(self.cfg.resume))
+            if found is None:
+                raise ThinwireError(f"resume: folder {self.cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
+                                    "Pass the --out folder of an earlier run.")
+            return found
+        return None
+
+    def _load(self, state: dict) -> None:
+        self.ddp.module.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
+        ranks = state["ranks"]
+        if len(ranks) == self.env.world:
+            mine = ranks[self.env.rank]
+            torch.set_rng_state(mine["rng"])
+            if "cuda_rng" in mine and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
+            self.comm.load_state_dict(mine["comm"])
+        elif self.env.is_main:
+            console.print(f"[yellow]checkpoint has {len(ranks)} ranks, this job {self.env.world}: "
+                          "error-feedback residuals and RNG streams start fresh[/yellow]")
+
+    # -- the end -------------------------------------------------------------------------------------
+    def _finish(self) -> dict:
+        totals = torch.tensor([float(self.comm.wire.bytes_sent)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        summary = {
+            "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,
+            "samples": self.step * self.batch, "wall_s": self._wall(), **self.last_val,
+            "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
+            "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
+            "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
+            "compression": self.comm.policy.describe(), "compression_stats": self.comm.stats(),
+            "precision": self.cfg.precision, "restarts": self.restarts,
+            "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
+            "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
+        }
+        if self.env.is_main:
+            write_summary(self.out, summary)
+            self.metrics.close()
+            console.print(summary_table(summary))
+        return summary

@@ -1,0 +1,49 @@
+"""What rank 0 shows on the console: a live progress bar and a final summary table."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=False)
+
+
+class ProgressBar:
+    def __init__(self, total: int, start: int, enabled: bool, title: str) -> None:
+        self.enabled = enabled
+        self._p = None
+        if enabled:
+            self._p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                               console=console, transient=False, disable=not sys.stdout.isatty())
+            self._p.start()
+            self._task = self._p.add_task(title, total=total, completed=start, info="")
+
+    def update(self, step: int, info: str) -> None:
+        if self._p is not None:
+            self._p.update(self._task, completed=step, info=info)
+
+    def log(self, msg: str) -> None:
+        if self.enabled:
+            (self._p.console if self._p else console).print(msg)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+
+
+def summary_table(summary: dict) -> Table:
+    t = Table(title="thinwire run summary", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    keys = ["out", "workload", "steps", "world_size", "samples", "wall_s", "val_loss", "val_bpb", "unigram_entropy_bits",
+            "val_accuracy", "median_step_time_s", "median_comm_wait_s", "bytes_sent_total", "compression", "precision",
+            "restarts"]
+    for k in keys:
+        if k in summary and summary[k] is not None:
+            v = summary[k]
+            t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    return t

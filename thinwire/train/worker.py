@@ -1,0 +1,34 @@
+"""Entry point of one worker process: ``python -m thinwire.train.worker RESOLVED_CONFIG.yaml``.
+
+The agent started by :mod:`thinwire.train.launch` runs this in every worker; the config is the one
+``thinwire train`` resolved and saved in the run folder, so all workers train the same thing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from thinwire.config import from_dict, load_yaml
+from thinwire.errors import ThinwireError
+from thinwire.train.config import TrainConfig
+
+
+@record
+def main(argv: list[str]) -> int:
+    from thinwire.train.loop import train
+
+    path = Path(argv[0])
+    cfg = from_dict(TrainConfig, load_yaml(path), where="")
+    try:
+        train(cfg, Path(cfg.out))
+    except ThinwireError as e:
+        print(f"thinwire: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

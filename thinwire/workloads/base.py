@@ -1,0 +1,100 @@
+"""What a workload hands to the trainer, and how data is cut into per-rank batches.
+
+A workload is a model, a training set, a validation set and a loss. thinwire's own workloads
+(``charlm``, ``digits``) and a user's (``--workload package.module:function``) return the same
+:class:`Workload`, so the trainer never knows whose code it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+
+class SizedDataset(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> Any: ...
+
+
+@dataclasses.dataclass(kw_only=True)
+class Workload:
+    """A model with its data and loss.
+
+    ``loss(output, target) -> scalar mean`` is applied to ``model(inputs)``. Datasets are
+    map-style (``len`` and ``[i] -> (input, target)``); a dataset may offer ``batch(indices)``
+    returning ``(inputs, targets)`` directly, which is faster than collating items one by one.
+    ``task`` decides the validation metrics: ``lm`` adds bits per byte, ``classification`` adds
+    accuracy. ``info`` goes into ``summary.json`` as it is (e.g. the corpus's unigram entropy).
+    ``lr``/``batch_size``/``steps`` are the workload's suggested defaults.
+    """
+
+    model: nn.Module
+    train: SizedDataset
+    val: SizedDataset
+    loss: Callable[[Tensor, Tensor], Tensor]
+    task: Literal["lm", "classification", "regression"] = "regression"
+    info: dict = dataclasses.field(default_factory=dict)
+    lr: float = 1e-3
+    batch_size: int = 32
+    steps: int = 200
+
+
+def collate(dataset: SizedDataset, indices: list[int]) -> tuple[Tensor, Tensor]:
+    """Inputs and targets for ``indices``, through ``dataset.batch`` when it has one."""
+    if hasattr(dataset, "batch"):
+        return dataset.batch(indices)
+    return torch.utils.data.default_collate([dataset[i] for i in indices])
+
+
+class GlobalSampler:
+    """Indices of the global batch at step ``s``: a pure function of (seed, step), never of history.
+
+    Because the batch depends only on the step number, a resumed or restarted run sees exactly the
+    batches the uninterrupted run would have, whatever the world size. Small datasets are walked in
+    epochs of a seeded permutation (sampling without replacement); datasets of more than
+    ``2**20`` items (e.g. every window of a text corpus) are sampled uniformly with replacement,
+    which avoids holding a permutation of millions of indices.
+    """
+
+    LARGE = 2**20
+
+    def __init__(self, n: int, global_batch: int, seed: int) -> None:
+        assert n > 0 and global_batch > 0
+        self.n, self.batch, self.seed = n, global_batch, seed
+        self._epoch, self._perm = -1, None
+
+    def global_indices(self, step: int) -> list[int]:
+        if self.n >= self.LARGE:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            return torch.randint(0, self.n, (self.batch,), generator=g).tolist()
+        start = step * self.batch
+        out: list[int] = []
+        while len(out) < self.batch:
+            epoch, offset = divmod(start + len(out), self.n)
+            perm = self._permutation(epoch)
+            out.extend(perm[offset : offset + self.batch - len(out)])
+        return out
+
+    def rank_indices(self, step: int, rank: int, shares: list[int]) -> list[int]:
+        """This rank's slice of the global batch; ``shares`` are per-rank batch sizes summing to it."""
+        start = sum(shares[:rank])
+        return self.global_indices(step)[start : start + shares[rank]]
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g).tolist()
+        return self._perm
+
+
+def even_shares(global_batch: int, world: int) -> list[int]:
+    """Equal per-rank batch sizes; the caller has checked divisibility."""
+    return [global_batch // world] * world
+
+
+def bits_per_byte(loss_nats: float) -> float:
+    return loss_nats / math.log(2)

@@ -1,0 +1,82 @@
+"""``digits``: a small CNN on scikit-learn's bundled handwritten digits (1797 8x8 images, offline).
+
+The set ships inside scikit-learn, so it is always present. A fixed, seeded 80/20 split gives 1437
+training and 360 validation images. ``channels`` scales the network, so the same workload can be made
+compute-bound (wide) or communication-bound (many parameters per FLOP via ``hidden``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from thinwire.config import check
+from thinwire.workloads.base import Workload
+
+
+@dataclasses.dataclass(kw_only=True)
+class DigitsConfig:
+    channels: int = 32
+    hidden: int = 128
+
+    def __post_init__(self) -> None:
+        check(1 <= self.channels <= 4096, "model.channels", self.channels, "an integer in [1, 4096]")
+        check(1 <= self.hidden <= 65536, "model.hidden", self.hidden, "an integer in [1, 65536]")
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self, channels: int, hidden: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.fc1 = nn.Linear(2 * channels * 16, hidden)
+        self.fc2 = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class TensorPairs:
+    """A map-style dataset over two aligned tensors, with a fast ``batch``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+    def batch(self, indices: list[int]):
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return self.x[idx], self.y[idx]
+
+
+def build(cfg: DigitsConfig, data: str | None = None) -> Workload:
+    if data is not None:
+        from thinwire.errors import ThinwireError
+
+        raise ThinwireError(f"data: the digits workload uses scikit-learn's bundled set and takes no data path, got {data!r}. Remove --data.")
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
+    n_val = len(x) // 5
+    val, train = perm[:n_val], perm[n_val:]
+    return Workload(
+        model=DigitsCNN(cfg.channels, cfg.hidden),
+        train=TensorPairs(x[train], y[train]),
+        val=TensorPairs(x[val], y[val]),
+        loss=F.cross_entropy,
+        task="classification",
+        info={"dataset": "sklearn digits", "train_size": len(train), "val_size": n_val},
+        lr=2e-3, batch_size=64, steps=300,
+    )

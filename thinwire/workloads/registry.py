@@ -1,0 +1,78 @@
+"""Workload names to builders, and loading a user's ``package.module:function``.
+
+Built-in workloads own a config dataclass (the ``model:`` section of a run's config). A user's
+workload is any importable function; the ``model:`` mapping is passed to it as keyword arguments,
+and it returns a :class:`~thinwire.workloads.base.Workload`.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+from typing import Callable
+
+from thinwire.config import from_dict
+from thinwire.errors import ThinwireError
+from thinwire.workloads import charlm, digits
+from thinwire.workloads.base import Workload
+
+
+class WorkloadName(str, enum.Enum):
+    CHARLM = "charlm"
+    DIGITS = "digits"
+
+
+BUILTIN: dict[WorkloadName, tuple[type, Callable]] = {
+    WorkloadName.CHARLM: (charlm.CharLMConfig, charlm.build),
+    WorkloadName.DIGITS: (digits.DigitsConfig, digits.build),
+}
+
+
+def check_workload_name(name: str) -> None:
+    """Fail at config time for a name that is neither built in nor ``module:function``."""
+    if name in {w.value for w in WorkloadName} or ":" in name:
+        return
+    raise ThinwireError(
+        f"workload: must be one of {', '.join(w.value for w in WorkloadName)} or package.module:function, "
+        f"got {name!r}. For your own model, pass e.g. --workload mypkg.train:make_workload."
+    )
+
+
+def build_workload(name: str, options: dict, data: str | None) -> Workload:
+    check_workload_name(name)
+    if name in {w.value for w in WorkloadName}:
+        cfg_cls, builder = BUILTIN[WorkloadName(name)]
+        return builder(from_dict(cfg_cls, options, where="model"), data=data)
+    return _build_user(name, options, data)
+
+
+def _build_user(name: str, options: dict, data: str | None) -> Workload:
+    module_name, _, func_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ThinwireError(f"workload: cannot import module {module_name!r} ({e}). Check that it is on PYTHONPATH.") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ThinwireError(f"workload: module {module_name!r} has no function {func_name!r}.")
+    kwargs = dict(options)
+    if data is not None and "data" in inspect.signature(fn).parameters:
+        kwargs["data"] = data
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        raise ThinwireError(f"model: options {sorted(kwargs)} do not fit {name}: {e}.") from None
+    wl = fn(**kwargs)
+    if not isinstance(wl, Workload):
+        raise ThinwireError(f"workload: {name} must return a thinwire.Workload, got {type(wl).__name__}.")
+    return wl
+
+
+def model_defaults(name: str) -> dict:
+    """The resolved ``model:`` options of a built-in workload (for the run's saved config)."""
+    from thinwire.config import to_dict
+
+    if name in {w.value for w in WorkloadName}:
+        return to_dict(BUILTIN[WorkloadName(name)][0]())
+    return {}
