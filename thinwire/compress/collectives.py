@@ -61,9 +61,9 @@ class Wire:
         self.calls += 1
         if self.world == 1:
             return [t]
-        out = torch.empty((self.world, *t.shape), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-        return list(out.unbind(0))
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
 
     def all_to_all(self, t: Tensor) -> Tensor:
         """Rank r receives chunk r of every rank's ``t`` (``t.shape[0]`` divisible by world size)."""

@@ -8,8 +8,12 @@ For each bucket a residual ``r`` (created lazily, the bucket's size, fp32) keeps
 
 This is the memory of Seide et al. (1-bit SGD, 2014) and Karimireddy et al. (EF-SignSGD, 2019); it
 makes biased codecs (top-k, sign) converge like SGD. Memory cost: one fp32 copy of the gradients,
-logged once when the residuals are first created. The residuals are per rank and are saved in
-thinwire checkpoints, so a resumed run continues with the same memory.
+logged once when the residuals are first created.
+
+Residuals are flat per bucket on the hot path, but a bucket's *layout* (which parameters, in which
+order) is not fixed: DDP rebuilds its buckets after the first iteration, and a resumed process
+starts again from the initial layout. So each residual remembers its layout (parameter indices), is
+saved per parameter (``state_dict``), and is re-cut whenever a bucket arrives with a new layout.
 """
 
 from __future__ import annotations
@@ -21,31 +25,68 @@ from torch import Tensor
 
 log = logging.getLogger("thinwire.compress")
 
+Layout = tuple[tuple[int, int], ...]  # (parameter index, numel) in bucket order
+
 
 class ErrorFeedback:
     def __init__(self) -> None:
-        self.residuals: dict[str, Tensor] = {}
+        self.residuals: dict[str, tuple[Layout, Tensor]] = {}
+        self.pending: dict[int, Tensor] = {}  # per-parameter residuals awaiting their new bucket
         self._logged = False
 
-    def corrected(self, key: str, grad: Tensor) -> Tensor:
+    def corrected(self, key: str, grad: Tensor, layout: Layout | None = None) -> Tensor:
         """``grad + residual`` in fp32 (a new tensor; ``grad`` is left untouched)."""
-        r = self.residuals.get(key)
-        if r is None or r.numel() != grad.numel() or r.device != grad.device:
+        held = self.residuals.get(key)
+        if held is not None and (layout is None or held[0] == layout) and held[1].numel() == grad.numel():
+            return held[1] + grad
+        if layout is None:
             return grad.to(torch.float32, copy=True)
-        return r + grad
+        self._unbucket()
+        pieces = [self.pending.pop(i, None) for i, _ in layout]
+        if all(p is None for p in pieces):
+            return grad.to(torch.float32, copy=True)
+        flat = torch.cat([p.to(grad.device) if p is not None else torch.zeros(n, device=grad.device)
+                          for p, (_, n) in zip(pieces, layout)])
+        return flat + grad
 
-    def update(self, key: str, corrected: Tensor, sent: Tensor) -> None:
+    def update(self, key: str, corrected: Tensor, sent: Tensor, layout: Layout | None = None) -> None:
         fresh = key not in self.residuals
-        self.residuals[key] = corrected - sent.to(corrected.dtype)
-        if fresh and not self._logged and self.nbytes() > 0:
+        self.residuals[key] = (layout or (), corrected - sent.to(corrected.dtype))
+        if fresh and not self._logged:
             self._logged = True
-            log.info("error feedback: residual memory %.2f MB per rank (grows with each new bucket)", self.nbytes() / 2**20)
+            log.info("error feedback: residuals of %.2f MB per rank (one fp32 copy of each compressed bucket)",
+                     sum(r.numel() * 4 for _, r in self.residuals.values()) / 2**20 or corrected.numel() * 4 / 2**20)
+
+    def _unbucket(self) -> None:
+        """Move every bucketed residual into per-parameter pieces (a layout changed)."""
+        for key in list(self.residuals):
+            layout, flat = self.residuals[key]
+            if layout:
+                self.pending.update(_split(layout, flat))
+                del self.residuals[key]
 
     def nbytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+        held = sum(r.numel() * r.element_size() for _, r in self.residuals.values())
+        return held + sum(r.numel() * r.element_size() for r in self.pending.values())
 
     def state_dict(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
+        params = {str(i): t.detach().cpu().clone() for i, t in self.pending.items()}
+        other = {}
+        for key, (layout, flat) in self.residuals.items():
+            if layout:
+                params.update({str(i): t.detach().cpu().clone() for i, t in _split(layout, flat).items()})
+            else:
+                other[key] = flat.detach().cpu().clone()
+        return {"params": params, "buckets": other}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.residuals = {str(k): v.clone() for k, v in sd.items()}
+        self.pending = {int(i): t.clone() for i, t in sd.get("params", {}).items()}
+        self.residuals = {k: ((), t.clone()) for k, t in sd.get("buckets", {}).items()}
+
+
+def _split(layout: Layout, flat: Tensor) -> dict[int, Tensor]:
+    out, offset = {}, 0
+    for i, n in layout:
+        out[i] = flat[offset : offset + n]
+        offset += n
+    return out

@@ -85,6 +85,7 @@ class CommState:
         self.skipped_nonfinite = 0
         self.extra: dict = {}           # per-scheme state, e.g. PowerSGD's Q matrices
         self.last_bucket_ready = 0.0    # perf_counter() when the last bucket was handed over
+        self.param_index: dict[int, int] = {}  # id(parameter) -> its index in model.parameters()
         self._thread = CommThread()
 
     # -- the hook ------------------------------------------------------------------------------
@@ -93,10 +94,12 @@ class CommState:
         if bucket.is_last():
             self.step += 1
             self.last_bucket_ready = time.perf_counter()
-        shapes = [tuple(p.shape) for p in bucket.parameters()]
-        return self._thread.submit(self._reduce, bucket.buffer(), index, step, shapes)
+        params = bucket.parameters()
+        shapes = [tuple(p.shape) for p in params]
+        layout = tuple((self.param_index.get(id(p), -1), p.numel()) for p in params)
+        return self._thread.submit(self._reduce, bucket.buffer(), index, step, shapes, layout)
 
-    def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple]) -> Tensor:
+    def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> Tensor:
         self.bytes_raw += buf.numel() * buf.element_size()
         buf.div_(self.wire.world)
         if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
@@ -104,7 +107,7 @@ class CommState:
             return self.wire.all_reduce(buf)
         codec = self.policy.codec_for(index, buf.numel(), step)
         self.counts[codec.name] += 1
-        job = schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, codec=codec, state=self)
+        job = schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, layout=layout, codec=codec, state=self)
         out, finite = schemes.run(job)
         if not finite:
             return self._on_nonfinite(buf, index, step)
@@ -123,6 +126,7 @@ class CommState:
         return {
             "bytes_raw": self.bytes_raw,
             "bytes_sent": self.wire.bytes_sent,
+            "compression_ratio": self.bytes_raw / self.wire.bytes_sent if self.wire.bytes_sent else None,
             "compress_s": self.compress_s,
             "collectives": self.wire.calls,
             "counts": dict(self.counts),
@@ -180,6 +184,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     except RuntimeError as e:
         state.close()
         raise ValueError(f"thinwire.attach: DDP refused the hook ({e}); a communication hook can be registered only once") from None
+    state.param_index = {id(p): i for i, p in enumerate(model.module.parameters())}
     model._thinwire_state = state
     return state
 

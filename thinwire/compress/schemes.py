@@ -46,6 +46,7 @@ class BucketJob:
     buf: Tensor          # the bucket, already divided by the world size; the result is written here
     step: int
     shapes: list[tuple]  # parameter shapes in bucket order (PowerSGD needs the matrices)
+    layout: tuple        # (parameter index, numel) in bucket order: residuals survive re-bucketing
     codec: Codec
     state: object        # CommState: wire, feedback, compress_s, extra
 
@@ -72,12 +73,13 @@ def _meta(job: BucketJob, numel: int, salt: int = 0) -> Meta:
 
 def _corrected(job: BucketJob, key: str, x: Tensor) -> Tensor:
     fb = job.state.feedback
-    return fb.corrected(key, x) if fb is not None else x.to(torch.float32, copy=True)
+    layout = job.layout if key == job.key else None  # only whole-bucket residuals follow parameters
+    return fb.corrected(key, x, layout) if fb is not None else x.to(torch.float32, copy=True)
 
 
 def _remember(job: BucketJob, key: str, corrected: Tensor, sent: Tensor) -> None:
     if job.state.feedback is not None:
-        job.state.feedback.update(key, corrected, sent)
+        job.state.feedback.update(key, corrected, sent, job.layout if key == job.key else None)
 
 
 def _flag(x: Tensor) -> Tensor:
@@ -193,7 +195,7 @@ def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
         else:
             rest.append(v)
     t0 = time.perf_counter()
-    qs = [_q_matrix(extra, f"{job.key}/q{i}", m.shape[1], r, cfg.warm_start, _meta(job, 0).seed + i, m)
+    qs = [_q_matrix(extra, f"q{job.layout[i][0]}", m.shape[1], r, cfg.warm_start, job.layout[i][0], m)
           for i, m, r in mats]
     ps = [m @ q for (_, m, _), q in zip(mats, qs)]
     job.state.compress_s += time.perf_counter() - t0
@@ -214,7 +216,7 @@ def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
     for (i, m, _), p, q in zip(mats, ps, qs):
         out_views[i].view(m.shape).copy_(p @ q.t())
         if cfg.warm_start:
-            extra[f"{job.key}/q{i}"] = q.clone()
+            extra[f"q{job.layout[i][0]}"] = q.clone()
     rest_idx = [i for i in range(len(views)) if i not in {i for i, _, _ in mats}]
     for i, r in zip(rest_idx, rest_sum):
         out_views[i].copy_(r)

@@ -40,7 +40,9 @@ def launch_local(cfg: TrainConfig, config_path: Path) -> None:
         elastic_launch(lc, sys.executable)("-m", "thinwire.train.worker", str(config_path))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        detail = failure.message if isinstance(failure.message, str) else str(failure.message)
+        detail = failure.message
+        if isinstance(detail, dict):
+            detail = detail.get("message", str(detail))
         raise ThinwireError(
             f"worker {rank} failed (exit code {failure.exitcode}) after {cfg.max_restarts} allowed restart(s): "
             f"{detail.strip()[:800] or 'see its output above'}"
