@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -23,7 +25,9 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put((rank, fn(rank, world, *args), None))
+        buf = io.BytesIO()  # plain bytes: tensors shared by handle would die with this process
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, buf.getvalue(), None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, None, traceback.format_exc()))
     finally:
@@ -44,7 +48,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
             rank, value, err = queue.get(timeout=timeout)
             if err:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -88,6 +88,9 @@ def unpack(buf: Tensor, like: list[Tensor]) -> list[Tensor]:
     out, offset = [], 0
     for t in like:
         n = t.numel() * t.element_size()
-        out.append(buf[offset : offset + n].view(t.dtype).view(t.shape))
+        piece = buf[offset : offset + n]
+        if (piece.storage_offset() * piece.element_size()) % t.element_size():
+            piece = piece.clone()  # misaligned for a wider dtype: copy before reinterpreting
+        out.append(piece.view(t.dtype).view(t.shape))
         offset += n
     return out

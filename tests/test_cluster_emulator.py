@@ -1,0 +1,151 @@
+"""The emulated cluster for real: namespaces, tc shaping, cgroups, exec, link faults, clean teardown.
+
+Needs root and iproute2; skipped elsewhere. Each test uses its own spec name (tagged with the pid)
+so parallel runs do not collide. About 30 s in all, most of it the two all-reduce benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from thinwire.cluster import emulator as emulator_mod
+from thinwire.cluster import netns
+from thinwire.cluster.bench import bench
+from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.spec import ClusterSpec
+from thinwire.config import from_dict
+from thinwire.errors import ThinwireError
+
+pytestmark = [
+    pytest.mark.root, pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces and cgroups"),
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None, reason="needs iproute2 (ip, tc)"),
+]
+
+RATE = 50e6
+PROBE = ("import socket, sys\n"
+         "try:\n    socket.create_connection((sys.argv[1], 9), timeout=1.0)\n"
+         "except ConnectionRefusedError:\n    print('reachable')\n"
+         "except OSError as e:\n    print('unreachable', e)\n")
+
+
+def make_spec(suffix: str, **extra) -> ClusterSpec:
+    """a1, a2 in group A on 50 Mbit/s; b1 in group B on 200 Mbit/s behind a 20 Mbit/s A-B link."""
+    data = {"name": f"t{os.getpid()}-{suffix}", "defaults": {"bandwidth": RATE},
+            "hosts": [{"name": "a1", "group": "A"}, {"name": "a2", "group": "A", "memory": "256MiB"},
+                      {"name": "b1", "group": "B", "bandwidth": "200mbit", "cpu": 0.2}],
+            "links": [{"between": ["A", "B"], "bandwidth": "20mbit"}], **extra}
+    return from_dict(ClusterSpec, data, where="")
+
+
+def root_links() -> set[str]:
+    return set(netns.run("ip", "-o", "link", "show").split("\n"))
+
+
+def assert_nothing_left(cluster: EmulatedCluster) -> None:
+    tag_ns = [ns for ns in netns.list_namespaces() if ns.startswith(cluster.switch_ns)]
+    assert tag_ns == []
+    assert [d for d in cluster.cgroups.base_dirs() if d.exists()] == []
+    assert not cluster.state_file.exists()
+
+
+def run_in(cluster: EmulatedCluster, host: str, argv: list[str]) -> str:
+    proc = cluster.host(host).spawn(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    return out
+
+
+@pytest.fixture
+def cluster():
+    before = root_links()
+    c = EmulatedCluster(make_spec("main"))
+    try:
+        yield c
+    finally:
+        c.down()
+        assert_nothing_left(c)
+        assert {l.split(":")[1] for l in root_links() - before} == set()  # nothing added to our own namespace
+
+
+def test_up_shapes_limits_runs_and_tears_down(cluster):
+    assert cluster.up() is True
+    assert cluster.up() is False  # idempotent
+    by_name = {s.name: s for s in cluster.status()}
+    assert (by_name["a1"].egress_bps, by_name["a1"].ingress_bps) == (RATE, RATE)
+    assert (by_name["b1"].cpu, by_name["a2"].memory) == (0.2, 256 * 2**20)
+
+    # exec: the right address, environment, cgroups
+    out = run_in(cluster, "a2", ["sh", "-c", "ip -o -4 addr show dev eth0; echo $THINWIRE_HOST_ADDR; cat /proc/self/cgroup"])
+    assert "10.213.0.2/24" in out and f"/tw-{cluster.tag}/a2" in out
+    assert out.count(f"tw-{cluster.tag}/a2") == 2  # both cpu and memory groups
+
+    # access links: a1 <-> a2 limited by 50 Mbit/s; group link: a1 <-> b1 by 20 Mbit/s
+    same_group = bench(cluster, hosts=["a1", "a2"], sizes=[1_500_000, 3_000_000], reps=3)
+    assert same_group.expected_bps == RATE
+    assert 0.85 <= same_group.ratio <= 1.05, same_group
+    cross = bench(cluster, hosts=["a1", "a2", "b1"][::2], sizes=[600_000, 1_200_000], reps=3)
+    assert cross.expected_bps == 20e6
+    assert 0.85 <= cross.ratio <= 1.05, cross
+
+    # the cpu quota really throttles b1
+    throttled = cluster.cgroups.controllers["cpu"].parent / f"tw-{cluster.tag}" / "b1" / "cpu.stat"
+    run_in(cluster, "b1", [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.5: pass"])
+    stat = dict(line.split() for line in throttled.read_text().splitlines())
+    assert int(stat["nr_throttled"]) > 0
+
+    # a link taken down makes the host unreachable; up again restores it
+    cluster.set_link("b1", up=False)
+    assert {s.name: s.link_up for s in cluster.status()}["b1"] is False
+    assert run_in(cluster, "a1", [sys.executable, "-c", PROBE, "10.213.0.3"]).startswith("unreachable")
+    cluster.set_link("b1", up=True)
+    assert run_in(cluster, "a1", [sys.executable, "-c", PROBE, "10.213.0.3"]).startswith("reachable")
+
+    # down kills what still runs inside, and is idempotent
+    sleeper = cluster.host("a1").spawn(["sleep", "60"])
+    deadline = time.monotonic() + 10
+    while str(sleeper.pid) not in netns.run("ip", "netns", "pids", cluster.namespace("a1")).split():
+        assert time.monotonic() < deadline, "the sleeper never entered a1's namespace"
+        time.sleep(0.05)
+    cluster.down()
+    assert sleeper.wait(timeout=10) == -15  # SIGTERM
+    cluster.down()
+
+
+def test_failure_half_way_through_up_removes_everything(monkeypatch):
+    c = EmulatedCluster(make_spec("fail"))
+
+    def boom(self):
+        raise ThinwireError("injected failure after the hosts were built")
+
+    monkeypatch.setattr(emulator_mod.EmulatedCluster, "_shape_group_links", boom)
+    with pytest.raises(ThinwireError, match="injected failure"):
+        c.up()
+    assert_nothing_left(c)
+
+
+def test_latency_needs_netem():
+    spec = make_spec("netem")
+    spec.links[0].latency = 0.005
+    c = EmulatedCluster(spec)
+    try:
+        with pytest.raises(ThinwireError, match=r"^links\[0\]\.latency: needs the netem qdisc, which this kernel "
+                                                r"lacks \(only tbf/htb\); remove the field$"):
+            c.up()
+    except pytest.fail.Exception:
+        pytest.skip("this kernel has netem; the latency is honoured instead")
+    finally:
+        c.down()
+    assert_nothing_left(c)
+
+
+def test_commands_need_the_cluster_up():
+    c = EmulatedCluster(make_spec("absent"))
+    with pytest.raises(ThinwireError, match=r"cluster 't\d+-absent' is not up; start it with `thinwire cluster up SPEC`"):
+        c.status()

@@ -1,0 +1,194 @@
+"""The cluster spec: parsing, units, the helpers the simulator and planner use, pinned error messages."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from thinwire.cluster.cgroup import Controller
+from thinwire.cluster.emulator import EmulatedHost, cluster_tag
+from thinwire.cluster.spec import (ClusterSpec, load_cluster_spec, parse_duration, parse_loss, parse_rate,
+                                   parse_size, spec_to_dict)
+from thinwire.config import from_dict
+from thinwire.errors import ConfigError, ThinwireError
+
+EXAMPLES = sorted((Path(__file__).parents[1] / "examples" / "clusters").glob("*.yaml"))
+
+
+def make(hosts, links=(), **top) -> ClusterSpec:
+    data = {"name": "t", "defaults": {"bandwidth": "100mbit"}, "hosts": list(hosts), "links": list(links), **top}
+    return from_dict(ClusterSpec, data, where="")
+
+
+def two_sites() -> ClusterSpec:
+    return make([{"name": "a1", "group": "A"}, {"name": "a2", "group": "A", "cpu": 0.25},
+                 {"name": "b1", "group": "B", "bandwidth": "20mbit", "memory": "512MiB"},
+                 {"name": "b2", "group": "B"}, {"name": "c1", "group": "C"}],
+                [{"between": ["A", "B"], "bandwidth": "50mbit", "latency": "5ms", "loss": "0.1%"}])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_parse(path):
+    spec = load_cluster_spec(path)
+    assert spec.host_names and all(h.bandwidth > 0 for h in spec.hosts)
+
+
+def test_values_are_resolved_with_defaults_and_units():
+    spec = two_sites()
+    a2, b1 = spec.host("a2"), spec.host("b1")
+    assert (a2.bandwidth, a2.cpu, a2.memory) == (100e6, 0.25, None)
+    assert (b1.bandwidth, b1.memory) == (20e6, 512 * 2**20)
+    assert (spec.links[0].bandwidth, spec.links[0].latency, spec.links[0].loss) == (50e6, 0.005, 0.001)
+    assert spec.groups == {"A": ["a1", "a2"], "B": ["b1", "b2"], "C": ["c1"]}
+    assert spec.host_names == ["a1", "a2", "b1", "b2", "c1"]
+
+
+def test_bandwidth_is_the_bottleneck_of_access_and_group_links():
+    spec = two_sites()
+    assert spec.bandwidth_bps("a1", "a2") == 100e6   # same group: access links only
+    assert spec.bandwidth_bps("a1", "b2") == 50e6    # the A-B link
+    assert spec.bandwidth_bps("a1", "b1") == 20e6    # b1's own access link is slower still
+    assert spec.bandwidth_bps("b1", "a1") == 20e6    # symmetric
+    assert spec.bandwidth_bps("a1", "c1") == 100e6   # no A-C link: unshaped path between groups
+    assert spec.bandwidth_bps("a1", "a1") == float("inf")
+
+
+def test_addresses_come_from_the_subnet_in_host_order():
+    spec = make([{"name": "x"}, {"name": "y"}], subnet="10.77.0.0/24")
+    assert [spec.address(h) for h in spec.host_names] == ["10.77.0.1", "10.77.0.2"]
+    assert make([{"name": "x"}]).address("x") == "10.213.0.1"
+
+
+def test_load_defaults_name_to_file_stem_and_round_trips(tmp_path):
+    path = tmp_path / "lab.yaml"
+    path.write_text("defaults: {bandwidth: 1gbit}\nhosts: [{name: h0}, {name: h1, cpu: 0.5}]\n")
+    spec = load_cluster_spec(path)
+    assert spec.name == "lab" and spec.host("h0").bandwidth == 1e9
+    again = from_dict(ClusterSpec, spec_to_dict(spec), where="")
+    assert spec_to_dict(again) == spec_to_dict(spec)
+
+
+@pytest.mark.parametrize("text,bps", [("100mbit", 1e8), ("1gbit", 1e9), ("10Gbit", 1e10), ("500kbit", 5e5),
+                                      (2_000_000, 2e6), ("2.5mbit", 2.5e6)])
+def test_parse_rate(text, bps):
+    assert parse_rate(text, "f") == bps
+
+
+def test_parse_size_duration_loss():
+    assert parse_size("512MiB", "f") == 512 * 2**20 and parse_size("2GiB", "f") == 2 * 2**30
+    assert parse_size("1GB", "f") == 10**9 and parse_size(4096, "f") == 4096
+    assert parse_duration("5ms", "f") == 0.005 and parse_duration("200us", "f") == pytest.approx(2e-4)
+    assert parse_loss("0.1%", "f") == pytest.approx(0.001) and parse_loss(0.02, "f") == 0.02
+
+
+@pytest.mark.parametrize("hosts,links,match", [
+    ([], [], r"^hosts: must be a non-empty list of hosts, got \[\]"),
+    ([{"name": "a"}, {"name": "a"}], [], r"^hosts\[1\]\.name: must be unique, got 'a'\. hosts\[0\] has the same name"),
+    ([{"name": "a", "cpu": 0}], [], r"^hosts\[0\]\.cpu: must be a number of cores > 0"),
+    ([{"name": "a", "cpu": -1.5}], [], r"^hosts\[0\]\.cpu: must be a number of cores > 0 .*got -1\.5"),
+    ([{"name": "a", "bandwidth": "0mbit"}], [], r"^hosts\[0\]\.bandwidth: must be a rate > 0 .*got '0mbit'"),
+    ([{"name": "a", "bandwidth": -5}], [], r"^hosts\[0\]\.bandwidth: must be a rate > 0"),
+    ([{"name": "a", "bandwidth": "100mbps"}], [], r"^hosts\[0\]\.bandwidth: .*got '100mbps'\. tc reads 'mbps' as megaBYTES"),
+    ([{"name": "a", "bandwidth": "fast"}], [], r"^hosts\[0\]\.bandwidth: .*got 'fast'\. Use the units bit, kbit, mbit"),
+    ([{"name": "a", "memory": "2 parsecs"}], [], r"^hosts\[0\]\.memory: must be a size > 0 .*Use the units KiB"),
+    ([{"name": "a b"}], [], r"^hosts\[0\]\.name: must be 1-32 letters, digits"),
+    ([{"name": "a", "speed": 2}], [], r"^hosts\[0\]\.speed: must be one of the known fields"),
+    ([{"name": "a", "cpu": "lots"}], [], r"^hosts\[0\]\.cpu: must be a number or null, got 'lots'"),
+    ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}], [{"between": ["A", "Z"], "bandwidth": "1mbit"}],
+     r"^links\[0\]\.between\[1\]: must be one of the groups \(A, B\), got 'Z'"),
+    ([{"name": "a", "group": "A"}], [{"between": ["A", "A"], "bandwidth": "1mbit"}],
+     r"^links\[0\]\.between: must be two different groups, got \['A', 'A'\]"),
+    ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}], [{"between": ["A"], "bandwidth": "1mbit"}],
+     r"^links\[0\]\.between: must be a list of exactly two group names"),
+    ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}],
+     [{"between": ["A", "B"], "bandwidth": "10mbit"}, {"between": ["B", "A"], "bandwidth": "20mbit"}],
+     r"^links\[1\]: must be one entry per pair of groups, got \['A', 'B'\]\. It contradicts links\[0\]"),
+    ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}],
+     [{"between": ["A", "B"], "bandwidth": "10mbit"}, {"between": ["A", "B"], "bandwidth": 1e7}],
+     r"^links\[1\]: must be one entry per pair of groups.*It repeats links\[0\]"),
+    ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}],
+     [{"between": ["A", "B"], "bandwidth": "10mbit", "latency": "soon"}], r"^links\[0\]\.latency: must be a duration"),
+    ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}],
+     [{"between": ["A", "B"], "bandwidth": "10mbit", "loss": "150%"}], r"^links\[0\]\.loss: must be a loss rate in \[0, 1\)"),
+])
+def test_bad_specs_fail_naming_field_value_and_fix(hosts, links, match):
+    with pytest.raises(ConfigError, match=match):
+        make(hosts, links)
+
+
+def test_bandwidth_must_be_given_somewhere():
+    with pytest.raises(ConfigError, match=r"^hosts\[0\]\.bandwidth: .*Set it on the host or in defaults\.bandwidth"):
+        from_dict(ClusterSpec, {"name": "t", "hosts": [{"name": "a"}]}, where="")
+
+
+@pytest.mark.parametrize("subnet,match", [("8.8.8.0/24", "Pick a range from 10.0.0.0/8"),
+                                          ("10.0.0.0/33", "Write it as ADDRESS/PREFIX"),
+                                          ("10.0.0.0/31", "subnet: must be a private IPv4 network")])
+def test_subnet_must_be_private_ipv4(subnet, match):
+    with pytest.raises(ConfigError, match=match):
+        make([{"name": "a"}], subnet=subnet)
+
+
+def test_subnet_must_hold_the_hosts():
+    with pytest.raises(ConfigError, match=r"^hosts: must be at most 2 hosts for subnet 10.1.0.0/30"):
+        make([{"name": f"h{i}"} for i in range(3)], subnet="10.1.0.0/30")
+
+
+def test_cpu_must_fit_this_machine():
+    spec = make([{"name": "a", "cpu": 1.0}, {"name": "b", "cpu": 3.0}])
+    spec.check_fits(cores=4)
+    with pytest.raises(ConfigError, match=r"^hosts\[1\]\.cpu: must be at most 2 \(the cores of this machine\), got 3\.0"):
+        spec.check_fits(cores=2)
+
+
+def test_unknown_host_lists_the_known_ones():
+    with pytest.raises(ThinwireError, match="cluster 't' has no host 'zz'; its hosts are a1, a2, b1, b2, c1"):
+        two_sites().bandwidth_bps("a1", "zz")
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ThinwireError, match="cluster spec .*nope.yaml' does not exist"):
+        load_cluster_spec(tmp_path / "nope.yaml")
+
+
+# ---- pure parts of the emulator (no root needed) ------------------------------------------------------
+
+
+def test_cluster_tag_is_short_and_safe():
+    assert cluster_tag("Two_Sites") == "two-sites"
+    long = cluster_tag("a-very-long-cluster-name-for-a-lab-in-the-basement")
+    assert len(long) <= 24 and long != cluster_tag("a-very-long-cluster-name-for-a-lab-in-the-attic")
+
+
+def test_host_command_joins_cgroups_before_the_namespace():
+    host = EmulatedHost(name="a1", namespace="tw-t.a1", address="10.213.0.1", interface="eth0",
+                        cgroup_procs=("/sys/fs/cgroup/cpu/tw-t/a1/cgroup.procs",))
+    argv = host.command(["python", "-c", "print(1)"])
+    assert argv[:2] == ["sh", "-c"] and argv[-3:] == ["python", "-c", "print(1)"]
+    script = argv[2]
+    assert script.index("cgroup.procs") < script.index("netns exec tw-t.a1")
+    assert host.env()["GLOO_SOCKET_IFNAME"] == "eth0" and host.env()["THINWIRE_HOST_ADDR"] == "10.213.0.1"
+
+
+def test_cgroup_limit_files():
+    v1cpu, v2cpu = Controller("cpu", 1, Path("/x")), Controller("cpu", 2, Path("/x"))
+    assert v1cpu.limit_files(0.25, None) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "25000"}
+    assert v1cpu.limit_files(None, None)["cpu.cfs_quota_us"] == "-1"
+    assert v2cpu.limit_files(1.5, None) == {"cpu.max": "150000 100000"}
+    assert Controller("memory", 1, Path("/x")).limit_files(None, 2**30) == {"memory.limit_in_bytes": str(2**30)}
+    assert Controller("memory", 2, Path("/x")).limit_files(None, None) == {"memory.max": "max"}
+
+
+def test_cli_parses_every_subcommand():
+    from thinwire.cli.cluster import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["cluster", "exec", "s.yaml", "a1", "--", "python", "-V"])
+    assert (args.spec, args.host, args.argv[-2:], args.command) == ("s.yaml", "a1", ["python", "-V"], "cluster")
+    args = parser.parse_args(["cluster", "link", "s.yaml", "a1", "down"])
+    assert (args.host, args.state, args.func.__name__) == ("a1", "down", "cmd_link")
+    args = parser.parse_args(["cluster", "bench", "s.yaml", "--sizes", "1MiB,4MiB", "--reps", "3"])
+    assert (args.sizes, args.reps, args.func.__name__) == ("1MiB,4MiB", 3, "cmd_bench")
