@@ -1,0 +1,128 @@
+"""``thinwire cluster up|down|status|exec|bench|link SPEC``: the emulated cluster on this machine.
+
+Thin wrappers over :mod:`thinwire.cluster.emulator` and :mod:`thinwire.cluster.bench`. Each command
+function takes the parsed namespace and returns the process exit code; user mistakes surface as
+:class:`~thinwire.errors.ThinwireError`. Everything but reading the spec needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from thinwire.cluster.bench import bench
+from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.spec import load_cluster_spec, parse_size
+from thinwire.errors import ThinwireError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``cluster`` and its subcommands; each sets ``func(args) -> int``."""
+    p = subparsers.add_parser("cluster", help="emulate a cluster on this machine (namespaces, tc, cgroups; root)",
+                              description="Emulate a cluster spec on this machine: a network namespace, "
+                              "shaped links and a cgroup per host. Needs root.")
+    sub = p.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+
+    def command(name: str, func, help_: str) -> argparse.ArgumentParser:
+        cp = sub.add_parser(name, help=help_)
+        cp.add_argument("spec", help="cluster spec YAML (see examples/clusters/)")
+        cp.set_defaults(func=func)
+        return cp
+
+    command("up", cmd_up, "create the hosts, links and cgroups (idempotent)")
+    command("down", cmd_down, "remove everything `up` created (idempotent)")
+    command("status", cmd_status, "show hosts, addresses, rates and CPU quotas")
+    ex = command("exec", cmd_exec, "run a command inside a host (its namespace and cgroups)")
+    ex.add_argument("host")
+    ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after `--`")
+    bn = command("bench", cmd_bench, "measure all-reduce bus bandwidth vs the configured rate")
+    bn.add_argument("--hosts", help="comma-separated hosts to include (default: all)")
+    bn.add_argument("--sizes", help="comma-separated message sizes such as 1MiB,4MiB (default: ~0.25-1 s each)")
+    bn.add_argument("--reps", type=int, default=5, help="timed all-reduces per size (median is kept)")
+    bn.add_argument("--json", action="store_true", help="print the result as JSON")
+    ln = command("link", cmd_link, "take a host's link down or up (fault tests)")
+    ln.add_argument("host")
+    ln.add_argument("state", choices=["up", "down"])
+    return p
+
+
+def _cluster(args: argparse.Namespace) -> EmulatedCluster:
+    return EmulatedCluster(load_cluster_spec(args.spec))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    built = cluster.up()
+    Console().print(f"cluster {cluster.spec.name!r} {'is up' if built else 'was already up'}: "
+                    f"{len(cluster.spec.hosts)} hosts on {cluster.spec.subnet}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    cluster.down()
+    Console().print(f"cluster {cluster.spec.name!r} is down")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    table = Table(title=f"cluster {cluster.spec.name} ({cluster.spec.subnet})")
+    for col in ("host", "group", "address", "link", "out", "in", "cores", "memory"):
+        table.add_column(col)
+    for s in cluster.status():
+        table.add_row(s.name, s.group, s.address, "up" if s.link_up else "[red]down[/]", _rate(s.egress_bps),
+                      _rate(s.ingress_bps), "-" if s.cpu is None else f"{s.cpu:g}",
+                      "-" if s.memory is None else f"{s.memory / 2**20:g} MiB")
+    console = Console()
+    console.print(table)
+    console.print(f"namespaces {cluster.switch_ns}.HOST; run a command with `thinwire cluster exec SPEC HOST -- CMD`")
+    for link in cluster.spec.links:
+        console.print(f"link {link.between[0]} <-> {link.between[1]}: {_rate(link.bandwidth)} each way, shared")
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        raise ThinwireError("exec needs a command: `thinwire cluster exec SPEC HOST -- CMD [ARGS...]`.")
+    cluster = _cluster(args)
+    cluster.require_up()
+    return cluster.host(args.host).spawn(command).wait()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    hosts = args.hosts.split(",") if args.hosts else None
+    sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")] if args.sizes else None
+    result = bench(cluster, hosts=hosts, sizes=sizes, reps=args.reps)
+    if args.json:
+        print(json.dumps({**result.__dict__, "median_bps": result.median_bps, "ratio": result.ratio}))
+        return 0
+    table = Table(title=f"all-reduce bus bandwidth across {', '.join(result.hosts)} (gloo, median of {args.reps})")
+    for col in ("size", "measured", "configured", "ratio"):
+        table.add_column(col, justify="right")
+    for n, bw in zip(result.sizes, result.busbw_bps):
+        table.add_row(f"{n / 2**20:.2f} MiB", _rate(bw), _rate(result.expected_bps), f"{bw / result.expected_bps:.1%}")
+    table.add_row("median", _rate(result.median_bps), _rate(result.expected_bps), f"{result.ratio:.1%}")
+    Console().print(table)
+    return 0
+
+
+def cmd_link(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    cluster.set_link(args.host, args.state == "up")
+    Console().print(f"{args.host}: link {args.state}")
+    return 0
+
+
+def _rate(bps: float | None) -> str:
+    if bps is None:
+        return "unshaped"
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.4g} {unit}"
+    return f"{bps:.4g} bit"

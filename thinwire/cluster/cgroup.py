@@ -1,0 +1,162 @@
+"""Per-host cgroups for the emulator: a CPU quota (in cores) and an optional memory limit.
+
+Layout: ``<parent>/tw-<tag>/<host>`` in each controller used. With cgroup v1 (separate ``cpu`` and
+``memory`` hierarchies) ``<parent>`` is the caller's own cgroup in that hierarchy, so limits the
+machine already puts on the caller keep applying. With cgroup v2 it is the hierarchy's root, because
+v2 forbids enabling controllers below a cgroup that holds processes.
+
+A host's processes join by writing their pid to each ``cgroup.procs`` file of :meth:`procs_files`;
+children inherit the group. CPU: ``cpu.cfs_quota_us / cpu.cfs_period_us`` (v1) or ``cpu.max`` (v2)
+set to ``cpu`` cores, so ``cpu: 0.25`` runs a host at a quarter of one core
+(https://docs.kernel.org/scheduler/sched-bwc.html). Memory: ``memory.limit_in_bytes`` / ``memory.max``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from thinwire.cluster.netns import kill_pids
+from thinwire.errors import ThinwireError
+
+PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class Controller:
+    """Where one controller (``cpu`` or ``memory``) is mounted, and under which cgroup we nest."""
+
+    name: str
+    version: int
+    parent: Path
+
+    def limit_files(self, cpu: float | None, memory: int | None) -> dict[str, str]:
+        """File name -> value that sets the limit (no limit when the value is None)."""
+        if self.name == "cpu" and self.version == 1:
+            quota = -1 if cpu is None else max(1000, round(cpu * PERIOD_US))
+            return {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(quota)}
+        if self.name == "cpu":
+            return {"cpu.max": f"{'max' if cpu is None else max(1000, round(cpu * PERIOD_US))} {PERIOD_US}"}
+        key = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+        return {key: "-1" if memory is None and self.version == 1 else str(memory or "max")}
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    with open("/proc/self/mounts") as f:
+        rows = [line.split() for line in f]
+    return [(r[1], r[2], set(r[3].split(","))) for r in rows if r[2] in ("cgroup", "cgroup2")]
+
+
+def _own_paths() -> dict[str, str]:
+    """Controller name (``""`` for v2) -> the caller's cgroup path, from /proc/self/cgroup."""
+    out = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(",") if names else [""]:
+                out[name] = path
+    return out
+
+
+def find_controller(name: str) -> Controller | None:
+    """The writable ``cpu`` or ``memory`` controller of this machine, v1 preferred, or None."""
+    own = _own_paths()
+    for mount, fstype, opts in _mounts():
+        if fstype == "cgroup" and name in opts and name in own:
+            return Controller(name, 1, Path(mount) / own[name].lstrip("/"))
+    for mount, fstype, _ in _mounts():
+        controllers = Path(mount, "cgroup.controllers")
+        if fstype == "cgroup2" and controllers.exists() and name in controllers.read_text().split():
+            return Controller(name, 2, Path(mount))
+    return None
+
+
+class HostCgroups:
+    """The cgroups of one emulated cluster (tag ``tag``), one per host and controller."""
+
+    def __init__(self, tag: str) -> None:
+        self.dirname = f"tw-{tag}"
+        self.controllers = {n: c for n in ("cpu", "memory") if (c := find_controller(n)) is not None}
+
+    def base_dirs(self) -> list[Path]:
+        return [c.parent / self.dirname for c in self.controllers.values()]
+
+    def require(self, name: str, field: str) -> None:
+        if name not in self.controllers:
+            raise ThinwireError(f"{field}: needs the {name} cgroup controller, which this machine does not "
+                                f"offer (none mounted, or not writable); remove the field.")
+
+    def create(self, host: str, cpu: float | None, memory: int | None) -> None:
+        """Create ``host``'s groups (cpu always when available, memory only with a limit) and set limits."""
+        for c in self.controllers.values():
+            if c.name == "memory" and memory is None:
+                continue
+            base = c.parent / self.dirname
+            base.mkdir(exist_ok=True)
+            if c.version == 2:
+                _enable(c.parent, c.name)
+                _enable(base, c.name)
+            (base / host).mkdir(exist_ok=True)
+            for fname, value in c.limit_files(cpu, memory).items():
+                (base / host / fname).write_text(value)
+
+    def procs_files(self, host: str) -> list[str]:
+        """The ``cgroup.procs`` files a process of ``host`` writes its pid into (existing ones only)."""
+        files = [c.parent / self.dirname / host / "cgroup.procs" for c in self.controllers.values()]
+        return [str(f) for f in files if f.exists()]
+
+    def limits(self, host: str) -> tuple[float | None, int | None]:
+        """The (cores, memory bytes) the kernel holds for ``host`` now; None = no limit or no group."""
+        cpu = mem = None
+        for c in self.controllers.values():
+            d = c.parent / self.dirname / host
+            if not d.exists():
+                continue
+            if c.name == "cpu":
+                quota, period = _read_cpu(d, c.version)
+                cpu = None if quota < 0 else quota / period
+            else:
+                raw = (d / ("memory.limit_in_bytes" if c.version == 1 else "memory.max")).read_text().strip()
+                mem = None if raw == "max" or int(raw) >= 2**62 else int(raw)
+        return cpu, mem
+
+    def remove(self, extra: list[str] = ()) -> None:
+        """Kill the processes left in our groups, then remove the groups; missing ones are fine."""
+        for base in {*self.base_dirs(), *map(Path, extra)}:
+            if not base.is_dir() or base.name != self.dirname:
+                continue
+            for host_dir in [d for d in base.iterdir() if d.is_dir()]:
+                kill_pids(int(p) for p in (host_dir / "cgroup.procs").read_text().split())
+                _rmdir(host_dir)
+            _rmdir(base)
+
+
+def _read_cpu(d: Path, version: int) -> tuple[int, int]:
+    if version == 1:
+        return int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+    quota, period = (d / "cpu.max").read_text().split()
+    return (-1 if quota == "max" else int(quota)), int(period)
+
+
+def _enable(d: Path, name: str) -> None:
+    control = d / "cgroup.subtree_control"
+    if name not in control.read_text().split():
+        control.write_text(f"+{name}")
+
+
+def _rmdir(d: Path) -> None:
+    """rmdir a cgroup, retrying while the tasks just killed finish leaving it."""
+    for _ in range(50):
+        try:
+            os.rmdir(d)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            time.sleep(0.05)
+    raise ThinwireError(f"cgroup {d} is still busy after its processes were killed; remove it with `rmdir {d}`.")

@@ -1,0 +1,284 @@
+"""The cluster spec: one YAML description of hosts and links, read by the emulator, simulator and planner.
+
+A cluster is a list of hosts, each in a *group* (a site, a rack), each with an *access link* of its
+own (``bandwidth``, both directions), a CPU allowance and an optional memory limit. Groups are joined
+by *inter-group links*; traffic between two hosts goes through both access links and, when the hosts
+sit in different groups joined by a link, through that link too. Groups with no link between them
+are joined by an unshaped path (only the access links limit them).
+
+Example (``examples/clusters/two-sites.yaml``)::
+
+    name: two-sites
+    subnet: 10.213.0.0/24          # private; exists only inside the emulator's namespaces
+    defaults: {bandwidth: 100mbit, cpu: 1.0}
+    hosts:
+      - {name: a1, group: siteA}
+      - {name: a2, group: siteA, cpu: 0.25}
+      - {name: b1, group: siteB, bandwidth: 20mbit}
+    links:
+      - {between: [siteA, siteB], bandwidth: 50mbit}
+
+Fields and units:
+
+* ``bandwidth``: bits per second. ``500kbit``, ``100mbit``, ``1gbit``, ``10gbit`` (decimal, as ``tc``
+  writes them) or a plain number of bit/s. ``mbps``/``MB/s`` are refused: tc reads them as *bytes*.
+* ``cpu``: how many cores the host may use, enforced by a cgroup CPU quota: ``0.25`` is a quarter of
+  one core, ``2`` two cores; ``null`` (the default) means no cap. The ratio of two hosts' ``cpu`` is
+  their relative compute speed, which is how the simulator and planner read it.
+* ``memory``: bytes, ``512MiB``, ``2GiB``, ``1GB`` or a plain number; ``null`` means no limit.
+* ``links[].latency`` (``5ms``) and ``links[].loss`` (``0.1%``): parsed here for the simulator; the
+  emulator honours them only where the kernel has the ``netem`` qdisc.
+
+After construction every value is resolved: ``host.bandwidth`` is a float in bit/s with the default
+applied, ``host.memory`` an int of bytes or None, ``link.latency`` seconds, ``link.loss`` a fraction.
+
+    >>> spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="100mbit"),
+    ...                    hosts=[HostSpec(name="a"), HostSpec(name="b", bandwidth="20mbit")])
+    >>> spec.bandwidth_bps("a", "b")
+    20000000.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from thinwire.config import check, from_dict, load_yaml
+from thinwire.errors import ConfigError, ThinwireError
+
+DEFAULT_SUBNET = "10.213.0.0/24"
+_RATE_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%/]*)\s*$", re.IGNORECASE)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+_NAME_RULE = "1-32 letters, digits, '-' or '_', starting with a letter or digit"
+
+
+def _split(text: str) -> tuple[float, str] | None:
+    m = _NUMBER.match(text)
+    return (float(m.group(1)), m.group(2).lower()) if m else None
+
+
+def parse_rate(value: float | str, field_name: str) -> float:
+    """``"100mbit"`` -> ``1e8`` bit/s; plain numbers are bit/s. Must be > 0."""
+    allowed = "a rate > 0 such as 500kbit, 100mbit, 1gbit or a number of bit/s"
+    parts = (float(value), "") if isinstance(value, (int, float)) else _split(value)
+    if parts is None or parts[1] not in _RATE_UNITS:
+        fix = "tc reads 'mbps' as megaBYTES per second; write 8mbit for 1 MB/s." \
+            if parts and "bps" in parts[1] or "/s" in str(value).lower() else "Use the units bit, kbit, mbit, gbit."
+        raise ConfigError(field_name, value, allowed, fix)
+    rate = parts[0] * _RATE_UNITS[parts[1]]
+    check(rate > 0, field_name, value, allowed, "A link needs a positive rate.")
+    return rate
+
+
+def parse_size(value: int | str, field_name: str) -> int:
+    """``"512MiB"`` -> ``536870912`` bytes; plain numbers are bytes. Must be > 0."""
+    allowed = "a size > 0 such as 512MiB, 2GiB, 1GB or a number of bytes"
+    parts = (float(value), "") if isinstance(value, (int, float)) else _split(value)
+    if parts is None or parts[1] not in _SIZE_UNITS:
+        raise ConfigError(field_name, value, allowed, "Use the units KiB, MiB, GiB (or KB, MB, GB).")
+    size = int(parts[0] * _SIZE_UNITS[parts[1]])
+    check(size > 0, field_name, value, allowed)
+    return size
+
+
+def parse_duration(value: float | str, field_name: str) -> float:
+    """``"5ms"`` -> ``0.005`` s; plain numbers are seconds. Must be >= 0."""
+    parts = (float(value), "s") if isinstance(value, (int, float)) else _split(value)
+    if parts is None or parts[1] not in _TIME_UNITS or parts[0] < 0:
+        raise ConfigError(field_name, value, "a duration >= 0 such as 5ms, 200us or 0.1s")
+    return parts[0] * _TIME_UNITS[parts[1]]
+
+
+def parse_loss(value: float | str, field_name: str) -> float:
+    """``"0.1%"`` -> ``0.001``; plain numbers are fractions. Must be in [0, 1)."""
+    allowed = "a loss rate in [0, 1) or a percentage such as 0.1%"
+    parts = (float(value), "") if isinstance(value, (int, float)) else _split(value)
+    if parts is None or parts[1] not in ("", "%"):
+        raise ConfigError(field_name, value, allowed)
+    loss = parts[0] / 100 if parts[1] == "%" else parts[0]
+    check(0 <= loss < 1, field_name, value, allowed)
+    return loss
+
+
+@dataclass(kw_only=True)
+class DefaultsSpec:
+    """Values a host takes when it does not set them itself."""
+
+    bandwidth: float | str | None = None
+    cpu: float | None = None
+    memory: int | str | None = None
+
+
+@dataclass(kw_only=True)
+class HostSpec:
+    """One host: its access link (``bandwidth``, bit/s), CPU allowance (cores) and memory limit (bytes)."""
+
+    name: str
+    group: str = "default"
+    bandwidth: float | str | None = None
+    cpu: float | None = None
+    memory: int | str | None = None
+
+    def resolve(self, defaults: DefaultsSpec, where: str) -> None:
+        """Apply ``defaults`` and parse units in place; errors name ``where`` (e.g. ``hosts[2]``)."""
+        check(bool(_NAME.match(self.name)), f"{where}.name", self.name, _NAME_RULE,
+              "Host names become namespace and cgroup names.")
+        check(bool(_NAME.match(self.group)), f"{where}.group", self.group, _NAME_RULE)
+        bandwidth = self.bandwidth if self.bandwidth is not None else defaults.bandwidth
+        check(bandwidth is not None, f"{where}.bandwidth", None, "a rate such as 100mbit",
+              "Set it on the host or in defaults.bandwidth.")
+        self.bandwidth = parse_rate(bandwidth, f"{where}.bandwidth")
+        self.cpu = self.cpu if self.cpu is not None else defaults.cpu
+        check(self.cpu is None or self.cpu > 0, f"{where}.cpu", self.cpu,
+              "a number of cores > 0 (0.25 = a quarter of one core) or null for no cap")
+        memory = self.memory if self.memory is not None else defaults.memory
+        self.memory = None if memory is None else parse_size(memory, f"{where}.memory")
+
+
+@dataclass(kw_only=True)
+class LinkSpec:
+    """A link between two groups: every byte between them shares ``bandwidth`` (bit/s, each direction)."""
+
+    between: list[str]
+    bandwidth: float | str
+    latency: float | str | None = None
+    loss: float | str | None = None
+
+    def resolve(self, groups: set[str], where: str) -> None:
+        """Check the two groups and parse units in place."""
+        check(len(self.between) == 2, f"{where}.between", self.between, "a list of exactly two group names")
+        for i, g in enumerate(self.between):
+            check(g in groups, f"{where}.between[{i}]", g, f"one of the groups ({', '.join(sorted(groups))})",
+                  "Put a host in that group or fix the name.")
+        check(self.between[0] != self.between[1], f"{where}.between", self.between, "two different groups",
+              "Traffic inside a group is limited by the hosts' own bandwidth.")
+        self.bandwidth = parse_rate(self.bandwidth, f"{where}.bandwidth")
+        self.latency = None if self.latency is None else parse_duration(self.latency, f"{where}.latency")
+        self.loss = None if self.loss is None else parse_loss(self.loss, f"{where}.loss")
+
+    @property
+    def pair(self) -> frozenset[str]:
+        return frozenset(self.between)
+
+
+@dataclass(kw_only=True)
+class ClusterSpec:
+    """A whole cluster; see the module docstring for the format. Build with :func:`load_cluster_spec`."""
+
+    name: str
+    subnet: str = DEFAULT_SUBNET
+    defaults: DefaultsSpec = field(default_factory=DefaultsSpec)
+    hosts: list[HostSpec]
+    links: list[LinkSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check(bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", self.name)), "name", self.name,
+              "1-64 letters, digits, '.', '-' or '_'", "The name tags the emulator's namespaces.")
+        self._check_subnet()
+        check(len(self.hosts) > 0, "hosts", self.hosts, "a non-empty list of hosts",
+              "Add at least one entry such as {name: h1}.")
+        seen: dict[str, int] = {}
+        for i, h in enumerate(self.hosts):
+            h.resolve(self.defaults, f"hosts[{i}]")
+            check(h.name not in seen, f"hosts[{i}].name", h.name, "unique",
+                  f"hosts[{seen.get(h.name)}] has the same name; rename one.")
+            seen[h.name] = i
+        usable = ipaddress.ip_network(self.subnet).num_addresses - 2
+        check(len(self.hosts) <= usable, "hosts", f"{len(self.hosts)} hosts",
+              f"at most {usable} hosts for subnet {self.subnet}", "Use a larger subnet such as a /16.")
+        self._check_links()
+
+    def _check_subnet(self) -> None:
+        allowed = "a private IPv4 network such as 10.213.0.0/24 with room for the hosts"
+        try:
+            net = ipaddress.ip_network(self.subnet)
+        except ValueError:
+            raise ConfigError("subnet", self.subnet, allowed, "Write it as ADDRESS/PREFIX.") from None
+        check(net.version == 4 and net.is_private and net.prefixlen <= 30, "subnet", self.subnet, allowed,
+              "Pick a range from 10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16 that nothing else uses.")
+
+    def _check_links(self) -> None:
+        groups, first = set(self.groups), {}
+        for i, link in enumerate(self.links):
+            link.resolve(groups, f"links[{i}]")
+            if link.pair in first:
+                j = first[link.pair]
+                same = self.links[j].bandwidth == link.bandwidth
+                raise ConfigError(f"links[{i}]", sorted(link.pair), "one entry per pair of groups",
+                                  f"{'It repeats' if same else 'It contradicts'} links[{j}]; keep one.")
+            first[link.pair] = i
+
+    @property
+    def host_names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """Group name -> its hosts' names, both in the order of the spec."""
+        out: dict[str, list[str]] = {}
+        for h in self.hosts:
+            out.setdefault(h.group, []).append(h.name)
+        return out
+
+    def host(self, name: str) -> HostSpec:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise ThinwireError(f"cluster {self.name!r} has no host {name!r}; its hosts are {', '.join(self.host_names)}.")
+
+    def index(self, name: str) -> int:
+        """Position of host ``name`` in the spec (its address and rank order)."""
+        return self.host_names.index(self.host(name).name)
+
+    def address(self, name: str) -> str:
+        """The host's IPv4 address: the subnet's (index+1)-th address."""
+        return str(ipaddress.ip_network(self.subnet).network_address + self.index(name) + 1)
+
+    @property
+    def prefixlen(self) -> int:
+        return ipaddress.ip_network(self.subnet).prefixlen
+
+    def link(self, group_a: str, group_b: str) -> LinkSpec | None:
+        """The link between two different groups, or None (no link: an unshaped path)."""
+        pair = frozenset((group_a, group_b))
+        return next((l for l in self.links if l.pair == pair), None)
+
+    def bandwidth_bps(self, a: str, b: str) -> float:
+        """Bottleneck rate in bit/s from host ``a`` to host ``b``: the slower access link, and the
+        inter-group link when they are in different groups joined by one. ``inf`` when ``a == b``."""
+        if a == b:
+            self.host(a)
+            return float("inf")
+        ha, hb = self.host(a), self.host(b)
+        rates = [ha.bandwidth, hb.bandwidth]
+        link = self.link(ha.group, hb.group) if ha.group != hb.group else None
+        if link is not None:
+            rates.append(link.bandwidth)
+        return float(min(rates))
+
+    def check_fits(self, cores: int) -> None:
+        """Fail unless every host's ``cpu`` fits on a machine with ``cores`` cores (emulation needs it)."""
+        for i, h in enumerate(self.hosts):
+            check(h.cpu is None or h.cpu <= cores, f"hosts[{i}].cpu", h.cpu,
+                  f"at most {cores} (the cores of this machine)", "Lower it or use null for no cap.")
+
+
+def load_cluster_spec(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster spec YAML file; ``name`` defaults to the file's stem."""
+    data = load_yaml(path, what="cluster spec")
+    data.setdefault("name", Path(path).stem)
+    return from_dict(ClusterSpec, data, where="")
+
+
+def spec_to_dict(spec: ClusterSpec) -> dict:
+    """Resolved plain data (rates in bit/s, sizes in bytes); loads back to an equal spec."""
+    out = dataclasses.asdict(spec)
+    out["defaults"] = {}
+    return out
