@@ -388,6 +388,16 @@ def test_powersgd_shapes_and_prices():
 
 
 
+def test_capability_flags():
+    flags = {c.name: (c.summable, c.sparse, c.shared_randomness, c.lossless) for c in CODECS}
+    assert flags == {
+        "none": (True, False, False, True), "fp16": (True, False, False, False), "bf16": (True, False, False, False),
+        "int8": (False, False, False, False), "bfp": (False, False, False, False), "qsgd": (False, False, False, False),
+        "topk": (False, True, False, False), "randomk": (True, True, True, False), "sign": (False, False, False, False),
+        "powersgd": (True, False, False, False),
+    }
+
+
 def test_mix_seed_separates_ranks_and_seeds():
     seeds = {mix_seed(s, r) for s in range(50) for r in range(8)}
     assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)

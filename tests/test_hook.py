@@ -80,8 +80,11 @@ def test_average_within_codec_bound(spec, world):
     assert err <= BOUNDS[spec], f"{spec}: relative error {err:.4f}"
     stats = results[0]["stats"]
     assert stats["collectives"] >= 3, "one bucket at step 0, two after the rebuild"
-    if spec != "none":
-        assert stats["bytes_sent"] < 0.9 * stats["bytes_raw"] * 2 * (world - 1) / world, stats
+    dense = stats["bytes_raw"] * 2 * (world - 1) / world  # what fp32 all-reduce would have sent
+    if spec.startswith("topk"):  # falls back to dense when the all-gather would cost more
+        assert stats["bytes_sent"] <= dense + 16 * stats["collectives"], stats
+    elif spec != "none":
+        assert stats["bytes_sent"] < 0.9 * dense, stats
 
 
 def _local_average(spec, world):

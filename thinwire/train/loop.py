@@ -38,7 +38,9 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     set_threads(env, cfg.threads)
     init(env, device)
     try:
-        return Trainer(cfg, out, env, device).fit()
+        summary = Trainer(cfg, out, env, device).fit()
+        dist.barrier()  # leave together: a rank tearing down gloo while a peer still talks aborts
+        return summary
     finally:
         dist.destroy_process_group()
 

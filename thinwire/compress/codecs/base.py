@@ -8,6 +8,8 @@ communication (numel, dtype, a seed shared by all ranks for this bucket and step
 * ``summable``: payloads of different ranks can be added element-wise by an all-reduce and the sum
   decoded once (fp16, bf16, random-k values). Otherwise each rank's payload must be decoded before
   summing (int8, bfp, qsgd, sign, top-k), and the collective layer picks a scheme for that.
+* ``sparse``: the payload is a subset of entries (values + positions: top-k, random-k), so past a
+  density the collective layer may rather all-reduce the decoded dense tensor.
 * ``payload_bytes(numel, dtype)`` prices a codec without running it: it is exactly
   ``sum(t.numel() * t.element_size() for t in compress(x, meta))`` for any ``x`` of that size, so
   the performance model and the planner can use it.
@@ -46,6 +48,7 @@ class Codec(ABC):
     name: ClassVar[str]
     summable: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
+    sparse: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
     sparse: ClassVar[bool] = False  # payload is (values, indices): may fall back to a dense all-reduce
 

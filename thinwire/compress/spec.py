@@ -1,0 +1,195 @@
+"""Codec spec strings: ``"name"`` or ``"name:key=value,key=value"`` to a configured codec, and back.
+
+Grammar: ``name[:key=value[,key=value]...]``; spaces around tokens are ignored. Values are read
+with the type of the codec config's field: ``int`` (``64``, ``1_000_000``, ``1e6``), ``float``,
+``bool`` (``true``/``false``/``1``/``0``), ``X | None`` (``none``/``null``). Every mistake raises
+:class:`~thinwire.errors.ConfigError` naming what is allowed::
+
+    >>> parse_codec_spec("topk:ratio=0.01,approx=true")
+    TopKCodec(TopKConfig(ratio=0.01, approx=True, approx_threshold=1000000, sample_size=10000))
+    >>> spec_string(parse_codec_spec("int8:block=64"))
+    'int8:block=64'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from enum import Enum
+from typing import Any, Mapping, get_args, get_origin, get_type_hints
+
+from thinwire.compress.codecs import (
+    BfpCodec, Bf16Codec, Codec, Fp16Codec, Int8Codec, NoneCodec, PowerSGDCodec, QsgdCodec,
+    RandomKCodec, SignCodec, TopKCodec,
+)
+from thinwire.config import from_dict
+from thinwire.errors import ConfigError
+
+
+class CodecName(str, Enum):
+    """User-facing codec names. (The lead adds ``auto``, a per-bucket planner policy, later.)"""
+
+    NONE = "none"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+    BFP = "bfp"
+    QSGD = "qsgd"
+    TOPK = "topk"
+    RANDOMK = "randomk"
+    SIGN = "sign"
+    POWERSGD = "powersgd"
+
+
+REGISTRY: dict[CodecName, type[Codec]] = {
+    CodecName.NONE: NoneCodec,
+    CodecName.FP16: Fp16Codec,
+    CodecName.BF16: Bf16Codec,
+    CodecName.INT8: Int8Codec,
+    CodecName.BFP: BfpCodec,
+    CodecName.QSGD: QsgdCodec,
+    CodecName.TOPK: TopKCodec,
+    CodecName.RANDOMK: RandomKCodec,
+    CodecName.SIGN: SignCodec,
+    CodecName.POWERSGD: PowerSGDCodec,
+}
+
+_FORMAT = "name or name:key=value,key=value (e.g. 'int8:block=64')"
+_TRUE, _FALSE, _NULL = ("true", "1"), ("false", "0"), ("none", "null")
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec class registered under ``name``; unknown names list the valid ones."""
+    try:
+        return REGISTRY[CodecName(name)]
+    except ValueError:
+        valid = ", ".join(n.value for n in CodecName)
+        fix = "See `thinwire train --help-codecs`."
+        raise ConfigError("compression", name, f"one of {valid}", fix) from None
+
+
+def build_codec(name: str, params: Mapping[str, Any] | None = None) -> Codec:
+    """A codec from its name and already-typed parameters (e.g. from a YAML mapping)."""
+    cls = codec_class(name)
+    params = dict(params or {})
+    for key in params:
+        _check_known(cls, key)
+    return cls(from_dict(cls.config_cls, params, where=cls.name))
+
+
+def parse_codec_spec(spec: str) -> Codec:
+    """``"int8:block=64"`` to ``Int8Codec(Int8Config(block=64, ...))`` (see the module docstring)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("compression", spec, _FORMAT)
+    name, colon, rest = (part.strip() for part in spec.partition(":"))
+    name = name.lower()  # "INT8" is fine; parameter names stay exact
+    cls = codec_class(name)
+    hints = get_type_hints(cls.config_cls)
+    params: dict[str, Any] = {}
+    for item in rest.split(",") if colon else []:
+        key, value = _split_item(spec, item)
+        _check_known(cls, key)
+        if key in params:
+            raise ConfigError(f"{name}.{key}", spec, "given once", "Remove the duplicate.")
+        params[key] = _from_text(hints[key], value, f"{name}.{key}")
+    return build_codec(name, params)
+
+
+def _split_item(spec: str, item: str) -> tuple[str, str]:
+    key, eq, value = (part.strip() for part in item.partition("="))
+    if not eq or not key or not value:
+        fix = f"Write each parameter as key=value, not {item.strip()!r}."
+        raise ConfigError("compression", spec, _FORMAT, fix)
+    return key, value
+
+
+def _check_known(cls: type[Codec], key: str) -> None:
+    known = _defaults(cls)
+    if key in known:
+        return
+    field = f"{cls.name} parameter"
+    if not known:
+        raise ConfigError(field, key, "absent", f"{cls.name} takes no parameters: write just {cls.name!r}.")
+    listing = ", ".join(f"{k}={_text(v)}" for k, v in known.items())
+    first = next(iter(known))
+    raise ConfigError(field, key, f"one of {listing}", f"E.g. {cls.name}:{first}={_text(known[first])}.")
+
+
+def _from_text(tp: Any, text: str, field: str) -> Any:
+    """The value of ``text`` for a field annotated ``tp`` (``from_dict`` then checks ranges)."""
+    optional = get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
+    if optional:
+        if text.lower() in _NULL:
+            return None
+        (tp,) = [a for a in get_args(tp) if a is not type(None)]
+    read, kind = _READERS[tp]
+    try:
+        return read(text)
+    except ValueError:
+        raise ConfigError(field, text, kind + (" or none" if optional else "")) from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in _TRUE + _FALSE:
+        return text.lower() in _TRUE
+    raise ValueError(text)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)  # "1e6"
+        if not value.is_integer():
+            raise
+        return int(value)
+
+
+_READERS = {bool: (_bool, "true or false"), int: (_int, "an integer"), float: (float, "a number")}
+
+
+def _defaults(cls: type[Codec]) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls.config_cls)}
+
+
+def _text(value: Any) -> str:
+    """A value as a spec string writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    return repr(value) if isinstance(value, float) else str(value)  # repr: shortest exact float
+
+
+def spec_string(codec: Codec) -> str:
+    """The canonical spec of ``codec``: its name and the parameters that differ from the defaults,
+    in field order, so that ``parse_codec_spec(spec_string(c))`` rebuilds an equal config."""
+    changed = [
+        f"{f.name}={_text(getattr(codec.config, f.name))}"
+        for f in dataclasses.fields(codec.config)
+        if getattr(codec.config, f.name) != f.default
+    ]
+    return codec.name + (":" + ",".join(changed) if changed else "")
+
+
+def codec_help() -> str:
+    """A table of codecs, their parameters with defaults and allowed values, for ``--help``.
+
+    ``bytes/value`` is ``payload_bytes`` of a 2**20-element fp32 tensor over 2**20, at defaults.
+    """
+    lines = [f"{'codec':<10}{'bytes/value':<13}{'summable':<10}" + _row("parameter=default", "allowed", "meaning")]
+    for name, cls in REGISTRY.items():
+        per_value = f"{cls(cls.config_cls()).payload_bytes(1 << 20) / (1 << 20):.3g}"
+        params = [_param_help(f) for f in dataclasses.fields(cls.config_cls)] or ["-"]
+        lines.append(f"{name.value:<10}{per_value:<13}{'yes' if cls.summable else 'no':<10}{params[0]}")
+        lines += [" " * 33 + p for p in params[1:]]
+    return "\n".join(lines) + f"\n\nSpec: {_FORMAT}."
+
+
+def _param_help(f: dataclasses.Field) -> str:
+    return _row(f"{f.name}={_text(f.default)}", f.metadata["allowed"], f.metadata["doc"])
+
+
+def _row(param: str, allowed: str, doc: str) -> str:
+    return f"{param:<26} {allowed:<24} {doc}"
