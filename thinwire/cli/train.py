@@ -98,7 +98,12 @@ def preflight(cfg: TrainConfig) -> None:
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(cfg.workload)
-    parse_codec_spec(cfg.compression)
+    if cfg.compression.startswith("torch:"):
+        from thinwire.train.peers import parse_peer
+
+        parse_peer(cfg.compression)
+    else:
+        parse_codec_spec(cfg.compression)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     world = _world_size(cfg)

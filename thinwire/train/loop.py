@@ -26,6 +26,7 @@ from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
+from thinwire.train.peers import PeerComm, is_peer, peer_bucket_mb
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
 from thinwire.workloads.base import GlobalSampler, collate, even_shares
@@ -67,10 +68,9 @@ class Trainer:
         check_batch(self.batch, env.world)
         self.shares = even_shares(self.batch, env.world)
         model = self.wl.model.to(device)
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb,
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=peer_bucket_mb(cfg.compression, cfg.bucket_mb),
                                            device_ids=[device.index] if device.type == "cuda" else None)
-        self.comm = attach(self.ddp, cfg.compression, error_feedback=cfg.error_feedback,
-                           warmup_steps=cfg.compression_warmup)
+        self.comm = self._attach_comm()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
@@ -81,6 +81,12 @@ class Trainer:
         self.step_times: list[float] = []
         self.waits: list[float] = []
         self.last_val: dict = {}
+
+    def _attach_comm(self):
+        if is_peer(self.cfg.compression):  # PyTorch's own hooks, for head-to-head benchmarks
+            return PeerComm(self.ddp, self.cfg.compression)
+        return attach(self.ddp, self.cfg.compression, error_feedback=self.cfg.error_feedback,
+                      warmup_steps=self.cfg.compression_warmup)
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
@@ -121,6 +127,8 @@ class Trainer:
         t2 = time.perf_counter()
         loss.backward()
         t3 = time.perf_counter()
+        if isinstance(self.comm, PeerComm):
+            self.comm.count_step_without_hook()
         wait = self.clock.exposed_wait(t3, t2)
         norm = torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.cfg.grad_clip or float("inf"))
         skipped = not bool(torch.isfinite(norm))

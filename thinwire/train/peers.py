@@ -1,0 +1,133 @@
+"""The peers thinwire is measured against, run inside the same training loop.
+
+``--compression torch:SPEC`` trains with PyTorch's own DDP communication instead of thinwire's hook:
+
+* ``torch:none``: plain DDP, no hook (its built-in fp32 all-reduce);
+* ``torch:fp16``: ``default_hooks.fp16_compress_hook``;
+* ``torch:bf16``: ``default_hooks.bf16_compress_hook``. ``register_comm_hook`` refuses this function by
+  name unless CUDA and NCCL are present; the hook itself runs on gloo, and registered through the
+  counting wrapper below it does;
+* ``torch:powersgd:rank=R``: ``powerSGD_hook`` with error feedback and warm start, starting at the
+  second step (the earliest PyTorch allows). On gloo it aborts with a collective size mismatch when
+  DDP has more than one bucket, so the trainer gives this peer a single bucket.
+
+Bytes on the wire cannot be counted inside PyTorch's hooks, so they are computed per bucket from
+the same ring formula thinwire counts with (:mod:`thinwire.compress.collectives`) and, for
+PowerSGD, from PyTorch's own rule of which tensors it compresses.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel
+
+from thinwire.compress.collectives import ring_allreduce_bytes
+from thinwire.errors import ConfigError
+
+PEERS = ("torch:none", "torch:fp16", "torch:bf16", "torch:powersgd")
+
+
+def is_peer(spec: str) -> bool:
+    return spec.startswith("torch:")
+
+
+def parse_peer(spec: str) -> tuple[str, int]:
+    name, _, params = spec.partition(":")[2].partition(":")
+    rank = 1
+    if name == "powersgd" and params:
+        key, _, value = params.partition("=")
+        if key != "rank" or not value.isdigit() or int(value) < 1:
+            raise ConfigError("compression", spec, "torch:powersgd:rank=R with an integer R >= 1")
+        rank = int(value)
+    elif f"torch:{name}" not in PEERS or params:
+        raise ConfigError("compression", spec, "one of " + ", ".join(PEERS) + " (PowerSGD takes :rank=R)")
+    return name, rank
+
+
+class _Counter:
+    def __init__(self, world: int) -> None:
+        self.world, self.bytes_sent, self.calls = world, 0, 0
+
+
+class _Policy:
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+
+    def describe(self) -> str:
+        return self.spec
+
+
+class PeerComm:
+    """PyTorch's hook (or none) behind the interface the trainer uses for thinwire's ``CommState``."""
+
+    def __init__(self, model: DistributedDataParallel, spec: str) -> None:
+        self.name, self.rank = parse_peer(spec)
+        self.policy = _Policy(spec)
+        self.wire = _Counter(dist.get_world_size())
+        self.psgd_state = None
+        self.step = 0
+        if self.name == "fp16":
+            model.register_comm_hook(None, self._counting(default_hooks.fp16_compress_hook, 2))
+        elif self.name == "bf16":
+            model.register_comm_hook(None, self._counting(default_hooks.bf16_compress_hook, 2))
+        elif self.name == "powersgd":
+            self.psgd_state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=self.rank,
+                                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+            model.register_comm_hook(self.psgd_state, self._counting_psgd())
+        self._params = [p for p in model.module.parameters() if p.requires_grad]
+
+    def _counting(self, hook, bytes_per_value: int):
+        def counted(state, bucket):
+            self.wire.bytes_sent += ring_allreduce_bytes(bucket.buffer().numel() * bytes_per_value, self.wire.world)
+            self.wire.calls += 1
+            return hook(state, bucket)
+
+        return counted
+
+    def _counting_psgd(self):
+        def counted(state, bucket):
+            self.wire.bytes_sent += self._psgd_bytes(state, bucket)
+            self.wire.calls += 1
+            return psgd.powerSGD_hook(state, bucket)
+
+        return counted
+
+    def _psgd_bytes(self, state, bucket) -> int:
+        if state.iter < state.start_powerSGD_iter:
+            return ring_allreduce_bytes(bucket.buffer().numel() * 4, self.wire.world)
+        floats = 0
+        for t in bucket.gradients():
+            m = t.view(t.shape[0], -1) if t.ndim > 1 else None
+            if m is None:
+                floats += t.numel()
+                continue
+            n_rows, n_cols = m.shape
+            r = min(n_rows, n_cols, state.matrix_approximation_rank)
+            compress, _, _ = psgd._should_compress(n_rows, n_cols, r, state.min_compression_rate)
+            floats += (n_rows + n_cols) * r if compress else t.numel()
+        return ring_allreduce_bytes(floats * 4, self.wire.world)
+
+    def count_step_without_hook(self) -> None:
+        """Plain DDP: its built-in all-reduce sends every gradient in fp32 each step."""
+        if self.name == "none":
+            numel = sum(p.numel() for p in self._params)
+            self.wire.bytes_sent += ring_allreduce_bytes(numel * 4, self.wire.world)
+
+    def stats(self) -> dict:
+        return {"bytes_sent": self.wire.bytes_sent, "policy": self.policy.spec, "counted": "by formula"}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def peer_bucket_mb(spec: str, default: float) -> float:
+    """PyTorch's PowerSGD hook needs a single DDP bucket on gloo."""
+    return 1e5 if spec.startswith("torch:powersgd") else default
