@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import sys
 
@@ -17,12 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_parser(sub)
     report.add_parser(sub)
-    for optional in ("cluster", "bench"):
-        try:
-            module = __import__(f"thinwire.cli.{optional}", fromlist=["add_parser"])
-        except ImportError:
-            continue
-        module.add_parser(sub)
+    for name in ("codecs", "cluster", "profile", "simulate", "plan", "bench"):
+        if importlib.util.find_spec(f"thinwire.cli.{name}") is not None:  # subcommands still being built
+            importlib.import_module(f"thinwire.cli.{name}").add_parser(sub)
     return parser
 
 
