@@ -11,6 +11,7 @@ of the emulated links. Rank 0 writes the run folder; the other hosts' agents log
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,18 +46,17 @@ def launch_cluster(cfg: TrainConfig, config_path: Path) -> None:
         out = None if i == 0 else open(logs / f"{h.name}.log", "w")
         procs.append((h, out, h.spawn(argv, env={"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"},
                                       stdout=out, stderr=subprocess.STDOUT if out else None)))
-    _wait(procs, logs)
+    _wait(cluster, procs, logs)
 
 
-def _wait(procs, logs: Path) -> None:
+def _wait(cluster: EmulatedCluster, procs, logs: Path) -> None:
     try:
         while True:
             failed = [(h, p) for h, _, p in procs if p.poll() not in (None, 0)]
             if failed:
                 h, p = failed[0]
-                tail = _tail(logs / f"{h.name}.log")
-                raise ThinwireError(f"cluster: host {h.name} ({h.address}) failed with exit code {p.returncode}; "
-                                    f"the other hosts were stopped. {tail}")
+                raise ThinwireError(f"cluster: {_diagnose(cluster, logs)}host {h.name} ({h.address}) failed with exit "
+                                    f"code {p.returncode} and the other hosts were stopped. {_tail(logs / f'{h.name}.log')}")
             if all(p.poll() == 0 for _, _, p in procs):
                 return
             time.sleep(0.2)
@@ -65,12 +65,26 @@ def _wait(procs, logs: Path) -> None:
             if p.poll() is None:
                 p.terminate()
         for _, out, p in procs:
-            try:
-                p.wait(timeout=10)
+            try:  # an agent cut off from the rendezvous store may not answer SIGTERM
+                p.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 p.kill()
             if out:
                 out.close()
+
+
+def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
+    """Name the hosts that are unreachable: links down, or addresses the workers' errors mention."""
+    down = [s.name for s in cluster.status() if not s.link_up]
+    by_addr = {h.address: h.name for h in cluster.hosts()}
+    text = " ".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
+    named = sorted({name for addr, name in by_addr.items() if re.search(rf"\b{re.escape(addr)}\b.*(?:[Tt]imed out|reset|refused|closed)", text)})
+    parts = []
+    if down:
+        parts.append(f"{', '.join(down)} unreachable (link down):")
+    elif named:
+        parts.append(f"the workers' errors name {', '.join(named)}:")
+    return " ".join(parts) + " " if parts else ""
 
 
 def _tail(path: Path, lines: int = 6) -> str:

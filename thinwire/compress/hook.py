@@ -24,6 +24,7 @@ DDP bucket layout works on gloo and NCCL alike.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections import Counter
@@ -155,14 +156,15 @@ class CommState:
 
 def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none", *, error_feedback: bool = True,
            warmup_steps: int = 0, min_compress_bytes: int = 4096, nonfinite: Literal["skip", "raise"] = "skip",
-           process_group=None) -> CommState:
+           process_group=None, timeout_s: float | None = None) -> CommState:
     """Register thinwire's compressed all-reduce as ``model``'s DDP communication hook.
 
     ``codec`` is a spec string (``"int8:block=64"``, ``"topk:ratio=0.01"``, ``"powersgd:rank=4"``;
     see ``thinwire train --help-codecs``), a codec object, or a policy choosing one per bucket.
     Buckets under ``min_compress_bytes`` and the first ``warmup_steps`` steps go uncompressed.
     ``process_group``: the group to average over; by default a new group over all ranks, so the
-    hook's collectives never interleave with the script's own.
+    hook's collectives never interleave with the script's own; ``timeout_s`` bounds how long one of
+    its collectives may block (a dead peer or a cut link) before the step fails.
 
     Example::
 
@@ -176,7 +178,8 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     if getattr(model, "_thinwire_state", None) is not None:
         raise ValueError("thinwire.attach: a thinwire hook is already attached to this model; attach once per model")
     policy = _as_policy(codec)
-    group = process_group if process_group is not None else dist.new_group(backend=dist.get_backend())
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    group = process_group if process_group is not None else dist.new_group(backend=dist.get_backend(), timeout=timeout)
     state = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                       min_compress_bytes=min_compress_bytes, nonfinite=nonfinite, group=group)
     try:

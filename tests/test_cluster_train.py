@@ -1,0 +1,104 @@
+"""Training over the emulated links, and what happens when a host's link is cut mid-run.
+
+Needs root; skipped elsewhere. The run uses a 10 s collective timeout so a cut link must end it
+with an error naming the host within 20 s, its last checkpoint must load, and with
+``--max-restarts`` and the link restored the job must finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import ROOT
+from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.spec import load_cluster_spec
+from thinwire.train import checkpoint as ckpt
+
+pytestmark = [
+    pytest.mark.root, pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces and cgroups"),
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None, reason="needs iproute2 (ip, tc)"),
+]
+
+TIMEOUT = 10
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: tf{os.getpid()}\ndefaults: {{bandwidth: 200mbit, cpu: 1.0}}\nhosts:\n  - {{name: h0}}\n  - {{name: h1}}\n")
+    c = EmulatedCluster(load_cluster_spec(spec))
+    c.up()
+    yield spec, c
+    c.down()
+    assert not c.is_up()
+
+
+def _start(spec: Path, out: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "thinwire", "train", "--cluster", str(spec), "--workload", "digits",
+            "--steps", "300", "--checkpoint-every", "20", "--eval-every", "100", "--threads", "1",
+            "--set", f"timeout_s={TIMEOUT}", "--out", str(out), *extra]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _wait_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 120) -> None:
+    deadline = time.time() + limit
+    while time.time() < deadline and proc.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(json.loads(l).get("step", 0) >= step for l in path.read_text().splitlines() if l.strip()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"run did not reach step {step}: {proc.poll()}")
+
+
+def test_train_over_emulated_links(cluster, tmp_path):
+    spec, _ = cluster
+    out = tmp_path / "run"
+    proc = _start(spec, out, "--compression", "int8")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_accuracy"] > 0.9
+    assert summary["bytes_sent_total"] > 0 and (out / "hosts" / "h1.log").exists()
+
+
+def test_cut_link_fails_fast_naming_the_host(cluster, tmp_path):
+    spec, c = cluster
+    out = tmp_path / "run"
+    proc = _start(spec, out)
+    _wait_step(out, 45, proc)
+    c.set_link("h1", False)
+    cut = time.time()
+    _, err = proc.communicate(timeout=120)
+    elapsed = time.time() - cut
+    c.set_link("h1", True)
+    assert proc.returncode == 2, err[-2000:]
+    assert elapsed <= 2 * TIMEOUT, f"took {elapsed:.1f} s to notice the cut link"
+    assert "h1" in err and "link down" in err, err[-2000:]
+    last = ckpt.latest(out)
+    assert last is not None and ckpt.load(last)["step"] >= 40
+
+
+def test_restarts_after_link_restored(cluster, tmp_path):
+    spec, c = cluster
+    out = tmp_path / "run"
+    proc = _start(spec, out, "--max-restarts", "2")
+    _wait_step(out, 45, proc)
+    c.set_link("h1", False)
+    time.sleep(TIMEOUT + 3)  # the stuck collective times out meanwhile
+    c.set_link("h1", True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 300 and summary["restarts"] >= 1
+    events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if "event" in l]
+    assert any(e["event"] == "restart" for e in events)
