@@ -142,6 +142,7 @@ class CommState:
             "residuals": self.feedback.state_dict() if self.feedback else {},
             "extra": {k: v.detach().cpu().clone() for k, v in self.extra.items()},
             "policy": self.policy.describe(),
+            "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -149,6 +150,10 @@ class CommState:
         if self.feedback is not None:
             self.feedback.load_state_dict(sd.get("residuals", {}))
         self.extra = {k: v.clone() for k, v in sd.get("extra", {}).items()}
+        counters = sd.get("counters", {})  # totals continue across a resume
+        self.bytes_raw = int(counters.get("bytes_raw", 0))
+        self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
+        self.wire.calls = int(counters.get("calls", 0))
 
     def close(self) -> None:
         self._thread.close()
