@@ -23,7 +23,7 @@ def test_defaults_and_overrides(tmp_path):
     ({"steps": 0}, r"steps: must be an integer >= 1, got 0"),
     ({"nproc": 0}, r"nproc: must be an integer >= 1, got 0. Use --nproc 1 for a single process."),
     ({"lr": -1.0}, r"lr: must be a number > 0, got -1.0"),
-    ({"precision": "fp8"}, r"precision: must be one of 'fp32', 'bf16', got 'fp8'"),
+    ({"precision": "fp8"}, r"precision: must be one of 'fp32', 'bf16', 'fp16', 'int8', 'auto', got 'fp8'"),
     ({"error_feedback": "yes"}, r"error_feedback: must be true or false, got 'yes'"),
     ({"data": " "}, r"data: must be a path to a text file or folder, got ' '"),
 ])

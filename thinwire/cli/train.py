@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--compression", help="codec spec, e.g. int8, topk:ratio=0.01, powersgd:rank=4")
-    p.add_argument("--precision", help="fp32 or bf16")
+    p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
+    p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--checkpoint-every", type=int)
@@ -50,7 +51,7 @@ def add_parser(sub) -> None:
 
 
 FLAGS = ("workload", "data", "steps", "batch_size", "lr", "nproc", "max_restarts", "out", "resume", "compression",
-         "precision", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster")
+         "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster")
 
 
 def run(args: argparse.Namespace) -> int:

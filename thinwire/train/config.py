@@ -38,9 +38,14 @@ class TrainConfig:
     threads: int | None = None          # torch threads per worker; None: cores / local workers
     compression: str = "none"
     error_feedback: bool = True
-    compression_warmup: int = 0         # steps sent uncompressed before the codec starts
+    # steps sent uncompressed before the codec starts: Adam's moment estimates start from true
+    # gradients (without it PowerSGD from step 0 ends a short charlm run ~2% higher); 2 is also the
+    # earliest PyTorch's PowerSGD hook may start
+    compression_warmup: int = 2
     bucket_mb: float = 25.0             # DDP bucket cap
-    precision: Literal["fp32", "bf16"] = "fp32"
+    timeout_s: float = 300.0            # a collective stuck this long (dead peer, cut link) fails the run
+    precision: Literal["fp32", "bf16", "fp16", "int8", "auto"] = "fp32"
+    memory_budget: str | None = None    # e.g. "512MiB": largest micro-batch that fits, accumulated to batch_size
     out: str | None = None
     resume: str | None = None
     cluster: str | None = None
@@ -62,8 +67,22 @@ class TrainConfig:
         check(self.threads is None or self.threads >= 1, "threads", self.threads, "an integer >= 1 or null")
         check(self.compression_warmup >= 0, "compression_warmup", self.compression_warmup, "an integer >= 0")
         check(0 < self.bucket_mb <= 4096, "bucket_mb", self.bucket_mb, "a number in (0, 4096]")
+        check(self.timeout_s >= 1, "timeout_s", self.timeout_s, "a number of seconds >= 1")
         check(self.data is None or self.data.strip() != "", "data", self.data,
               "a path to a text file or folder", "Leave --data out to use the default corpus.")
+        if self.memory_budget is not None:
+            _check_size("memory_budget", self.memory_budget)
+
+
+def _check_size(name: str, value: str) -> None:
+    from thinwire.precision.memory import parse_size
+
+    try:
+        ok = parse_size(value) > 0
+    except ValueError:
+        ok = False
+    check(ok, name, value, "a positive size such as 512MiB, 1.5GiB or 800MB",
+          "Units: B, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000).")
 
 
 def parse_override(item: str) -> tuple[list[str], object]:

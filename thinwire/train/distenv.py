@@ -55,10 +55,25 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 300.0) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if env.launched:
+    if env.launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend, store=_attempt_store(env, timeout), rank=env.rank, world_size=env.world,
+                                timeout=timeout)
+    elif env.launched:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's own store, under a prefix of this restart attempt.
+
+    Workers share the elastic agent's TCPStore, and across restarts its keys survive: a restarted
+    worker can read the dead workers' gloo addresses and fail with "connection refused". A prefix
+    per attempt keeps each attempt's keys apart (the store and the rendezvous stay torchrun's).
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"/thinwire/attempt_{env.restart_count}", store)
 
 
 def set_threads(env: DistEnv, threads: int | None) -> int:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire.compress.hook import attach
 from thinwire.config import to_dict
 from thinwire.errors import ThinwireError
+from thinwire.precision import prepare_precision, sample_from
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
@@ -37,7 +38,7 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     env = read_env()
     device = device_for(env)
     set_threads(env, cfg.threads)
-    init(env, device)
+    init(env, device, cfg.timeout_s)
     try:
         summary = Trainer(cfg, out, env, device).fit()
         dist.barrier()  # leave together: a rank tearing down gloo while a peer still talks aborts
@@ -68,6 +69,10 @@ class Trainer:
         check_batch(self.batch, env.world)
         self.shares = even_shares(self.batch, env.world)
         model = self.wl.model.to(device)
+        self.prec = prepare_precision(  # int8 layers, auto choice, micro-batches under memory_budget
+            model, cfg.precision, device=device, batch=self.shares[env.rank], loss_fn=self.wl.loss,
+            sample=sample_from(self.wl.train, collate, device, cfg.seed), memory_budget=cfg.memory_budget,
+            optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=cfg.weight_decay), clip=cfg.grad_clip)
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=peer_bucket_mb(cfg.compression, cfg.bucket_mb),
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
@@ -85,8 +90,11 @@ class Trainer:
     def _attach_comm(self):
         if is_peer(self.cfg.compression):  # PyTorch's own hooks, for head-to-head benchmarks
             return PeerComm(self.ddp, self.cfg.compression)
+        # The world group, not a new one: after an elastic restart a new group's store keys can still
+        # hold the dead workers' addresses. Safe here because the loop issues its own collectives only
+        # between steps, when DDP has waited for every bucket.
         return attach(self.ddp, self.cfg.compression, error_feedback=self.cfg.error_feedback,
-                      warmup_steps=self.cfg.compression_warmup)
+                      warmup_steps=self.cfg.compression_warmup, process_group=dist.group.WORLD)
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
@@ -121,20 +129,22 @@ class Trainer:
         x, y = collate(self.wl.train, self.sampler.rank_indices(self.step, self.env.rank, self.shares))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
-        with self._autocast():
-            loss = self.wl.loss(self.ddp(x), y)
         bytes_before = self.comm.wire.bytes_sent
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        if isinstance(self.comm, PeerComm):
-            self.comm.count_step_without_hook()
-        wait = self.clock.exposed_wait(t3, t2)
-        norm = torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.cfg.grad_clip or float("inf"))
-        skipped = not bool(torch.isfinite(norm))
-        if not skipped:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with self.prec.measure(self.opt, x, y):  # peak memory of the first steps, for the summary
+            loss, n = torch.zeros((), device=self.device), len(self.prec.micro_sizes)
+            for i, (xm, ym) in enumerate(zip(x.split(self.prec.micro_sizes), y.split(self.prec.micro_sizes))):
+                with self.ddp.no_sync() if i < n - 1 else contextlib.nullcontext():  # all-reduce once, at the end
+                    with self._autocast():
+                        part = self.wl.loss(self.ddp(xm), ym) * (len(ym) / len(y))
+                    t2 = time.perf_counter()
+                    self.prec.runner.backward(part)
+                loss += part.detach()
+            t3 = time.perf_counter()
+            if isinstance(self.comm, PeerComm):
+                self.comm.count_step_without_hook()
+            wait = self.clock.exposed_wait(t3, t2)
+            skipped = self.prec.runner.step(self.opt, self.ddp.parameters(), self.cfg.grad_clip)
+            self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         t4 = time.perf_counter()
         self.step_times.append(t4 - t0)
@@ -144,9 +154,7 @@ class Trainer:
                 "lr": self.sched.get_last_lr()[0], "skipped": skipped}
 
     def _autocast(self):
-        if self.cfg.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.prec.runner.context()
 
     def _log(self, rec: dict, bar: ProgressBar) -> None:
         if rec["skipped"]:
@@ -195,7 +203,7 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _rank_state(self) -> dict:
-        s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict()}
+        s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict(), "precision": self.prec.runner.state_dict()}
         if self.device.type == "cuda":
             s["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return s
@@ -252,6 +260,8 @@ class Trainer:
             if "cuda_rng" in mine and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
             self.comm.load_state_dict(mine["comm"])
+            if mine.get("precision"):
+                self.prec.runner.load_state_dict(mine["precision"])  # fp16 loss scale
         elif self.env.is_main:
             console.print(f"[yellow]checkpoint has {len(ranks)} ranks, this job {self.env.world}: "
                           "error-feedback residuals and RNG streams start fresh[/yellow]")
@@ -268,6 +278,7 @@ class Trainer:
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
             "compression": self.comm.policy.describe(), "compression_stats": self.comm.stats(),
             "precision": self.cfg.precision, "restarts": self.restarts,
+            "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
         }

@@ -1,0 +1,339 @@
+"""The planner: uneven shares keep the update exact, decisions on the three evaluation clusters, the plan
+file and its refusals, the hierarchical collective on 4 gloo ranks. Synthetic profiles: no measuring."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec, LinkSpec, load_cluster_spec
+from thinwire.errors import ConfigError, ThinwireError
+from thinwire.perf_profile.file import BucketRecord, CodecCost, ComputePoint, Cost, Profile, save_profile
+from thinwire.plan.planfile import PlanPolicy, load_plan, loss_weight, read_plan, save_plan
+from thinwire.plan.planner import PlanOptions, make_plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
+CODECS = ("none", "bf16", "int8")
+
+
+def profile(*, post_s: float = 0.002, buckets: int = 2, params: int = 800_000, act: float = 1e5) -> Profile:
+    """A charlm-like profile: compute linear in the batch (about 6.5 ms per sample at speed 1)."""
+    cost = lambda e, d: CodecCost(encode=Cost(per_byte_s=e), decode=Cost(per_byte_s=d))  # noqa: E731
+    per = params // buckets
+    return Profile(
+        workload="charlm", model={}, parameters=per * buckets, threads=1, activation_bytes_per_sample=act,
+        compute=[ComputePoint(batch=8, pre_s=0.02, backward_s=0.034, post_s=post_s),
+                 ComputePoint(batch=4, pre_s=0.01, backward_s=0.017, post_s=post_s)],
+        buckets=[BucketRecord(numel=per, ready_frac=(i + 1) / buckets, params=[2 * i, 2 * i + 1],
+                              shapes=[[per // 400, 200], [per // 400, 200]]) for i in range(buckets)],
+        kernels={"add": Cost(per_byte_s=1e-10), "feedback": Cost(per_byte_s=2e-10)},
+        codecs={"bf16": cost(4e-10, 4e-10), "int8": cost(1.5e-9, 8e-10)})
+
+
+def plan_for(spec: ClusterSpec, prof: Profile | None = None, batch: int = 32, codecs=CODECS, **kw):
+    return make_plan(spec, prof or profile(), workload="charlm", model={},
+                     options=PlanOptions(batch_size=batch, codecs=codecs, **kw))
+
+
+def four(name="t", **by_host) -> ClusterSpec:
+    hosts = [HostSpec(name=f"h{i}", **by_host.get(f"h{i}", {})) for i in range(4)]
+    return ClusterSpec(name=name, defaults=DefaultsSpec(bandwidth="1gbit", cpu=0.5), hosts=hosts)
+
+
+# -- the update with uneven shares is the uniform one -------------------------------------------------
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("shares,micro", [([6, 4, 2, 1], [6, 4, 2, 1]), ([9, 3, 1], [4, 2, 1])])
+def test_uneven_shares_weighted_losses_give_the_full_batch_gradient(shares, micro):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(sum(shares), 5, generator=g, dtype=torch.float64), torch.randn(sum(shares), 3, generator=g,
+                                                                                   dtype=torch.float64)
+    full = _net()
+    nn.functional.mse_loss(full(x), y).backward()
+    model, total, start = _net(), None, 0
+    for rank, (share, m) in enumerate(zip(shares, micro)):
+        model.zero_grad()
+        xs, ys = x[start:start + share], y[start:start + share]
+        for xm, ym in zip(xs.split(m), ys.split(m)):  # accumulation as the trainer does it
+            part = nn.functional.mse_loss(model(xm), ym) * (len(ym) / share) * loss_weight(rank, shares)
+            part.backward()
+        grads = _grads(model)
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        start += share
+    averaged = [t / len(shares) for t in total]  # what DDP's equal average does
+    for a, b in zip(averaged, _grads(full)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _ddp_uneven(rank, world, shares):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(sum(shares), 5, generator=g, dtype=torch.float64), torch.randn(sum(shares), 3, generator=g,
+                                                                                   dtype=torch.float64)
+    model = DDP(_net())
+    start = sum(shares[:rank])
+    loss = nn.functional.mse_loss(model(x[start:start + shares[rank]]), y[start:start + shares[rank]])
+    (loss * loss_weight(rank, shares)).backward()
+    full = _net()
+    nn.functional.mse_loss(full(x), y).backward()
+    return _grads(model.module), _grads(full)
+
+
+def test_uneven_shares_under_ddp_on_three_gloo_ranks():
+    for got, want in run_ranks(_ddp_uneven, 3, [7, 3, 1]):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_loss_weight_is_one_for_even_shares_and_checks_its_input():
+    assert loss_weight(2, [8, 8, 8, 8]) == 1.0
+    assert loss_weight(0, [6, 2]) == 1.5
+    with pytest.raises(ValueError, match="rank must index shares"):
+        loss_weight(3, [4, 4])
+
+
+# -- decisions -----------------------------------------------------------------------------------------
+def test_host_with_a_quarter_of_the_cpu_gets_a_smaller_share():
+    plan = plan_for(load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml"), batch=64)
+    d = plan.chosen
+    assert "slow" in d.hosts, d.name
+    share = dict(zip(d.hosts, d.shares))
+    assert share["slow"] * 3 <= share["a0"] <= share["slow"] * 5  # about a quarter of a fast host's
+    assert d.predicted_step_s * 1.3 < plan.baselines["uniform_ddp_fp32_s"]
+    assert any("Uneven batch shares" in line for line in plan.explanation)
+
+
+def test_a_hopeless_host_is_left_out_when_that_is_faster():
+    plan = plan_for(four(h3={"cpu": 0.005}))
+    assert plan.chosen.left_out == ["h3"] and "h3" not in plan.chosen.hosts
+    assert any(line.startswith("Leaving out h3") for line in plan.explanation)
+    kept = [a for a in plan.alternatives if "h3" in a.hosts]
+    assert all(a.predicted_step_s > plan.chosen.predicted_step_s for a in kept)
+
+
+def test_slow_link_between_groups_is_compressed_and_fast_groups_stay_dense():
+    plan = plan_for(load_cluster_spec(EXAMPLES / "plan-b-two-groups.yaml"), prof=profile(params=1_000_000), batch=128)
+    d = plan.chosen
+    assert d.collective == "hierarchical" and d.groups == [["a1", "a2"], ["b1", "b2"]], d.name
+    assert set(d.codecs) != {"none"}
+    fast = plan_for(ClusterSpec(name="fast", defaults=DefaultsSpec(bandwidth="10gbit", cpu=0.5),
+                                hosts=[HostSpec(name=f"h{i}") for i in range(4)]), prof=profile(params=1_000_000), batch=128)
+    assert set(fast.chosen.codecs) == {"none"} and fast.chosen.collective == "ring"
+
+
+def test_host_behind_a_slow_link_is_dropped_or_isolated():
+    plan = plan_for(load_cluster_spec(EXAMPLES / "plan-c-slow-link.yaml"))
+    d = plan.chosen
+    assert "far" in d.left_out or d.collective == "hierarchical" or set(d.codecs) != {"none"}
+    assert d.predicted_step_s * 1.3 < plan.baselines["uniform_ddp_fp32_s"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_never_predicted_slower_than_uniform_ddp(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda: float(torch.rand(1, generator=g))  # noqa: E731
+    hosts = [HostSpec(name=f"h{i}", group=f"g{i % 2}", cpu=round(0.05 + r(), 3), bandwidth=f"{int(5 + 2000 * r())}mbit")
+             for i in range(5)]
+    spec = ClusterSpec(name="rand", hosts=hosts, links=[LinkSpec(between=["g0", "g1"], bandwidth=f"{int(10 + 900 * r())}mbit")])
+    plan = plan_for(spec, prof=profile(post_s=0.02 * r()), batch=40)
+    assert plan.chosen.predicted_step_s <= plan.baselines["uniform_ddp_fp32_s"] + 1e-12
+    assert plan.chosen.predicted_step_s <= plan.baselines["best_single_codec_s"] + 1e-12
+    assert sum(plan.chosen.shares) == 40
+
+
+def test_batch_smaller_than_the_cluster_uses_fewer_hosts():
+    plan = plan_for(four(h1={"cpu": 0.25}), batch=2)
+    assert plan.baselines == {} and plan.chosen.hosts == ["h0", "h2"] and plan.chosen.shares == [1, 1]
+    assert plan.explanation[0].startswith("Uniform DDP cannot run: the global batch (2) is smaller than the 4 hosts")
+
+
+def test_memory_caps_the_micro_batch():
+    plan = plan_for(four(h0={"memory": "22MiB"}), prof=profile(act=1e6))  # room for ~3-7 samples
+    d = plan.chosen
+    i = d.hosts.index("h0")
+    assert d.micro[i] < d.shares[i] and plan.micro_sizes(i) and sum(plan.micro_sizes(i)) == d.shares[i]
+    assert max(plan.micro_sizes(i)) <= d.micro[i]
+
+
+def test_64_host_spec_plans():
+    hosts = [HostSpec(name=f"n{i}", group=f"g{i % 4}", cpu=[1.0, 0.5, 0.25, 0.125][i % 4],
+                      bandwidth=["1gbit", "100mbit", "20mbit"][i % 3]) for i in range(64)]
+    links = [LinkSpec(between=[f"g{a}", f"g{b}"], bandwidth="50mbit") for a in range(4) for b in range(a + 1, 4)]
+    spec = ClusterSpec(name="big", subnet="10.200.0.0/16", hosts=hosts, links=links)
+    plan = plan_for(spec, prof=profile(buckets=8), batch=1024)
+    assert plan.chosen is not None and sum(plan.chosen.shares) == 1024
+
+
+# -- the plan file ---------------------------------------------------------------------------------------
+def test_plan_file_round_trip_and_trainer_helpers(tmp_path):
+    spec = load_cluster_spec(EXAMPLES / "plan-b-two-groups.yaml")
+    plan = plan_for(spec, prof=profile(params=1_000_000), batch=128)
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    back = load_plan(path, spec, "charlm", {"width": 128})  # the default, given explicitly: same workload
+    assert back == plan
+    world = len(back.hosts)
+    assert back.shares(world) == plan.chosen.shares and sum(back.shares(world)) == back.global_batch
+    assert back.rank_groups() == [[0, 1], [2, 3]]
+    policy = back.policy()
+    assert policy.codec_for(0, plan.bucket_numels[0], 5).name == plan.chosen.codecs[0].split(":")[0]
+    assert back.codec_spec(99) == "none"
+    other = back.select(0)
+    assert other.chosen == plan.alternatives[0] and other.alternatives[0] == plan.chosen
+    with pytest.raises(ThinwireError, match=r"plan: made for 4 workers \(a1, a2, b1, b2\), but this job has 3"):
+        back.shares(3)
+
+
+def test_plan_policy_describes_its_codecs():
+    assert PlanPolicy(["int8", "int8"]).describe() == "plan[int8]"
+    assert PlanPolicy(["none", "bf16"]).describe() == "plan[0:none, 1:bf16]"
+
+
+def test_plan_from_another_cluster_is_refused(tmp_path):
+    path = save_plan(plan_for(load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml")), tmp_path / "a.yaml")
+    with pytest.raises(ThinwireError, match=r"was made for cluster 'plan-a-slow-cpu', not for this cluster "
+                                            r"'plan-c-slow-link': a0: group default.* absent now"):
+        load_plan(path, load_cluster_spec(EXAMPLES / "plan-c-slow-link.yaml"), "charlm", {})
+    changed = load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml")
+    changed.hosts[3].cpu = 0.25
+    with pytest.raises(ThinwireError, match=r"slow: group default, cpu 0.125.* in the plan, group default, cpu 0.25"):
+        load_plan(path, changed, "charlm", {})
+
+
+def test_plan_from_another_workload_is_refused(tmp_path):
+    spec = load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml")
+    path = save_plan(plan_for(spec), tmp_path / "a.yaml")
+    with pytest.raises(ThinwireError, match=r"made for another workload: model options width: 128 in the plan, 256 now"):
+        load_plan(path, spec, "charlm", {"width": 256})
+    with pytest.raises(ThinwireError, match=r"made for another workload: workload 'charlm', not 'digits'"):
+        load_plan(path, spec, "digits", {})
+    with pytest.raises(ConfigError, match=r"batch_size: must be the plan's global batch \(32\), got 64"):
+        load_plan(path, spec, "charlm", {}, batch_size=64)
+
+
+def test_missing_plan_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(ThinwireError, match="does not exist. Make one with `thinwire plan"):
+        read_plan(tmp_path / "nope.yaml")
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+def test_empty_cluster_is_refused():
+    with pytest.raises(ConfigError, match=r"hosts: must be a non-empty list of hosts, got \[\]"):
+        ClusterSpec(name="empty", defaults=DefaultsSpec(bandwidth="1gbit"), hosts=[])
+
+
+def test_links_that_contradict_each_other_are_refused(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("defaults: {bandwidth: 1gbit}\nhosts: [{name: a, group: A}, {name: b, group: B}]\n"
+                    "links:\n  - {between: [A, B], bandwidth: 50mbit}\n  - {between: [B, A], bandwidth: 20mbit}\n")
+    with pytest.raises(ConfigError, match=r"links\[1\]: must be one entry per pair of groups.*It contradicts links\[0\]"):
+        load_cluster_spec(path)
+
+
+def test_model_that_fits_nowhere_is_refused():
+    with pytest.raises(ThinwireError, match=r"model: charlm with 800,000 parameters fits nowhere.*largest host h0 has "
+                                            r"1.0 MiB"):
+        plan_for(four(**{f"h{i}": {"memory": "1MiB"} for i in range(4)}))
+
+
+def test_model_too_big_for_any_host_gets_a_reported_pipeline():
+    plan = plan_for(four(**{f"h{i}": {"memory": "8MiB"} for i in range(4)}))  # 800k params need ~15 MiB
+    assert not plan.executable and len(plan.pipeline.stages) >= 2
+    assert sum(s.parameters for s in plan.pipeline.stages) == plan.parameters
+    assert any("does not execute pipeline plans" in line for line in plan.explanation)
+    with pytest.raises(ThinwireError, match="plan: this plan is not executable: reported only"):
+        plan.shares(4)
+
+
+def test_profile_of_another_workload_is_refused():
+    prof = dataclasses.replace(profile(), model={"width": 64})
+    with pytest.raises(ThinwireError, match=r"profile: measured workload 'charlm' with model options .*'width': 64"):
+        plan_for(four(), prof=prof)
+
+
+# -- the command line ------------------------------------------------------------------------------------
+def test_cli_writes_and_prints_a_plan(tmp_path, capsys):
+    from thinwire.cli.main import main
+
+    prof = save_profile(profile(), tmp_path / "p.yaml")
+    out = tmp_path / "plan.yaml"
+    rc = main(["plan", "--cluster", str(EXAMPLES / "plan-a-slow-cpu.yaml"), "--workload", "charlm", "--profile",
+               str(prof), "--batch-size", "32", "--codecs", "bf16,int8", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and out.is_file() and "chosen" in text and "Uniform DDP fp32 over 4 hosts" in text
+    assert read_plan(out).chosen is not None
+
+
+def test_cli_refusals_exit_non_zero(tmp_path, capsys):
+    from thinwire.cli.main import main
+
+    prof = save_profile(profile(), tmp_path / "p.yaml")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("defaults: {bandwidth: 1gbit, memory: 1MiB}\nhosts: [{name: a}, {name: b}]\n")
+    rc = main(["plan", "--cluster", str(spec), "--profile", str(prof), "--batch-size", "8", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "fits nowhere" in capsys.readouterr().err
+    rc = main(["plan", "--cluster", str(spec), "--profile", str(prof), "--set", "lr=0.1", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "--set: must be model.KEY=VALUE" in capsys.readouterr().err
+
+
+# -- the hierarchical collective on gloo --------------------------------------------------------------------
+N = 5000
+
+
+class Probe(nn.Module):
+    """loss = sum(w * c_rank): rank r's gradient is its known vector c_r."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(N))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def _vector(rank: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def _hier(rank, world, codec, groups):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thinwire.compress.hierarchical import attach_hierarchical
+
+    model = DDP(Probe())
+    policy = PlanPolicy([codec], [N]) if codec == "bf16" else codec  # a plan's policy, as attach_plan passes it
+    state = attach_hierarchical(model, policy, groups=groups, min_compress_bytes=0)
+    try:
+        model(_vector(rank)).backward()
+        return model.module.w.grad.clone(), state.stats()
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("codec,groups", [("none", [[0, 1], [2, 3]]), ("int8", [[0, 1], [2, 3]]),
+                                          ("bf16", [[1, 0, 2], [3]])])
+def test_hierarchical_collective_averages_on_four_gloo_ranks(codec, groups):
+    want = sum(_vector(r) for r in range(4)) / 4
+    results = run_ranks(_hier, 4, codec, groups)
+    for grad, stats in results:
+        bound = 0.0 if codec == "none" else 0.02
+        assert torch.linalg.vector_norm(grad - want) <= bound * torch.linalg.vector_norm(want) + 1e-5
+        torch.testing.assert_close(grad, results[0][0])  # every rank holds the same result
+    for _, s in results:
+        assert s["counts"] == ({codec: 1} if s["bytes_sent_between_leaders"] else {})
+    inter = [s["bytes_sent_between_leaders"] for _, s in results]
+    assert sum(1 for b in inter if b) == len(groups)  # only leaders talk across groups
+    dense = 2 * (len(groups) - 1) * 4 * N // len(groups)
+    assert all(b == 0 or (b == dense if codec == "none" else b < dense / 1.9) for b in inter)

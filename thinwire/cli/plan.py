@@ -1,0 +1,164 @@
+"""``thinwire plan``: choose batch shares, hosts, grouping and codecs for a cluster; write and explain the plan."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from thinwire.config import check
+from thinwire.errors import ConfigError
+
+EPILOG = """examples:
+  thinwire profile --workload charlm --out charlm.profile.yaml
+  thinwire plan --cluster examples/clusters/plan-a-slow-cpu.yaml --workload charlm --profile charlm.profile.yaml \\
+                --batch-size 32 --out plan.yaml
+  thinwire plan --cluster examples/clusters/plan-b-two-groups.yaml --workload charlm --set model.width=256 \\
+                --codecs none,bf16,int8 --colocated 2 --out plan.yaml      # no --profile: measures (~10-30 s)
+  thinwire train --cluster examples/clusters/plan-a-slow-cpu.yaml --plan plan.yaml
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan batch shares, hosts, grouping and codecs for a cluster, and explain why",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True, help="cluster spec YAML (the one the emulator and simulator read)")
+    p.add_argument("--workload", default="charlm", help="charlm, digits, or package.module:function")
+    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="a model option, e.g. --set model.width=256 (repeatable)")
+    p.add_argument("--data", help="text file or folder for charlm (only to measure without --profile)")
+    p.add_argument("--batch-size", type=int, help="global batch per step (default: the workload's)")
+    p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure this machine now)")
+    p.add_argument("--codecs", help="candidate codecs, lightest first, comma-separated "
+                   "(default: none,bf16,bfp,int8,powersgd:rank=4,topk:ratio=0.01)")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: the profile's)")
+    p.add_argument("--colocated", type=float, metavar="CORES",
+                   help="all hosts share CORES cores, as on an emulated cluster (default: separate machines)")
+    p.add_argument("--device", help="with --mfu: take compute from this device table entry's peak FLOP/s")
+    p.add_argument("--mfu", type=float, help="utilization of --device's peak (e.g. 0.4)")
+    p.add_argument("--keep", type=int, default=6, help="alternatives kept in the plan file (default 6)")
+    p.add_argument("--out", required=True, help="plan YAML to write")
+    p.set_defaults(func=run)
+
+
+def model_options(sets: list[str]) -> dict:
+    """``--set model.width=256`` -> ``{"width": 256}``; only ``model.*`` keys are planning inputs."""
+    from thinwire.train.config import parse_override
+
+    out = {}
+    for item in sets:
+        keys, value = parse_override(item)
+        check(len(keys) == 2 and keys[0] == "model", "--set", item, "model.KEY=VALUE such as model.width=256",
+              "Other training settings do not change the plan.")
+        out[keys[1]] = value
+    return out
+
+
+def codec_list(text: str | None) -> tuple[str, ...]:
+    from thinwire.compress.spec import parse_codec_spec
+    from thinwire.plan.planner import DEFAULT_CODECS
+
+    if not text:
+        return DEFAULT_CODECS
+    items = tuple(c.strip() for c in text.split(",") if c.strip())
+    if not items:
+        raise ConfigError("--codecs", text, "comma-separated codec specs such as none,bf16,int8")
+    for c in items:
+        parse_codec_spec(c)
+    return items if "none" in items else ("none", *items)
+
+
+def run(args: argparse.Namespace) -> int:
+    from thinwire.cluster.spec import load_cluster_spec
+    from thinwire.plan.planfile import save_plan
+    from thinwire.plan.planner import PlanOptions, make_plan
+    from thinwire.workloads.registry import check_workload_name
+
+    check_workload_name(args.workload)
+    model = model_options(args.set)
+    spec = load_cluster_spec(args.cluster)
+    codecs = codec_list(args.codecs)
+    check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
+    batch = args.batch_size or _default_batch(args, model)
+    opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,
+                       device=args.device, mfu=args.mfu, keep=args.keep)
+    profile = _profile(args, model, batch, len(spec.hosts), codecs)
+    plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
+    path = save_plan(plan, args.out)
+    show(plan)
+    Console().print(f"wrote {path} (planned in {plan.planning['seconds'] * 1e3:.0f} ms, "
+                    f"{plan.planning['candidates_scored']} candidates priced)")
+    return 0
+
+
+def _default_batch(args, model: dict) -> int:
+    from thinwire.workloads.registry import build_workload
+
+    return build_workload(args.workload, model, args.data).batch_size
+
+
+def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...]):
+    from thinwire.perf_profile.file import load_profile
+
+    if args.profile:
+        return load_profile(args.profile)
+    from thinwire.perf_profile.run import profile_workload
+
+    per = max(1, math.ceil(batch / hosts))
+    sizes = sorted({max(1, per // 2), per, min(batch, 2 * per)}, reverse=True)
+    Console(stderr=True).print(f"no --profile: measuring {args.workload} on this machine at per-host batches {sizes} "
+                               "(save one with `thinwire profile` to skip this)")
+    return profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
+                            threads=args.threads or 1, codecs=list(codecs), reps=6)
+
+
+def show(plan) -> None:
+    console = Console()
+    if not plan.executable:
+        _show_pipeline(console, plan)
+    else:
+        console.print(candidates_table(plan))
+        console.print(hosts_table(plan))
+    for line in plan.explanation:
+        console.print(f"- {escape(line)}", highlight=False)
+
+
+def candidates_table(plan) -> Table:
+    base = plan.baselines.get("uniform_ddp_fp32_s")
+    t = Table(title=f"plan for {plan.workload} on {plan.cluster}, global batch {plan.global_batch} "
+                    "(predicted by the performance model)")
+    for col in ("#", "plan", "step ms", "vs uniform fp32", "compute ms", "exposed comm ms", "MB/step"):
+        t.add_column(col, justify="left" if col == "plan" else "right")
+    for i, d in enumerate([plan.chosen, *plan.alternatives]):
+        t.add_row("chosen" if i == 0 else str(i), escape(d.name), f"{d.predicted_step_s * 1e3:.1f}",
+                  f"{base / d.predicted_step_s:.2f}x" if base else "-", f"{d.compute_s * 1e3:.1f}",
+                  f"{d.exposed_comm_s * 1e3:.1f}", f"{d.bytes_per_step / 1e6:.2f}", style="bold" if i == 0 else None)
+    return t
+
+
+def hosts_table(plan) -> Table:
+    d = plan.chosen
+    leaders = {g[0] for g in d.groups}
+    t = Table(title=f"chosen: {d.collective}, codecs {', '.join(sorted(set(d.codecs)))}")
+    for col in ("rank", "host", "share", "micro-batch", "role"):
+        t.add_column(col, justify="right" if col != "host" else "left")
+    for r, (h, s, m) in enumerate(zip(d.hosts, d.shares, d.micro)):
+        role = "group leader" if h in leaders else ("group member" if d.groups else "ring")
+        t.add_row(str(r), h, str(s), str(m), role)
+    for h in d.left_out:
+        t.add_row("-", h, "-", "-", "left out", style="dim")
+    return t
+
+
+def _show_pipeline(console: Console, plan) -> None:
+    t = Table(title=f"pipeline stages for {plan.workload} on {plan.cluster} (reported only, not executed)")
+    for col in ("stage", "host", "parameters", "values", "MiB", "ms/sample"):
+        t.add_column(col, justify="right")
+    for i, s in enumerate(plan.pipeline.stages):
+        t.add_row(str(i), s.host, f"{s.first_param}-{s.last_param}", f"{s.parameters:,}",
+                  f"{s.memory_bytes / 2**20:.1f}", f"{s.seconds_per_sample * 1e3:.2f}")
+    console.print(t)
+    console.print(f"[yellow]{plan.pipeline.note}: `thinwire train --plan` refuses this plan.[/yellow]")

@@ -1,0 +1,179 @@
+"""Plain-words explanation of a plan: the bottleneck, and what each decision buys.
+
+Each decision is priced by taking it back with the others kept (an ablation through the same
+performance model): even shares instead of uneven ones, every host kept instead of leaving one
+out, a flat ring instead of the hierarchical collective, fp32 instead of the chosen codecs. The
+difference in predicted step time is what the decision buys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from thinwire.perf import collectives as coll
+from thinwire.plan.search import HostModel, Layout, Problem, Scored, allocate, caps_for, even, micro_for, score
+
+
+def _even(shares) -> bool:
+    return max(shares) - min(shares) <= 1
+
+
+def _listing(items: list[str], most: int = 8) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def codec_words(codecs: tuple[str, ...] | list[str]) -> str:
+    if len(set(codecs)) == 1:
+        return codecs[0]
+    return ", ".join(f"{c} on bucket {i}" for i, c in enumerate(codecs))
+
+
+def name(pb: Problem, s: Scored) -> str:
+    """A short name: hosts, shares, collective, codecs."""
+    lay = s.layout
+    left = [h.name for i, h in enumerate(pb.hosts) if i not in lay.hosts]
+    hosts = f"{len(lay.hosts)} hosts" + (f" without {_listing(left, 4)}" if left else "")
+    shares = "even shares" if _even(lay.shares) else "uneven shares"
+    if lay.groups:
+        groups = " | ".join(",".join(pb.hosts[i].name for i in g) for g in lay.groups)
+        coll_ = f"hierarchical [{groups}]"
+    else:
+        coll_ = "ring"
+    prefix = "uniform DDP, " if lay.uniform else ""
+    return f"{prefix}{hosts}, {shares}, {coll_}, {codec_words(lay.codecs)}"
+
+
+def ring_bottleneck(pb: Problem, idx: tuple[int, ...]) -> str:
+    """The slowest edge of the ring over ``idx``, in words."""
+    hs = [pb.hosts[i] for i in idx]
+    rates = coll.ring_edge_rates([h.bandwidth for h in hs], [h.group for h in hs], pb.links)
+    k = min(range(len(rates)), key=rates.__getitem__)
+    a, b = hs[k], hs[(k + 1) % len(hs)]
+    where = f"the {a.group}-{b.group} link" if a.group != b.group and frozenset((a.group, b.group)) in pb.links \
+        else f"the access link of {a.name if a.bandwidth <= b.bandwidth else b.name}"
+    return f"{where} at {rates[k] / 1e6:g} Mbit/s ({a.name} -> {b.name})"
+
+
+def bottleneck(pb: Problem, s: Scored) -> str:
+    """Which resource sets the pace of ``s``: the slowest host's compute, or the network."""
+    lay = s.layout
+    times = {pb.hosts[h].name: pb.host_compute(b, m).total_s / pb.hosts[h].speed
+             for h, b, m in zip(lay.hosts, lay.shares, lay.micro)}
+    slow, fast = max(times, key=times.get), min(times, key=times.get)
+    wait = times[slow] - times[fast]
+    exposed = s.timeline.exposed_comm_s
+    if exposed <= 0.05 * s.step_s and wait <= 0.05 * s.step_s:
+        return f"compute, balanced: every host computes for about {_ms(times[slow])}"
+    if wait >= exposed:
+        h = next(x for x in pb.hosts if x.name == slow)
+        return (f"compute on {slow} (speed {h.speed:g}): it computes for {_ms(times[slow])} while "
+                f"{fast} is done after {_ms(times[fast])} and waits")
+    ring = tuple(g[0] for g in lay.groups) if lay.groups else lay.hosts
+    return (f"the network: {_ms(exposed)} of communication is not hidden behind backward; "
+            f"the slowest edge{' between leaders' if lay.groups else ''} is {ring_bottleneck(pb, ring)}")
+
+
+def _ablation(pb: Problem, chosen: Scored, **change) -> Scored:
+    return score(pb, dataclasses.replace(chosen.layout, **change))
+
+
+def _shares_line(pb: Problem, c: Scored) -> str | None:
+    lay = c.layout
+    if _even(lay.shares):
+        return None
+    caps, _ = caps_for(pb, lay.hosts, lay.groups)
+    shares = even(pb.batch, len(lay.hosts))
+    alt = _ablation(pb, c, shares=shares, micro=tuple(micro_for(k, s) for k, s in zip(caps, shares)))
+    per = _listing([f"{pb.hosts[h].name} {b}" for h, b in zip(lay.hosts, lay.shares)], 12)
+    return (f"Uneven batch shares ({per}; about proportional to speed, so no host waits for a slower one) "
+            f"instead of even ones: saves {_ms(alt.step_s - c.step_s)} per step ({_ms(alt.step_s)} -> "
+            f"{_ms(c.step_s)}). Losses are weighted by share x world / batch, so the update equals the uniform one.")
+
+
+def _left_out_line(pb: Problem, c: Scored) -> str | None:
+    lay = c.layout
+    out = [i for i in range(len(pb.hosts)) if i not in lay.hosts]
+    if not out:
+        return None
+    everyone = tuple(range(len(pb.hosts)))
+    caps, ok = caps_for(pb, everyone, None)
+    got = allocate(pb, everyone, caps)
+    reasons = _listing([f"{pb.hosts[i].name} (speed {pb.hosts[i].speed:g}, {pb.hosts[i].bandwidth / 1e6:g} Mbit/s)"
+                        for i in out])
+    if got is None:
+        return f"Leaving out {reasons}: the global batch is smaller than the number of hosts."
+    codecs = lay.codecs if ok else ("none",) * len(lay.codecs)
+    alt = score(pb, Layout(everyone, got[0], tuple(micro_for(k, s) for k, s in zip(caps, got[0])), None, codecs))
+    return (f"Leaving out {reasons}: every step would otherwise wait for it (its compute or its link); keeping it (balanced shares, a flat ring, "
+            f"the same codecs) is predicted at {_ms(alt.step_s)}, {_ms(alt.step_s - c.step_s)} slower.")
+
+
+def _grouping_line(pb: Problem, c: Scored) -> str | None:
+    lay = c.layout
+    if not lay.groups:
+        return None
+    alt = _ablation(pb, c, groups=None)
+    leaders = ", ".join(pb.hosts[g[0]].name for g in lay.groups)
+    return (f"Hierarchical all-reduce (dense fp32 inside each group, the codec only between the leaders {leaders}) "
+            f"instead of one ring through the slow link: saves {_ms(alt.step_s - c.step_s)} per step "
+            f"({_ms(alt.step_s)} -> {_ms(c.step_s)}).")
+
+
+def _codec_line(pb: Problem, c: Scored) -> str | None:
+    lay = c.layout
+    if set(lay.codecs) == {"none"}:
+        return "No compression: the codecs' own cost would exceed what they save on the wire."
+    alt = _ablation(pb, c, codecs=("none",) * len(lay.codecs))
+    where = "between group leaders" if lay.groups else "on the ring"
+    return (f"Codec {codec_words(lay.codecs)} {where}: {alt.codec_bytes / 1e6:.2f} -> {c.codec_bytes / 1e6:.2f} MB "
+            f"sent per step by {'each leader' if lay.groups else 'each rank'}, saves {_ms(alt.step_s - c.step_s)} "
+            f"per step ({_ms(alt.step_s)} -> {_ms(c.step_s)}) after paying its encode/decode time.")
+
+
+def _micro_line(pb: Problem, c: Scored) -> str | None:
+    lay = c.layout
+    parts = [f"{pb.hosts[h].name} accumulates micro-batches of {m} (share {b})"
+             for h, b, m in zip(lay.hosts, lay.shares, lay.micro) if m < b]
+    return ("To fit memory: " + _listing(parts) + ".") if parts else None
+
+
+def explain(pb: Problem, chosen: Scored, base: dict[str, Scored | None], all_hosts: list[HostModel],
+            notes: list[str]) -> list[str]:
+    """The explanation's lines, in the order a reader needs them."""
+    lines = []
+    fp32 = base.get("none")
+    if fp32 is not None:
+        lines.append(f"Uniform DDP fp32 over {len(fp32.layout.hosts)} hosts is predicted at {_ms(fp32.step_s)} per step; "
+                     f"its bottleneck is {bottleneck(pb, fp32)}.")
+        singles = [s for s in base.values() if s is not None]
+        best = min(singles, key=lambda s: s.step_s)
+        lines.append(f"Chosen: {name(pb, chosen)}: {_ms(chosen.step_s)} per step, {fp32.step_s / chosen.step_s:.2f}x "
+                     f"uniform DDP fp32 and {best.step_s / chosen.step_s:.2f}x uniform DDP with the best single codec "
+                     f"({best.layout.codecs[0]}, {_ms(best.step_s)}).")
+    else:
+        lines.append(f"Uniform DDP cannot run: the global batch ({pb.batch}) is smaller than the {len(pb.hosts)} hosts. "
+                     f"Chosen: {name(pb, chosen)}: {_ms(chosen.step_s)} per step.")
+    for h in all_hosts:
+        if h not in pb.hosts:
+            lines.append(f"{h.name} is left out: it cannot hold the model and one sample's activations in its memory.")
+    for fn in (_left_out_line, _shares_line, _grouping_line, _codec_line, _micro_line):
+        line = fn(pb, chosen)
+        if line:
+            lines.append(line)
+    lines.append(f"What remains: {bottleneck(pb, chosen)}.")
+    return lines + [f"Note: {n}." for n in notes]
+
+
+def pipeline_lines(pipe, profile, all_hosts: list[HostModel]) -> list[str]:
+    stages = "; ".join(f"{s.host}: parameters {s.first_param}-{s.last_param} ({s.parameters:,} values, "
+                       f"{s.memory_bytes / 2**20:.1f} MiB, {_ms(s.seconds_per_sample)}/sample)" for s in pipe.stages)
+    return [f"No host can hold {profile.parameters:,} parameters with their gradients, optimizer state and one "
+            "sample's activations, so data parallelism is impossible here.",
+            f"A pipeline of {len(pipe.stages)} stages fits: {stages}. Its slowest stage takes "
+            f"{_ms(pipe.bottleneck_s_per_sample)} per sample (compute taken proportional to parameters; "
+            "activation transfers between stages not priced).",
+            "This plan is reported only: thinwire does not execute pipeline plans yet, so `train --plan` refuses it."]

@@ -1,0 +1,309 @@
+"""The plan file: what ``thinwire plan`` decided, and the small pure helpers ``train --plan`` executes it with.
+
+A plan is YAML (:func:`save_plan` / :func:`load_plan`). Its ``chosen`` entry is a :class:`Decision`,
+everything the trainer needs:
+
+* ``hosts``: the hosts that train, in rank order (a host left out is listed in ``left_out``);
+* ``shares``: each host's per-step batch (uneven so fast hosts do not wait; they sum to
+  ``global_batch``); ``micro``: the micro-batch each host accumulates over to fit its memory;
+* ``collective``: ``ring`` (one all-reduce over every host) or ``hierarchical`` (``groups``, the first
+  host of each group its leader: dense fp32 inside a group, the bucket's codec between leaders);
+* ``codecs``: the codec spec of each DDP bucket (profile's layout at ``bucket_mb``).
+
+With uneven shares each rank's loss is its own batch's mean, and DDP averages the ranks' gradients
+with equal weights; :func:`loss_weight` rescales rank ``r``'s loss by ``share_r * world / global_batch``
+so that the average is exactly the gradient of the global batch's mean loss:
+``(1/W) sum_r (s_r W / B) grad mean_r = sum_r (s_r / B) grad mean_r = grad mean_B``.
+
+A plan records fingerprints of the cluster spec and of the workload (name and resolved model
+options): :func:`load_plan` refuses a plan made for another cluster or workload, naming what differs.
+
+Example::
+
+    plan = load_plan("plan.yaml", spec, "charlm", {"width": 128})
+    shares = plan.shares(world)                     # per-rank batch, rank order = plan.hosts
+    loss = loss_fn(model(x), y) * loss_weight(rank, shares)
+    state = attach_plan(ddp_model, plan)            # per-bucket codecs, ring or hierarchical
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from thinwire.config import check, from_dict, load_yaml, to_dict
+from thinwire.errors import ConfigError, ThinwireError
+
+log = logging.getLogger("thinwire.plan")
+VERSION = 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class Decision:
+    """One complete candidate plan and its predicted step (see the module docstring)."""
+
+    name: str
+    hosts: list[str]
+    shares: list[int]
+    micro: list[int]
+    collective: Literal["ring", "hierarchical"] = "ring"
+    groups: list[list[str]] = dataclasses.field(default_factory=list)
+    codecs: list[str]
+    left_out: list[str] = dataclasses.field(default_factory=list)
+    predicted_step_s: float
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    bytes_per_step: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.hosts)
+        check(n >= 1, "hosts", self.hosts, "at least one host")
+        check(len(self.shares) == n and len(self.micro) == n, "shares", self.shares, f"one entry per host ({n})")
+        check(min(self.shares) >= 1, "shares", self.shares, "integers >= 1")
+        check(all(1 <= m <= s for m, s in zip(self.micro, self.shares)), "micro", self.micro,
+              "per host an integer in [1, its share]")
+        if self.collective == "hierarchical":
+            flat = sorted(h for g in self.groups for h in g)
+            check(flat == sorted(self.hosts), "groups", self.groups, "a partition of the plan's hosts")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Stage:
+    """One pipeline stage: parameters ``[first, last]`` (model order) on ``host``."""
+
+    host: str
+    first_param: int
+    last_param: int
+    parameters: int
+    memory_bytes: int
+    seconds_per_sample: float
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelinePlan:
+    stages: list[Stage]
+    bottleneck_s_per_sample: float
+    note: str = "reported only: thinwire does not execute pipeline plans yet"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Plan:
+    version: int = VERSION
+    cluster: str
+    cluster_fingerprint: str
+    cluster_hosts: dict[str, str]           # host -> "group, cpu, bit/s, memory": for naming a mismatch
+    workload: str
+    model: dict = dataclasses.field(default_factory=dict)
+    workload_fingerprint: str
+    parameters: int
+    global_batch: int
+    bucket_mb: float
+    bucket_numels: list[int]
+    threads: int = 1
+    executable: bool = True
+    chosen: Decision | None = None
+    alternatives: list[Decision] = dataclasses.field(default_factory=list)
+    baselines: dict[str, float | str] = dataclasses.field(default_factory=dict)
+    explanation: list[str] = dataclasses.field(default_factory=list)
+    pipeline: PipelinePlan | None = None
+    planning: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(self.version == VERSION, "version", self.version, f"{VERSION}",
+              "The plan was written by another thinwire version; run `thinwire plan` again.")
+        if self.chosen is not None:
+            check(sum(self.chosen.shares) == self.global_batch, "chosen.shares", self.chosen.shares,
+                  f"integers summing to global_batch ({self.global_batch})")
+
+    # -- what the trainer calls ------------------------------------------------------------------
+    @property
+    def decision(self) -> Decision:
+        if self.chosen is None or not self.executable:
+            raise ThinwireError("plan: this plan is not executable: " + (self.pipeline.note if self.pipeline else
+                                "it holds no data-parallel decision") + ". Plan for hosts that can hold the model.")
+        return self.chosen
+
+    @property
+    def hosts(self) -> list[str]:
+        """The hosts that train, in rank order."""
+        return list(self.decision.hosts)
+
+    def shares(self, world: int) -> list[int]:
+        """Per-rank batch sizes (rank ``r`` is ``hosts[r]``); ``world`` must be the plan's host count."""
+        d = self.decision
+        if world != len(d.hosts):
+            raise ThinwireError(f"plan: made for {len(d.hosts)} workers ({', '.join(d.hosts)}), but this job has "
+                                f"{world}. Launch exactly the plan's hosts" +
+                                (f" (it leaves out {', '.join(d.left_out)})" if d.left_out else "") + ".")
+        return list(d.shares)
+
+    def micro_batch(self, rank: int) -> int:
+        return self.decision.micro[self._rank(rank)]
+
+    def micro_sizes(self, rank: int) -> list[int]:
+        """Rank ``rank``'s share cut into near-equal micro-batches of at most ``micro_batch(rank)``."""
+        share, micro = self.decision.shares[self._rank(rank)], self.micro_batch(rank)
+        k = math.ceil(share / micro)
+        return [share // k + (1 if i < share % k else 0) for i in range(k)]
+
+    def codec_spec(self, bucket: int) -> str:
+        """The codec of DDP bucket ``bucket`` (``none`` beyond the planned layout)."""
+        codecs = self.decision.codecs
+        return codecs[bucket] if 0 <= bucket < len(codecs) else "none"
+
+    def policy(self) -> "PlanPolicy":
+        return PlanPolicy(self.decision.codecs, self.bucket_numels)
+
+    def rank_groups(self) -> list[list[int]]:
+        """Hierarchical groups as rank lists (leader first); one group of all ranks for a ring."""
+        d = self.decision
+        if d.collective != "hierarchical":
+            return [list(range(len(d.hosts)))]
+        return [[d.hosts.index(h) for h in g] for g in d.groups]
+
+    def select(self, index: int) -> "Plan":
+        """A copy whose chosen decision is ``alternatives[index]`` (to measure an alternative)."""
+        alt = self.alternatives[index]
+        return dataclasses.replace(self, chosen=alt, alternatives=[self.decision] + [
+            a for i, a in enumerate(self.alternatives) if i != index])
+
+    def _rank(self, rank: int) -> int:
+        n = len(self.decision.hosts)
+        if not 0 <= rank < n:
+            raise ThinwireError(f"plan: rank {rank} is outside the plan's {n} workers.")
+        return rank
+
+
+def loss_weight(rank: int, shares: list[int]) -> float:
+    """Scale of rank ``rank``'s mean loss so DDP's equal average is the global-batch mean gradient:
+    ``share_r * world / global_batch`` (1.0 for even shares)."""
+    if not 0 <= rank < len(shares) or min(shares) < 1:
+        raise ValueError(f"rank must index shares and shares must be >= 1, got rank {rank}, shares {shares}")
+    return shares[rank] * len(shares) / sum(shares)
+
+
+class PlanPolicy:
+    """The hook's :class:`~thinwire.compress.hook.Policy` for a plan: a fixed codec per bucket index.
+
+    Every rank holds the same plan, so every rank answers identically. A bucket whose size differs
+    from the planned layout (another ``bucket_mb``, another model) is logged once."""
+
+    def __init__(self, codecs: list[str], numels: list[int] | None = None) -> None:
+        from thinwire.compress.spec import parse_codec_spec
+
+        self.specs = list(codecs)
+        self.codecs = [parse_codec_spec(c) for c in self.specs]
+        self.none = parse_codec_spec("none")
+        self.numels = list(numels or [])
+        self._warned: set[int] = set()
+
+    def codec_for(self, bucket: int, numel: int, step: int):
+        if bucket < len(self.numels) and self.numels[bucket] != numel and bucket not in self._warned:
+            self._warned.add(bucket)
+            log.warning("plan: bucket %d holds %d values, the plan expected %d; its planned codec is used anyway",
+                        bucket, numel, self.numels[bucket])
+        return self.codecs[bucket] if bucket < len(self.codecs) else self.none
+
+    def describe(self) -> str:
+        if len(set(self.specs)) == 1:
+            return f"plan[{self.specs[0]}]"
+        return "plan[" + ", ".join(f"{i}:{c}" for i, c in enumerate(self.specs)) + "]"
+
+
+def attach_plan(model, plan: Plan, **attach_kwargs):
+    """Attach the plan's communication to a DDP ``model`` (rank ``r`` is ``plan.hosts[r]``): per-bucket
+    codecs over a ring, or the hierarchical collective (:mod:`thinwire.compress.hierarchical`) over
+    ``plan.rank_groups()``. ``attach_kwargs`` (error_feedback, warmup_steps, timeout_s, ...) go to ``attach``."""
+    if plan.decision.collective == "hierarchical":
+        from thinwire.compress.hierarchical import attach_hierarchical
+
+        return attach_hierarchical(model, plan.policy(), groups=plan.rank_groups(), **attach_kwargs)
+    from thinwire.compress.hook import attach
+
+    return attach(model, plan.policy(), **attach_kwargs)
+
+
+# -- fingerprints ---------------------------------------------------------------------------------
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def host_summary(spec) -> dict[str, str]:
+    """Host -> what the plan depends on, in words (compared to name a mismatch)."""
+    out = {}
+    for h in spec.hosts:
+        mem = f"{h.memory} B" if h.memory else "no memory limit"
+        out[h.name] = f"group {h.group}, cpu {h.cpu if h.cpu is not None else 'uncapped'}, {h.bandwidth / 1e6:g} Mbit/s, {mem}"
+    for link in spec.links:
+        a, b = sorted(link.between)
+        out[f"link {a}-{b}"] = f"{link.bandwidth / 1e6:g} Mbit/s, latency {link.latency or 0:g} s"
+    return out
+
+
+def cluster_fingerprint(spec) -> str:
+    """What the plan depends on: hosts and links, resolved (not the cluster's name or subnet)."""
+    return _digest(host_summary(spec))
+
+
+def normalized_model(workload: str, model: dict) -> dict:
+    """Model options with a built-in workload's defaults filled in (``width=128`` given or not)."""
+    from thinwire.workloads.registry import model_defaults
+
+    return {**model_defaults(workload), **dict(model)}
+
+
+def workload_fingerprint(workload: str, model: dict) -> str:
+    return _digest({"workload": workload, "model": normalized_model(workload, model)})
+
+
+# -- reading and writing --------------------------------------------------------------------------
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(plan), sort_keys=False, width=120))
+    return path
+
+
+def read_plan(path: str | Path) -> Plan:
+    """Read a plan file without checking it against a cluster or workload."""
+    if not Path(path).is_file():
+        raise ThinwireError(f"plan: file {str(path)!r} does not exist. Make one with "
+                            f"`thinwire plan --cluster SPEC --workload W --out {path}`.")
+    return from_dict(Plan, load_yaml(path, what="plan"), where="plan")
+
+
+def load_plan(path: str | Path, spec, workload_name: str, model_options: dict, *,
+              batch_size: int | None = None) -> Plan:
+    """Read a plan and refuse it unless it was made for ``spec`` and this workload (and, if given,
+    this global batch); the error names what differs."""
+    plan = read_plan(path)
+    fix = f"Make a plan for this run: thinwire plan --cluster SPEC --workload {workload_name} --out {path}"
+    if plan.cluster_fingerprint != cluster_fingerprint(spec):
+        raise ThinwireError(f"plan: {path} was made for cluster {plan.cluster!r}, not for this cluster "
+                            f"{spec.name!r}: {_diff(plan.cluster_hosts, host_summary(spec))}. {fix}.")
+    if plan.workload_fingerprint != workload_fingerprint(workload_name, model_options):
+        mine = normalized_model(workload_name, model_options)
+        what = f"workload {plan.workload!r}, not {workload_name!r}" if plan.workload != workload_name else \
+            "model options " + _diff(plan.model, mine)
+        raise ThinwireError(f"plan: {path} was made for another workload: {what}. {fix}.")
+    if batch_size is not None and batch_size != plan.global_batch:
+        raise ConfigError("batch_size", batch_size, f"the plan's global batch ({plan.global_batch})",
+                          "Leave --batch-size out with --plan, or plan again with --batch-size.")
+    return plan
+
+
+def _diff(planned: dict, now: dict) -> str:
+    parts = []
+    for key in sorted(set(planned) | set(now), key=str):
+        if planned.get(key) != now.get(key):
+            old = "absent" if key not in planned else f"{planned[key]}"
+            new = "absent" if key not in now else f"{now[key]}"
+            parts.append(f"{key}: {old} in the plan, {new} now")
+    return "; ".join(parts[:4]) + (f" (and {len(parts) - 4} more)" if len(parts) > 4 else "") if parts else "same values"

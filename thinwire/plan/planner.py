@@ -1,0 +1,296 @@
+"""``thinwire plan``: from a cluster spec, a workload profile and a global batch to a plan file.
+
+Steps of :func:`make_plan`:
+
+1. **Hosts as the model sees them** (the simulator's conventions, :mod:`thinwire.sim.inputs`): speed
+   = cores it computes with over the profile's threads (``cpu`` in the spec; on an emulated cluster,
+   its fair share of this machine's cores); compute phases at any per-rank batch on a line through
+   the profile's measured points, or scaled to a device of :mod:`thinwire.perf.devices`
+   at a utilization (``device``/``mfu``).
+2. **Memory** (:mod:`thinwire.perf.memory`, ZeRO's accounting): parameters, gradients, AdamW state,
+   DDP's bucket copy, error-feedback residuals when the host compresses, activations per sample
+   from the profile. The largest micro-batch that fits is the host's cap; a host that cannot hold
+   the model with one sample is left out. If no host can, a pipeline partition is planned and
+   reported instead (:func:`pipeline_partition`, dynamic programming), and the plan is marked not
+   executable; if even that does not fit, the model fits nowhere and planning fails.
+3. **Search** (:mod:`thinwire.plan.search`): host subsets, groupings, balanced shares, per-bucket
+   codecs, scored by the performance model; uniform DDP with every single codec is always scored,
+   so the chosen plan is never predicted slower than uniform DDP fp32.
+4. **Explain** (:mod:`thinwire.plan.explain`) and write (:mod:`thinwire.plan.planfile`).
+
+Example::
+
+    plan = make_plan(load_cluster_spec("examples/clusters/plan-a-slow-cpu.yaml"), load_profile("p.yaml"),
+                     workload="charlm", model={}, options=PlanOptions(batch_size=32))
+    save_plan(plan, "plan.yaml")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+from thinwire.cluster.spec import ClusterSpec, HostSpec
+from thinwire.config import check
+from thinwire.errors import ThinwireError
+from thinwire.perf.memory import memory_per_rank, residual_values
+from thinwire.perf.model import Bucket, Compute
+from thinwire.perf_profile.file import DEFAULT_ALPHA_S, Profile
+from thinwire.plan import explain
+from thinwire.plan.planfile import (Decision, PipelinePlan, Plan, Stage, cluster_fingerprint, host_summary,
+                                    normalized_model, workload_fingerprint)
+from thinwire.plan.search import HostModel, Problem, Scored, search, uniform
+from thinwire.sim import inputs
+
+# lightest first: on a tie the lighter codec (closer to fp32 numerics) wins
+DEFAULT_CODECS = ("none", "bf16", "bfp", "int8", "powersgd:rank=4", "topk:ratio=0.01")
+MAX_PIPELINE_UNITS = 64
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlanOptions:
+    batch_size: int
+    codecs: tuple[str, ...] = DEFAULT_CODECS
+    threads: int | None = None            # torch threads per worker (default: the profile's)
+    colocated_cores: float | None = None  # all hosts share this many cores (an emulated cluster)
+    device: str | None = None             # with mfu: compute from this device's peak, not the profile's time
+    mfu: float | None = None
+    keep: int = 6                         # alternatives kept in the plan file
+    min_gain: float = 0.02
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        check(self.batch_size >= 1, "--batch-size", self.batch_size, "an integer >= 1")
+        check("none" in self.codecs, "--codecs", ",".join(self.codecs), "a list that includes none",
+              "Uniform DDP fp32 (none) is always a candidate.")
+        check(self.threads is None or self.threads >= 1, "--threads", self.threads, "an integer >= 1")
+        check(self.colocated_cores is None or self.colocated_cores > 0, "--colocated", self.colocated_cores,
+              "a number of cores > 0")
+        check((self.device is None) == (self.mfu is None), "--mfu", self.mfu, "given together with --device")
+        check(self.mfu is None or 0 < self.mfu <= 1, "--mfu", self.mfu, "a fraction of peak in (0, 1]")
+        check(self.keep >= 1, "keep", self.keep, "an integer >= 1")
+
+
+# -- inputs ----------------------------------------------------------------------------------------------
+def check_profile(profile: Profile, workload: str, model: dict) -> None:
+    mine, theirs = normalized_model(workload, model), normalized_model(profile.workload, profile.model)
+    if profile.workload != workload or mine != theirs:
+        raise ThinwireError(f"profile: measured workload {profile.workload!r} with model options {theirs}, but the "
+                            f"plan asks for {workload!r} with {mine}. Profile this workload with `thinwire profile` "
+                            "or pass the matching --profile.")
+
+
+def fitted_compute(profile: Profile, batch: int) -> Compute:
+    """Phases at ``batch`` on a least-squares line through all measured points, slope >= 0 (one point:
+    proportional). Unlike the exact measured point, the line never lets a host look faster with more
+    samples: noise in one point would otherwise make equal hosts get unequal shares."""
+    pts = profile.compute
+    xs = [float(c.batch) for c in pts]
+
+    def line(ys: list[float]) -> float:
+        if len(set(xs)) < 2:
+            return statistics.fmean(y / x for x, y in zip(xs, ys)) * batch
+        slope, intercept = statistics.linear_regression(xs, ys)
+        slope = max(0.0, slope)
+        return max(0.0, statistics.fmean(ys) - slope * statistics.fmean(xs) + slope * batch)
+
+    return Compute(pre_s=line([c.pre_s for c in pts]), backward_s=line([c.backward_s for c in pts]),
+                   post_s=statistics.median(c.post_s for c in pts), std_s=statistics.median(c.std_s for c in pts))
+
+
+def compute_fn(profile: Profile, opts: PlanOptions):
+    """Per-rank batch -> phases at speed 1: the profile's line (:func:`fitted_compute`), or scaled to
+    ``opts.device`` at ``opts.mfu``."""
+    memo: dict[int, Compute] = {}
+    device = None
+    if opts.device is not None:
+        from thinwire.sim.sweep import get_device_checked
+
+        device = get_device_checked(opts.device)
+
+    def at(batch: int) -> Compute:
+        if batch not in memo:
+            c = fitted_compute(profile, batch)
+            if device is not None:
+                f = device.compute_s(profile.flops_per_sample * batch, utilization=opts.mfu) / max(c.total_s, 1e-12)
+                c = Compute(pre_s=c.pre_s * f, backward_s=c.backward_s * f, post_s=c.post_s * f, std_s=c.std_s * f)
+            memo[batch] = c
+        return memo[batch]
+
+    return at
+
+
+def static_bytes(profile: Profile, opts: PlanOptions, *, compressed: bool, p: int) -> int:
+    numels = [b.numel for b in profile.buckets]
+    resid = residual_values(numels, compressed=compressed, p=p, reduced_chunk=compressed)
+    return memory_per_rank(profile.parameters, optimizer=opts.optimizer, residual_values=resid).total
+
+
+def micro_cap(memory: int | None, static: int, per_sample: float) -> int | None:
+    """Largest micro-batch whose activations fit beside ``static`` bytes (None: no limit; 0: none fits)."""
+    if memory is None:
+        return None
+    if static >= memory:
+        return 0
+    return max(0, int((memory - static) // per_sample)) if per_sample > 0 else None
+
+
+def host_models(spec: ClusterSpec, profile: Profile, opts: PlanOptions) -> list[HostModel]:
+    hosts = inputs.replicate_hosts(spec, len(spec.hosts))  # the spec's hosts, group by group (ring order)
+    threads = opts.threads or profile.threads
+    cores = inputs.host_cores(hosts, threads=threads, colocated_cores=opts.colocated_cores)
+    speeds = inputs.host_speeds(cores, profile_threads=profile.threads, threads=threads)
+    p, act = len(hosts), profile.activation_bytes_per_sample
+    dense, comp = static_bytes(profile, opts, compressed=False, p=p), static_bytes(profile, opts, compressed=True, p=p)
+    return [HostModel(name=h.name, group=h.group, speed=s, cores=c, bandwidth=h.bandwidth,
+                      cap_dense=micro_cap(h.memory, dense, act), cap_comp=micro_cap(h.memory, comp, act))
+            for h, s, c in zip(hosts, speeds, cores)]
+
+
+def codec_models(profile: Profile, codecs: tuple[str, ...]) -> tuple[dict, list[str]]:
+    """Codec models priced with the profile's measured costs; codecs it did not measure are dropped
+    (with a note), unless it measured none at all (then bytes only)."""
+    from thinwire.compress.spec import parse_codec_spec, spec_string
+
+    measured = bool(profile.codecs)
+    out, notes = {}, []
+    for c in codecs:
+        name = spec_string(parse_codec_spec(c))
+        if measured and name != "none" and name not in profile.codecs:
+            notes.append(f"codec {name} left out: the profile has no measured cost for it "
+                         f"(add it with `thinwire profile --codecs {name}`)")
+            continue
+        out[name] = inputs.codec_model(name, profile if measured else None)
+    if not measured:
+        notes.append("the profile has no measured codec costs: codecs are priced by their bytes only")
+    return out, notes
+
+
+def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[HostModel]) -> tuple[Problem, list[str]]:
+    codecs, notes = codec_models(profile, opts.codecs)
+    latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
+    alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + latency
+    pb = Problem(hosts=hosts, buckets=[Bucket(numel=b.numel, ready_frac=b.ready_frac) for b in profile.buckets],
+                 compute=compute_fn(profile, opts), codecs=codecs,
+                 links={l.pair: l.bandwidth for l in spec.links}, alpha_s=alpha,
+                 efficiency=inputs.efficiency_of(profile), batch=opts.batch_size,
+                 threads=opts.threads or profile.threads, min_gain=opts.min_gain)
+    return pb, notes
+
+
+# -- pipeline partition (reported, not executed) -------------------------------------------------------
+def _units(profile: Profile) -> list[tuple[int, int, int]]:
+    """(first param, last param, numel) in model order, merged to at most MAX_PIPELINE_UNITS units."""
+    params = sorted((i, math.prod(s)) for b in profile.buckets for i, s in zip(b.params, b.shapes))
+    per = math.ceil(len(params) / MAX_PIPELINE_UNITS)
+    return [(params[k][0], params[min(k + per, len(params)) - 1][0], sum(n for _, n in params[k:k + per]))
+            for k in range(0, len(params), per)]
+
+
+def pipeline_partition(hosts: list[HostSpec], speeds: list[float], profile: Profile, one_sample_s: float,
+                       opts: PlanOptions) -> PipelinePlan | None:
+    """Contiguous stages over hosts in ring order minimising the slowest stage's seconds per sample,
+    each within its host's memory (DP over (hosts used, units placed); a host may be skipped).
+
+    A stage of ``P_s`` of the model's ``P`` parameters holds their weights, gradients and optimizer
+    state and ``P_s / P`` of one sample's activations, and computes ``P_s / P`` of a step per sample
+    (compute proportional to parameters: dense layers). Inter-stage activation transfers are not priced."""
+    units, total = _units(profile), profile.parameters
+    per_param = 8 + memory_per_rank(1, optimizer=opts.optimizer).optimizer
+    prefix = [0]
+    for u in units:
+        prefix.append(prefix[-1] + u[2])
+    inf = float("inf")
+    best = [[inf] * (len(units) + 1) for _ in range(len(hosts) + 1)]
+    arg: dict[tuple[int, int], int | None] = {}
+    best[0][0] = 0.0
+    for j, h in enumerate(hosts, start=1):
+        for i in range(len(units) + 1):
+            best[j][i], arg[(j, i)] = best[j - 1][i], None  # host j unused
+            for k in range(i):
+                n = prefix[i] - prefix[k]
+                mem = n * per_param + profile.activation_bytes_per_sample * n / total
+                if h.memory is not None and mem > h.memory:
+                    continue
+                t = max(best[j - 1][k], one_sample_s * n / total / speeds[j - 1])
+                if t < best[j][i]:
+                    best[j][i], arg[(j, i)] = t, k
+    if best[len(hosts)][len(units)] == inf:
+        return None
+    stages, i = [], len(units)
+    for j in range(len(hosts), 0, -1):
+        k = arg[(j, i)]
+        if k is None:
+            continue
+        n = prefix[i] - prefix[k]
+        stages.append(Stage(host=hosts[j - 1].name, first_param=units[k][0], last_param=units[i - 1][1], parameters=n,
+                            memory_bytes=int(n * per_param + profile.activation_bytes_per_sample * n / total),
+                            seconds_per_sample=one_sample_s * n / total / speeds[j - 1]))
+        i = k
+    return PipelinePlan(stages=stages[::-1], bottleneck_s_per_sample=best[len(hosts)][len(units)])
+
+
+def fits_nowhere(spec: ClusterSpec, profile: Profile, opts: PlanOptions, workload: str) -> ThinwireError:
+    need = static_bytes(profile, opts, compressed=False, p=len(spec.hosts)) + profile.activation_bytes_per_sample
+    largest = max(spec.hosts, key=lambda h: h.memory or 0)
+    total = sum(h.memory or 0 for h in spec.hosts)
+    return ThinwireError(
+        f"model: {workload} with {profile.parameters:,} parameters fits nowhere: training it with one sample needs "
+        f"{need / 2**20:.1f} MiB on a host (parameters, gradients, {opts.optimizer} state, DDP buckets, activations), "
+        f"the largest host {largest.name} has {largest.memory / 2**20:.1f} MiB, and no pipeline partition across all "
+        f"{len(spec.hosts)} hosts ({total / 2**20:.1f} MiB in total) fits either. Give the hosts more memory "
+        "(hosts[].memory) or plan a smaller model (--set model.width=...).")
+
+
+# -- assembling the plan --------------------------------------------------------------------------------
+def decision(pb: Problem, s: Scored, left_out: list[str]) -> Decision:
+    lay = s.layout
+    names = [pb.hosts[i].name for i in lay.hosts]
+    out = left_out + [h.name for i, h in enumerate(pb.hosts) if i not in lay.hosts]
+    groups = [[pb.hosts[i].name for i in g] for g in lay.groups] if lay.groups else []
+    return Decision(name=explain.name(pb, s), hosts=names, shares=list(lay.shares), micro=list(lay.micro),
+                    collective="hierarchical" if lay.groups else "ring", groups=groups, codecs=list(lay.codecs),
+                    left_out=out, predicted_step_s=s.step_s, compute_s=s.compute_s,
+                    exposed_comm_s=s.timeline.exposed_comm_s, bytes_per_step=s.bytes_per_step)
+
+
+def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict, options: PlanOptions) -> Plan:
+    """Plan ``workload`` on ``spec`` for ``options.batch_size`` (see the module docstring)."""
+    t0 = time.perf_counter()
+    check_profile(profile, workload, model)
+    all_hosts = host_models(spec, profile, options)
+    fit = [h for h in all_hosts if h.cap_dense is None or h.cap_dense >= 1]
+    head = dict(cluster=spec.name, cluster_fingerprint=cluster_fingerprint(spec), cluster_hosts=host_summary(spec),
+                workload=workload, model=normalized_model(workload, model),
+                workload_fingerprint=workload_fingerprint(workload, model), parameters=profile.parameters,
+                global_batch=options.batch_size, bucket_mb=profile.bucket_mb,
+                bucket_numels=[b.numel for b in profile.buckets], threads=options.threads or profile.threads)
+    if not fit:
+        return _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0)
+    pb, notes = problem(spec, profile, options, fit)
+    ranked = search(pb, keep=options.keep + 1)
+    base = {c: uniform(pb, c) for c in pb.codecs}
+    left = [h.name for h in all_hosts if h not in fit]
+    chosen = decision(pb, ranked[0], left)
+    alts = [decision(pb, s, left) for s in ranked[1:]]
+    lines = explain.explain(pb, ranked[0], base, all_hosts, notes)
+    baselines = {}
+    if base["none"] is not None:  # None: fewer samples than hosts, uniform DDP cannot run
+        best_single = min((s for s in base.values() if s is not None), key=lambda s: s.step_s)
+        baselines = {"uniform_ddp_fp32_s": base["none"].step_s, "best_single_codec": best_single.layout.codecs[0],
+                     "best_single_codec_s": best_single.step_s}
+    planning = {"seconds": time.perf_counter() - t0, "candidates_scored": pb.scored, "hosts": len(spec.hosts)}
+    return Plan(**head, chosen=chosen, alternatives=alts, baselines=baselines, explanation=lines, planning=planning)
+
+
+def _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0) -> Plan:
+    hosts = inputs.replicate_hosts(spec, len(spec.hosts))
+    one = compute_fn(profile, options)(1).total_s
+    pipe = pipeline_partition(hosts, [h.speed for h in all_hosts], profile, one, options)
+    if pipe is None:
+        raise fits_nowhere(spec, profile, options, workload)
+    lines = explain.pipeline_lines(pipe, profile, all_hosts)
+    planning = {"seconds": time.perf_counter() - t0, "candidates_scored": 0, "hosts": len(spec.hosts)}
+    return Plan(**head, executable=False, pipeline=pipe, explanation=lines, planning=planning)

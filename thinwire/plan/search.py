@@ -1,0 +1,314 @@
+"""The planner's search: enumerate host subsets and groupings, balance batch shares, pick codecs, score.
+
+Every candidate is priced with the performance model (:mod:`thinwire.perf`), no measurement:
+
+1. **Hosts** (:func:`subsets`): all hosts that fit the model, and the subsets left after dropping
+   the slowest hosts by compute speed, by access bandwidth, or a whole group (each threshold is one
+   of the hosts' own distinct values, at most :data:`MAX_THRESHOLDS` of them).
+2. **Shares** (:func:`allocate`): batch units are handed out one at a time to the host that would
+   finish its compute soonest with one more (greedy, which is optimal for minimising the largest of
+   non-decreasing per-host times); every host gets at least one sample. Each host's time counts its
+   gradient accumulation: ``k = ceil(share / micro)`` micro-batches, with ``micro`` capped by memory.
+3. **Grouping** (:func:`groupings`): a flat ring over the subset; hierarchical over the spec's groups;
+   hierarchical over bandwidth tiers inside groups (a host behind a slow access link becomes its own
+   group). Hierarchical: dense fp32 all-reduce inside each group, the codec between group leaders,
+   broadcast back inside each group.
+4. **Codecs** (:func:`best_codecs`): each candidate codec on every bucket, then coordinate descent
+   per bucket from the best single one (last bucket first: the least hidden behind backward); a
+   codec must beat the current one by ``min_gain`` to replace it, so ties go to the lighter codec.
+5. **Prune**: a subset's balanced compute time is a lower bound of its step; subsets are tried in
+   order of that bound and skipped once it cannot reach the ``keep``-th best step found.
+
+Scoring (:func:`score`) follows :func:`thinwire.perf.model.predict_step` but with per-host compute: bucket
+``i`` is ready when its gradient is ready on the *last* host, ``max_h(pre_h + f_i * backward_h)``;
+the overlap timeline (:func:`thinwire.perf.timeline.overlap_timeline`) then serialises the buckets'
+communication as DDP and thinwire's communication thread do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Callable, Sequence
+
+from thinwire.perf import collectives as coll
+from thinwire.perf.model import Bucket, CodecModel, Compute, Network, bucket_cost
+from thinwire.perf.straggler import blom_z
+from thinwire.perf.timeline import Timeline, overlap_timeline
+
+MAX_THRESHOLDS = 8
+TIER_RATIO = 2.0  # hosts whose access links differ by more than this are in different bandwidth tiers
+
+
+@dataclasses.dataclass(frozen=True)
+class HostModel:
+    """A host as the planner sees it. ``cap_dense``/``cap_comp``: largest micro-batch that fits its
+    memory without / with error-feedback residuals (None: no limit; 0: does not fit)."""
+
+    name: str
+    group: str
+    speed: float
+    cores: float
+    bandwidth: float
+    cap_dense: int | None = None
+    cap_comp: int | None = None
+
+
+@dataclasses.dataclass
+class Problem:
+    """Everything a candidate is scored against (built by :mod:`thinwire.plan.planner`)."""
+
+    hosts: list[HostModel]               # usable hosts, in ring order (group by group)
+    buckets: list[Bucket]
+    compute: Callable[[int], Compute]    # per-rank batch -> seconds at speed 1
+    codecs: dict[str, CodecModel]        # candidates, lightest first, "none" included
+    links: dict[frozenset, float]        # group pair -> bit/s
+    alpha_s: float
+    efficiency: float
+    batch: int
+    threads: int = 1
+    min_gain: float = 0.02
+    scored: int = 0                      # candidates priced so far
+    _memo: dict = dataclasses.field(default_factory=dict)
+
+    def host_compute(self, batch: int, micro: int) -> Compute:
+        """Phases of one step of ``batch`` samples in micro-batches of at most ``micro`` (speed 1): the
+        earlier micro-batches' forward + backward run before the last one's, whose backward overlaps
+        communication (DDP's ``no_sync`` until the last)."""
+        key = (batch, micro)
+        if key not in self._memo:
+            k = math.ceil(batch / micro)
+            sizes = [batch // k + (1 if i < batch % k else 0) for i in range(k)]
+            parts = [self.compute(s) for s in sizes]
+            head = sum(p.pre_s + p.backward_s for p in parts[:-1])
+            last = parts[-1]
+            self._memo[key] = Compute(pre_s=head + last.pre_s, backward_s=last.backward_s, post_s=last.post_s,
+                                      std_s=max(p.std_s for p in parts))
+        return self._memo[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A candidate: host indices (into ``Problem.hosts``), their shares and micro-batches, groups
+    (tuples of host indices, leader first; ``None`` for a flat ring) and a codec per bucket."""
+
+    hosts: tuple[int, ...]
+    shares: tuple[int, ...]
+    micro: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...] | None
+    codecs: tuple[str, ...]
+    uniform: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    layout: Layout
+    step_s: float
+    compute_s: float
+    timeline: Timeline
+    bytes_per_step: int      # the busiest rank's, every collective
+    codec_bytes: int         # of which through the codec (the ring, or between group leaders)
+
+
+# -- pricing -----------------------------------------------------------------------------------------
+def ring_network(pb: Problem, idx: Sequence[int]) -> Network:
+    hs = [pb.hosts[i] for i in idx]
+    rates = coll.ring_edge_rates([h.bandwidth for h in hs], [h.group for h in hs], pb.links)
+    return Network(alpha_s=pb.alpha_s, beta_s_per_byte=coll.ring_beta(rates, pb.efficiency))
+
+
+def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int]:
+    """(encode, wire, decode seconds, bytes the busiest rank sends, of which through the codec) of bucket ``i``."""
+    n, codec = pb.buckets[i].numel, pb.codecs[lay.codecs[i]]
+    if lay.groups is None:
+        c = bucket_cost(codec, i, n, len(lay.hosts), ring_network(pb, lay.hosts), codec_speed)
+        return c.encode_s, c.comm_s, c.decode_s, c.bytes_sent, c.bytes_sent
+    intra = bcast = 0.0
+    intra_bytes = 0
+    for g in lay.groups:
+        if len(g) > 1:
+            net = ring_network(pb, g)
+            intra = max(intra, coll.ring_allreduce_s(4 * n, len(g), alpha=net.alpha_s, beta=net.beta_s_per_byte))
+            bcast = max(bcast, (len(g) - 1) * (net.alpha_s + 4 * n * net.beta_s_per_byte))  # gloo: root to each
+            intra_bytes = max(intra_bytes, 2 * (len(g) - 1) * 4 * n // len(g) + (len(g) - 1) * 4 * n)
+    leaders = [g[0] for g in lay.groups]
+    c = bucket_cost(codec, i, n, len(leaders), ring_network(pb, leaders), codec_speed)
+    return c.encode_s, intra + c.comm_s + bcast, c.decode_s, intra_bytes + c.bytes_sent, c.bytes_sent
+
+
+def score(pb: Problem, lay: Layout) -> Scored:
+    """Predicted step of a candidate (see the module docstring)."""
+    pb.scored += 1
+    pre, bwd, post, std = [], [], [], []
+    for h, b, m in zip(lay.hosts, lay.shares, lay.micro):
+        c, s = pb.host_compute(b, m), pb.hosts[h].speed
+        pre.append(c.pre_s / s), bwd.append(c.backward_s / s), post.append(c.post_s / s), std.append(c.std_s / s)
+    ready = [max(p + min(1.0, max(0.0, bk.ready_frac)) * b for p, b in zip(pre, bwd)) for bk in pb.buckets]
+    end = max(p + b for p, b in zip(pre, bwd))
+    coders = lay.hosts if lay.groups is None else [g[0] for g in lay.groups]
+    codec_speed = min(1.0, min(pb.hosts[h].speed for h in coders))
+    steals = min(pb.hosts[h].cores for h in coders) < pb.threads + 1
+    costs = [_bucket(pb, lay, i, codec_speed) for i in range(len(pb.buckets))] if len(lay.hosts) > 1 else \
+        [(0.0, 0.0, 0.0, 0, 0)] * len(pb.buckets)
+    tl = overlap_timeline(ready_s=ready, comm_s=[c[1] for c in costs], encode_s=[c[0] for c in costs],
+                          decode_s=[c[2] for c in costs], backward_s=end, pre_s=max(std) * blom_z(len(lay.hosts)),
+                          post_s=max(post), codec_steals_compute=steals)
+    compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
+    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs))
+
+
+# -- shares ------------------------------------------------------------------------------------------
+def micro_for(cap: int | None, share: int) -> int:
+    return share if cap is None else max(1, min(cap, share))
+
+
+def allocate(pb: Problem, idx: Sequence[int], caps: Sequence[int | None]) -> tuple[tuple[int, ...], float] | None:
+    """Greedy min-max shares for hosts ``idx`` (see the module docstring); None if the batch is too small."""
+    if pb.batch < len(idx):
+        return None
+
+    def t(j: int, b: int) -> float:
+        return pb.host_compute(b, micro_for(caps[j], b)).total_s / pb.hosts[idx[j]].speed
+
+    shares = [1] * len(idx)
+    heap = [(t(j, 2), j) for j in range(len(idx))]
+    heapq.heapify(heap)
+    for _ in range(pb.batch - len(idx)):
+        _, j = heapq.heappop(heap)
+        shares[j] += 1
+        heapq.heappush(heap, (t(j, shares[j] + 1), j))
+    return tuple(shares), max(t(j, b) for j, b in enumerate(shares))
+
+
+def even(batch: int, p: int) -> tuple[int, ...]:
+    return tuple(batch // p + (1 if i < batch % p else 0) for i in range(p))
+
+
+# -- the candidates ----------------------------------------------------------------------------------
+def _thresholds(values: list[float]) -> list[float]:
+    distinct = sorted(set(values), reverse=True)
+    if len(distinct) > MAX_THRESHOLDS:  # quantiles of the distinct values
+        distinct = [distinct[round(i * (len(distinct) - 1) / (MAX_THRESHOLDS - 1))] for i in range(MAX_THRESHOLDS)]
+    return distinct
+
+
+def subsets(pb: Problem) -> list[tuple[int, ...]]:
+    """Host subsets worth pricing: all, minus slow-compute, slow-link or whole groups (see the module
+    docstring); with fewer samples than hosts, also the ``batch`` fastest hosts."""
+    hs, everyone = pb.hosts, tuple(range(len(pb.hosts)))
+    groups = sorted({h.group for h in hs})
+    groupsets = [set(groups)]
+    if 1 < len(groups) <= MAX_THRESHOLDS:
+        groupsets += [{g} for g in groups]  # one group alone
+        if len(groups) > 2:
+            groupsets += [set(groups) - {g} for g in groups]  # all but one group
+    out: dict[tuple[int, ...], None] = {}
+    for gs in groupsets:
+        for ts in _thresholds([h.speed for h in hs]):
+            for tb in _thresholds([h.bandwidth for h in hs]):
+                sub = tuple(i for i in everyone if hs[i].group in gs and hs[i].speed >= ts and hs[i].bandwidth >= tb)
+                if sub and len(sub) <= pb.batch:
+                    out.setdefault(sub, None)
+    if pb.batch < len(hs):  # fewer samples than hosts: the fastest ones, one sample each at least
+        fastest = sorted(everyone, key=lambda i: (-hs[i].speed, -hs[i].bandwidth, i))[:pb.batch]
+        out.setdefault(tuple(sorted(fastest)), None)
+    return list(out)
+
+
+def groupings(pb: Problem, idx: Sequence[int]) -> list[tuple[tuple[int, ...], ...] | None]:
+    """A flat ring, and the hierarchical groupings of ``idx`` that differ from it (leader = fastest)."""
+    out: list = [None]
+    for key in (lambda i: pb.hosts[i].group, lambda i: (pb.hosts[i].group, _tier(pb, i))):
+        parts: dict = {}
+        for i in idx:
+            parts.setdefault(key(i), []).append(i)
+        if 1 < len(parts) < len(idx):
+            g = tuple(tuple(sorted(p, key=lambda i: (-pb.hosts[i].speed, -pb.hosts[i].bandwidth, i)))
+                      for p in parts.values())
+            if g not in out:
+                out.append(g)
+    return out
+
+
+def _tier(pb: Problem, i: int) -> int:
+    top = max(h.bandwidth for h in pb.hosts)
+    return int(math.floor(math.log(top / pb.hosts[i].bandwidth, TIER_RATIO) + 1e-9))
+
+
+def caps_for(pb: Problem, idx: Sequence[int], groups) -> tuple[list[int | None], bool]:
+    """Micro-batch caps of ``idx`` and whether codecs may run: hosts that compress (all on a ring,
+    leaders when hierarchical) need room for residuals; if one lacks it, the candidate stays dense."""
+    coders = set(idx) if groups is None else {g[0] for g in groups}
+    if all(pb.hosts[i].cap_comp is None or pb.hosts[i].cap_comp >= 1 for i in coders):
+        return [pb.hosts[i].cap_comp if i in coders else pb.hosts[i].cap_dense for i in idx], True
+    return [pb.hosts[i].cap_dense for i in idx], False
+
+
+def best_codecs(pb: Problem, lay: Layout, allowed: Sequence[str], passes: int = 2) -> Scored:
+    """Best single codec, then per-bucket coordinate descent from it (see the module docstring)."""
+    singles = [score(pb, dataclasses.replace(lay, codecs=(c,) * len(pb.buckets))) for c in allowed]
+    best = singles[0]
+    for s in singles[1:]:  # lightest first: a heavier codec must gain min_gain to win
+        if s.step_s < best.step_s * (1 - pb.min_gain):
+            best = s
+    for _ in range(passes if len(pb.buckets) > 1 and len(allowed) > 1 else 0):
+        changed = False
+        for i in reversed(range(len(pb.buckets))):
+            for c in allowed:
+                if c == best.layout.codecs[i]:
+                    continue
+                codecs = best.layout.codecs[:i] + (c,) + best.layout.codecs[i + 1:]
+                s = score(pb, dataclasses.replace(best.layout, codecs=codecs))
+                if s.step_s < best.step_s * (1 - pb.min_gain):
+                    best, changed = s, True
+        if not changed:
+            break
+    return best
+
+
+def uniform(pb: Problem, codec: str, idx: Sequence[int] | None = None) -> Scored | None:
+    """Uniform DDP: even shares over ``idx`` (default all usable hosts), a flat ring, one codec."""
+    idx = tuple(range(len(pb.hosts))) if idx is None else tuple(idx)
+    if pb.batch < len(idx):
+        return None
+    shares = even(pb.batch, len(idx))
+    caps, ok = caps_for(pb, idx, None)
+    if codec != "none" and not ok:
+        return None
+    micro = tuple(micro_for(c, s) for c, s in zip(caps, shares))
+    return score(pb, Layout(idx, shares, micro, None, (codec,) * len(pb.buckets), uniform=True))
+
+
+def search(pb: Problem, keep: int = 8) -> list[Scored]:
+    """The ``keep`` best candidates, best first (uniform DDP with every single codec is always priced,
+    so the first is never predicted slower than any of them); ``pb.scored`` counts what was priced."""
+    found: dict[Layout, Scored] = {}
+    for c in pb.codecs:
+        s = uniform(pb, c)
+        if s is not None:
+            found[s.layout] = s
+    work = []
+    for idx in subsets(pb):
+        for groups in groupings(pb, idx):
+            caps, can_compress = caps_for(pb, idx, groups)
+            shares = allocate(pb, idx, caps)
+            if shares is not None:
+                work.append((shares[1], idx, groups, caps, shares[0], can_compress))
+    work.sort(key=lambda w: w[0])
+    for bound, idx, groups, caps, shares, can_compress in work:
+        ranked = sorted(s.step_s for s in found.values())
+        if len(ranked) >= keep and bound >= ranked[keep - 1]:
+            continue
+        micro = tuple(micro_for(c, s) for c, s in zip(caps, shares))
+        lay = Layout(tuple(idx), shares, micro, groups, ("none",) * len(pb.buckets))
+        allowed = list(pb.codecs) if can_compress else ["none"]
+        best = best_codecs(pb, lay, allowed)
+        found.setdefault(best.layout, best)
+    unique: dict[tuple, Scored] = {}
+    for s in found.values():  # the same decision found by the search and as uniform DDP: keep the uniform label
+        key = dataclasses.replace(s.layout, uniform=False)
+        if key not in unique or s.layout.uniform:
+            unique[key] = s
+    ranked = sorted(unique.values(), key=lambda s: (s.step_s, -len(s.layout.hosts), not s.layout.uniform, s.layout.codecs))
+    return ranked[:keep]
