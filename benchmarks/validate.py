@@ -1,0 +1,228 @@
+"""Validate the performance model against real runs on the emulated cluster (issue 5's grid).
+
+Grid: hosts {2, 3, 4} x bandwidth {50 Mbit/s, 200 Mbit/s, 1 Gbit/s} x codec {none, bf16, topk,
+powersgd}, every host ``cpu: 1.0`` on one group, plus a heterogeneous 3-host spec (a host with a
+quarter of a core, a host behind a 50 Mbit/s link, the third on 200 Mbit/s) with every codec.
+
+Calibration comes only from measurements that are not the validated runs (no factor is fitted to
+the grid):
+
+1. the network's alpha and payload efficiency from small/large all-reduce probes on a separate
+   2-host 100 Mbit/s cluster (a rate not in the grid);
+2. the workload's compute per phase at each per-rank batch the grid needs, DDP's bucket layout and
+   readiness, and each codec's encode/decode cost, all on one process with ``--threads`` threads
+   (``thinwire profile``).
+
+Each grid point then runs ``thinwire train --cluster`` for ``--steps`` steps (same threads) and
+compares the median ``step_time_s`` after the first 5 steps with the prediction, computed as for
+an emulated cluster: hosts share this machine's cores (each gets ``min(cpu, cores / hosts)``, the
+max-min fair share). Results: ``benchmarks/results/validation.{json,md,png}``.
+
+Needs root and a quiet machine (other processes slow the hosts beyond their CPU shares). Usage::
+
+    sudo .venv/bin/python benchmarks/validate.py                       # the whole grid, ~35 min
+    sudo .venv/bin/python benchmarks/validate.py --hosts 2 --bandwidths 50mbit --codecs none   # one point
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+from thinwire.perf_profile.file import save_profile
+from thinwire.perf_profile.network import probe_network
+from thinwire.perf_profile.run import profile_workload
+from thinwire.sim.sweep import SimOptions
+from thinwire.sim.validate import validate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def uniform_spec(p: int, bandwidth: str) -> ClusterSpec:
+    return ClusterSpec(name=f"grid-{p}x{bandwidth}", defaults=DefaultsSpec(bandwidth=bandwidth, cpu=1.0),
+                       hosts=[HostSpec(name=f"h{i}") for i in range(p)])
+
+
+def hetero_spec() -> ClusterSpec:
+    return ClusterSpec(name="grid-hetero", defaults=DefaultsSpec(bandwidth="200mbit", cpu=1.0), hosts=[
+        HostSpec(name="fast"), HostSpec(name="quarter", cpu=0.25), HostSpec(name="far", bandwidth="50mbit")])
+
+
+def calibrate(args, batches: list[int]):
+    probe = ClusterSpec(name="grid-probe", subnet="10.233.0.0/24",
+                        defaults=DefaultsSpec(bandwidth="100mbit", cpu=1.0), hosts=[HostSpec(name="p0"), HostSpec(name="p1")])
+    cluster = EmulatedCluster(probe)
+    built = cluster.up()
+    try:
+        network = probe_network(probe)
+    finally:
+        if built:
+            cluster.down()
+    return profile_workload(workload=args.workload, model=args.model, batch_sizes=batches, bucket_mb=args.bucket_mb,
+                            threads=args.threads, codecs=args.codecs, reps=args.reps, network=network)
+
+
+def configs(args) -> list[tuple[str, ClusterSpec, str]]:
+    if args.points:  # e.g. 4x200mbit:bf16,3x1gbit:powersgd
+        out = []
+        for item in args.points.split(","):
+            shape, _, codec = item.partition(":")
+            p, _, bw = shape.partition("x")
+            out.append((f"{p} x {bw}", uniform_spec(int(p), bw), codec))
+        return out
+    out = [(f"{p} x {bw}", uniform_spec(p, bw), c) for p in args.hosts for bw in args.bandwidths for c in args.codecs]
+    if args.hetero:
+        out += [("hetero (0.25 cpu, 50mbit)", hetero_spec(), c) for c in args.codecs]
+    return out
+
+
+def run_grid(args, profile) -> list[dict]:
+    rows = []
+    for label, spec, codec in configs(args):
+        opts = SimOptions(codec=codec, threads=args.threads)
+        t0 = time.time()
+        (cmp,) = validate(spec, profile, opts, workload=args.workload, model=args.model, batch=args.batch_size,
+                          steps=args.steps, out=args.out / spec.name, max_foreign=args.max_foreign,
+                          retries=args.retries)
+        rows.append({"config": label, "spec": spec.name, "load_before": os.getloadavg()[0], **cmp.to_dict(),
+                     "wall_s": time.time() - t0})
+        print(f"{label:28} {codec:10} predicted {cmp.predicted_s * 1e3:7.1f} ms  measured {cmp.measured_s * 1e3:7.1f} ms"
+              f"  error {cmp.error:+6.1%}  (other processes {cmp.foreign_cores:.2f} cores)", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    quiet = [abs(r["error"]) for r in rows if r["foreign_cores"] <= 0.1]
+    return {"points": len(rows), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+            "within_5pct": sum(e <= 0.05 for e in errors), "within_15pct": sum(e <= 0.15 for e in errors),
+            "quiet_points": len(quiet), "quiet_median_abs_error": statistics.median(quiet) if quiet else None}
+
+
+def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> None:
+    lines = ["# Performance model vs real runs on the emulated cluster", "",
+             f"Command: `{meta['command']}`", f"Machine: {meta['machine']}; torch {meta['torch']}; "
+             f"{meta['steps']} steps per run, median step time after step 5.", "",
+             f"Median |error| **{summary['median_abs_error']:.1%}**, worst **{summary['worst_abs_error']:.1%}** "
+             f"over {summary['points']} points ({summary['within_5pct']} within 5%, {summary['within_15pct']} within 15%).",
+             "Other processes: the cores other users' processes took during the run (the hosts share this "
+             "machine's cores, so any such load slows them beyond the spec).", "",
+             "| config | codec | predicted ms | measured ms | error | bytes/rank predicted | measured | other processes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['codec']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
+                     f"{r['error']:+.1%} | {r['predicted_bytes']:,} | {r['measured_bytes']:,.0f} | "
+                     f"{r['foreign_cores']:.2f} cores |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for codec in sorted({r["codec"] for r in rows}):
+        pts = [r for r in rows if r["codec"] == codec]
+        ax.scatter([r["measured_s"] * 1e3 for r in pts], [r["predicted_s"] * 1e3 for r in pts], label=codec)
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.1
+    ax.plot([0, hi], [0, hi], "k-", lw=0.8)
+    ax.fill_between([0, hi], [0, 0.95 * hi], [0, 1.05 * hi], color="gray", alpha=0.2, label="+-5%")
+    ax.set(xlabel="measured median step (ms)", ylabel="predicted step (ms)", xscale="log", yscale="log",
+           title="thinwire simulate vs emulated-cluster runs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", default="2,3,4")
+    p.add_argument("--bandwidths", default="50mbit,200mbit,1gbit")
+    p.add_argument("--codecs", default="none,bf16,topk,powersgd")
+    p.add_argument("--no-hetero", dest="hetero", action="store_false")
+    p.add_argument("--workload", default="charlm")
+    p.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--batch-size", type=int, default=24, help="global batch (divisible by every host count)")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--max-foreign", type=float, default=0.1,
+                   help="repeat a run during which other processes used more cores than this")
+    p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--profile", type=Path, help="reuse a calibration profile written by an earlier run")
+    p.add_argument("--points", help="only these points, e.g. 4x200mbit:bf16,3x1gbit:powersgd (no hetero)")
+    p.add_argument("--out", type=Path, default=Path("runs") / time.strftime("validate-%Y%m%d-%H%M%S"))
+    p.add_argument("--results", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    from thinwire.cli.profile import parse_model_opts
+
+    args.hosts = [int(h) for h in args.hosts.split(",")]
+    args.bandwidths = args.bandwidths.split(",")
+    args.codecs = args.codecs.split(",")
+    args.model = parse_model_opts(args.model_opt)
+    if args.points:
+        args.hosts = sorted({int(i.partition("x")[0]) for i in args.points.split(",")})
+        args.codecs = sorted({i.partition(":")[2] for i in args.points.split(",")} | {"none"})
+        args.hetero = False
+    return args
+
+
+def check_profile(profile, args, batches: list[int]) -> None:
+    """Fail before any run if the profile lacks a codec or a per-rank batch the grid needs."""
+    from thinwire.compress.spec import parse_codec_spec, spec_string
+    from thinwire.errors import ThinwireError
+
+    for c in args.codecs:
+        if not parse_codec_spec(c).lossless:
+            profile.codec_cost(spec_string(parse_codec_spec(c)))
+    missing = sorted(set(batches) - {c.batch for c in profile.compute})
+    if missing:
+        raise ThinwireError(f"profile: has no compute measured at per-rank batch {missing}; calibrate again "
+                            "without --profile.")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if os.getloadavg()[0] > 0.5:
+        print(f"warning: load average {os.getloadavg()[0]:.2f}: other processes will slow the hosts", flush=True)
+    batches = sorted({args.batch_size // p for p in args.hosts} | ({args.batch_size // 3} if args.hetero else set()))
+    if args.profile:
+        from thinwire.perf_profile.file import load_profile
+
+        profile = load_profile(args.profile)
+        check_profile(profile, args, batches)
+    else:
+        from thinwire.sim.foreign import wait_quiet
+
+        wait_quiet(args.max_foreign)
+        profile = calibrate(args, batches)
+    args.results.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, args.results / "validation-profile.yaml")
+    rows = run_grid(args, profile)
+    summary = summarize(rows)
+    import torch
+
+    meta = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/validate.py", *sys.argv[1:]]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "torch": str(torch.__version__), "steps": args.steps, "network_probe": profile.network.__dict__}
+    (args.results / "validation.json").write_text(json.dumps({**meta, "summary": summary, "rows": rows}, indent=2))
+    write_markdown(rows, summary, meta, args.results / "validation.md")
+    plot(rows, args.results / "validation.png")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

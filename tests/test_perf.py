@@ -1,0 +1,459 @@
+"""The performance model: formulas against hand-computed values, monotonicity, the overlap timeline on
+constructed cases, bytes priced exactly as the hook sends them, and the profile/simulate commands."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from thinwire.perf import collectives as coll
+from thinwire.perf.devices import DEVICES, get_device
+from thinwire.perf.energy import J_PER_BIT_INTERNET, run_energy, step_energy
+from thinwire.perf.memory import memory_per_rank, residual_values, transformer_activation_bytes
+from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, Scheme, bucket_cost, predict_step
+from thinwire.perf.straggler import blom_z, colocated_speeds, corun_factor, cpu_shares, expected_max_normal, slowest_time
+from thinwire.perf.timeline import ddp_bucket_assignment, overlap_timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1e6
+BETA_100M = 8 / 100e6  # seconds per byte at 100 Mbit/s
+
+
+# ---- collectives ------------------------------------------------------------------------------------
+
+def test_ring_allreduce_by_hand():
+    # 4 ranks, 8 MB, 1 ms latency, 100 Mbit/s: 6 * 1e-3 + 1.5 * 8e6 * 8e-8 = 0.006 + 0.96
+    assert coll.ring_allreduce_s(8 * MB, 4, alpha=1e-3, beta=BETA_100M) == pytest.approx(0.966)
+    assert coll.ring_allreduce_bytes(8 * MB, 4) == pytest.approx(12 * MB)
+    assert coll.ring_allreduce_s(8 * MB, 1, alpha=1e-3, beta=BETA_100M) == 0.0
+
+
+def test_other_collectives_by_hand():
+    a, b = 1e-3, BETA_100M
+    assert coll.reduce_scatter_s(8 * MB, 4, alpha=a, beta=b) == pytest.approx(3e-3 + 0.48)
+    assert coll.allgather_s(1 * MB, 4, alpha=a, beta=b) == pytest.approx(3e-3 + 3 * 0.08)
+    assert coll.alltoall_s(8 * MB, 4, alpha=a, beta=b) == pytest.approx(3e-3 + 0.48)
+    # power of two: 2 log2(8) alpha + 2 * 7/8 * n * beta
+    assert coll.halving_doubling_allreduce_s(8 * MB, 8, alpha=a, beta=b) == pytest.approx(6e-3 + 1.12)
+    # p = 6: the 4-rank core plus two exchanges of n
+    assert coll.halving_doubling_allreduce_s(8 * MB, 6, alpha=a, beta=b) == pytest.approx(
+        4e-3 + 0.96 + 2 * (a + 0.64))
+    # 2 groups of 4: 2*(3/4)*8MB at 1 Gbit/s inside, 2*(1/2)*(2 MB) at 100 Mbit/s between
+    h = coll.hierarchical_allreduce_s(8 * MB, 4, 2, alpha_in=0, beta_in=8e-9, alpha_out=0, beta_out=b)
+    assert h == pytest.approx(1.5 * 8e6 * 8e-9 + 1.0 * 2e6 * b)
+    # parameter server: 4 hosts at 100 Mbit/s, server at 1 Gbit/s -> host links are the bottleneck
+    assert coll.parameter_server_s(1 * MB, 4, alpha=0, beta_host=b, beta_server=8e-9) == pytest.approx(0.08)
+    assert coll.parameter_server_s(1 * MB, 40, alpha=0, beta_host=b, beta_server=8e-9) == pytest.approx(0.32)
+
+
+def test_slowest_link_sets_the_ring_pace():
+    rates = coll.ring_edge_rates([1e9, 1e9, 50e6, 1e9], ["a"] * 4, {})
+    assert rates == [1e9, 50e6, 50e6, 1e9]
+    assert coll.ring_beta(rates) == pytest.approx(8 / 50e6)
+    # two groups joined by a 50 Mbit/s link: one ring edge crosses it each way
+    rates = coll.ring_edge_rates([100e6, 100e6, 20e6], ["A", "A", "B"], {frozenset({"A", "B"}): 50e6})
+    assert rates == [100e6, 20e6, 20e6]
+    # the ring crosses A->B twice in an interleaved order: the link is shared by two edges each way
+    rates = coll.ring_edge_rates([1e9] * 4, ["A", "B", "A", "B"], {frozenset({"A", "B"}): 100e6})
+    assert rates == [50e6] * 4
+
+
+@pytest.mark.parametrize("p", [2, 3, 8, 64, 1024])
+def test_more_bandwidth_never_predicts_slower(p):
+    times = [coll.ring_allreduce_s(10 * MB, p, alpha=1e-4, beta=8 / r) for r in (10e6, 50e6, 1e8, 1e9, 1e10)]
+    assert times == sorted(times, reverse=True)
+    steps = [_step(p, rate).step_s for rate in (10e6, 50e6, 1e8, 1e9, 1e10)]
+    assert all(a >= b for a, b in zip(steps, steps[1:]))
+
+
+def test_more_hosts_never_shrink_ring_bytes_per_rank():
+    per_rank = [coll.ring_allreduce_bytes(10 * MB, p) for p in range(1, 1025)]
+    assert all(a <= b for a, b in zip(per_rank, per_rank[1:]))
+    codec = CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n)
+    net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
+    sent = [bucket_cost(codec, 0, 1_000_000, p, net).bytes_sent for p in range(1, 300)]
+    assert all(a <= b for a, b in zip(sent, sent[1:]))
+
+
+# ---- timeline ---------------------------------------------------------------------------------------
+
+def test_bucket_assignment_follows_ddp():
+    mib = 2**20
+    assert ddp_bucket_assignment([mib // 2, mib // 2, 10]) == [[0, 1], [2]]  # first bucket closes at 1 MiB
+    assert ddp_bucket_assignment([30 * mib, 1, 26 * mib, 5], first_cap=25 * mib) == [[0], [1, 2], [3]]
+    assert ddp_bucket_assignment([]) == []
+    with pytest.raises(ValueError, match="bucket caps must be > 0 bytes"):
+        ddp_bucket_assignment([1], cap=0)
+
+
+def test_timeline_fully_hidden_and_fully_exposed():
+    hidden = overlap_timeline(ready_s=[0.1, 0.2], comm_s=[0.05, 0.05], backward_s=0.3, pre_s=0.1, post_s=0.02)
+    assert hidden.exposed_comm_s == 0.0
+    assert hidden.step_s == pytest.approx(0.1 + 0.3 + 0.02)
+    # one bucket ready at the very end: all of its communication is exposed
+    exposed = overlap_timeline(ready_s=[0.3], comm_s=[0.2], backward_s=0.3, encode_s=[0.01], decode_s=[0.02])
+    assert exposed.exposed_comm_s == pytest.approx(0.23)
+    assert exposed.step_s == pytest.approx(0.53)
+
+
+def test_timeline_link_busy_delays_the_next_bucket():
+    # bucket 1 is ready at 0.2 but the link is busy with bucket 0 until 0.1 + 0.3
+    t = overlap_timeline(ready_s=[0.1, 0.2, 0.25], comm_s=[0.3, 0.1, 0.1], backward_s=0.25)
+    assert [b.start_s for b in t.buckets] == pytest.approx([0.1, 0.4, 0.5])
+    assert t.last_done_s == pytest.approx(0.6)
+    assert t.exposed_comm_s == pytest.approx(0.35)
+
+
+def test_codec_work_on_a_busy_core_pushes_backward_back():
+    # encode of bucket 0 (0.05 s) runs at 0.1 while backward lasts until 0.3: one core, so backward ends at 0.35
+    t = overlap_timeline(ready_s=[0.1, 0.3], comm_s=[0.01, 0.01], encode_s=[0.05, 0.0], backward_s=0.3,
+                         codec_steals_compute=True)
+    assert t.backward_s == pytest.approx(0.35)
+    assert t.buckets[1].ready_s == pytest.approx(0.35)
+    free = overlap_timeline(ready_s=[0.1, 0.3], comm_s=[0.01, 0.01], encode_s=[0.05, 0.0], backward_s=0.3)
+    assert free.backward_s == pytest.approx(0.3)
+
+
+def test_timeline_rejects_inconsistent_input():
+    with pytest.raises(ValueError, match="one entry per bucket"):
+        overlap_timeline(ready_s=[0.1], comm_s=[0.1, 0.2], backward_s=0.2)
+    with pytest.raises(ValueError, match=r"ready times must lie in \[0, backward_s"):
+        overlap_timeline(ready_s=[0.5], comm_s=[0.1], backward_s=0.2)
+
+
+# ---- stragglers, memory, energy, devices ------------------------------------------------------------
+
+def test_stragglers_and_cpu_shares():
+    assert cpu_shares([1.0, 1.0, 1.0, 1.0], 2) == [0.5] * 4
+    assert cpu_shares([1.0, 1.0], 2) == [1.0, 1.0]
+    assert cpu_shares([1.0, 0.25, 1.0], 2) == [0.875, 0.25, 0.875]
+    assert cpu_shares([None, 0.5], 4) == [3.5, 0.5]
+    assert slowest_time(1.0, [1.0, 0.25, 0.875]) == 4.0
+    # busy cores run slower than one alone (measured co-run speed): only when more than one is busy
+    assert colocated_speeds([1.0, 1.0], 2, {2: 0.8}) == pytest.approx([0.8, 0.8])
+    assert corun_factor([0.5] * 4, 2, {2: 0.8}) == 0.8 and corun_factor([1.0], 2, {2: 0.8}) == 1.0
+    assert blom_z(1) == 0.0
+    z = [blom_z(p) for p in (2, 8, 64, 1024)]
+    assert z == sorted(z) and 3.0 < z[-1] < 3.3  # the expected max of 1024 normals is ~3.2 sigma
+    assert expected_max_normal(1.0, 0.0, 1000) == 1.0
+
+
+def test_memory_by_hand():
+    m = memory_per_rank(1000, optimizer="adamw", residual_values=1000, activation_bytes=500)
+    assert (m.params, m.grads, m.optimizer, m.buckets, m.residuals, m.activations) == (4000, 4000, 8000, 4000, 4000, 500)
+    assert memory_per_rank(1000, optimizer="sgd", gradient_as_bucket_view=True).total == 8000
+    assert residual_values([100, 10], compressed=True, p=4, reduced_chunk=True) == 110 + 25 + 3
+    assert residual_values([100], compressed=False, p=4, reduced_chunk=True) == 0
+    # Korthikanti et al.: s b h (34 + 5 a s / h) bytes per layer with 2-byte values
+    assert transformer_activation_bytes(layers=2, seq=64, batch=2, width=64, heads=2) == 2 * 64 * 2 * 64 * 44 * 2
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        memory_per_rank(1, optimizer="lion")
+
+
+def test_energy_by_hand():
+    e = step_energy(busy_s=[0.2, 0.4], step_s=0.5, busy_w=100.0, idle_w=20.0, bytes_sent=1e6, j_per_bit=1e-9, pue=1.5)
+    assert e.compute_j == pytest.approx(60.0) and e.idle_j == pytest.approx(8.0)
+    assert e.network_j == pytest.approx(8e-3)
+    assert e.total_j == pytest.approx(1.5 * 68.0 + 8e-3)
+    assert run_energy(e, 100).total_j == pytest.approx(100 * e.total_j)
+    assert J_PER_BIT_INTERNET == pytest.approx(2.7e-5)  # 0.06 kWh/GB
+
+
+def test_device_table_has_sources_and_sane_numbers():
+    kinds = {d.kind for d in DEVICES.values()}
+    assert {"gpu", "edge-gpu", "sbc", "cpu-core"} <= kinds
+    for d in DEVICES.values():
+        assert d.source and d.peak_fp32 > 0 and d.memory > 0 and d.busy_w > d.idle_w > 0
+    h100 = get_device("h100-sxm")
+    assert h100.compute_s(989e12 * 0.5, utilization=0.5, low_precision=True) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="device must be one of .*raspberry-pi-4.* got 'pi9'"):
+        get_device("pi9")
+
+
+def test_perf_imports_no_other_thinwire_layer():
+    for path in (ROOT / "thinwire" / "perf").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith("thinwire") or name.startswith("thinwire.perf"), f"{path.name}: {name}"
+                assert name.split(".")[0] not in ("torch", "numpy"), f"{path.name} imports {name}: keep perf/ pure"
+
+
+# ---- the step model -----------------------------------------------------------------------------------
+
+def _step(p, rate_bps, codec=None, buckets=None):
+    codec = codec or CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n)
+    buckets = buckets or [Bucket(numel=500_000, ready_frac=0.5), Bucket(numel=500_000, ready_frac=1.0)]
+    return predict_step(buckets=buckets, compute=Compute(pre_s=0.05, backward_s=0.1, post_s=0.01),
+                        speeds=[1.0] * p, network=Network(alpha_s=1e-4, beta_s_per_byte=8 / rate_bps), codec=codec)
+
+
+def test_predict_step_by_hand():
+    pred = _step(2, 100e6)
+    # bucket 0: ready 0.05 into backward, 2 MB ring on 2 ranks = 2 MB sent: 2e-4 + 0.16 s -> done 0.2102
+    # bucket 1: ready 0.1, starts when the link is free at 0.2102, done 0.3704; step = 0.05 + 0.3704 + 0.01
+    assert pred.step_s == pytest.approx(0.4304)
+    assert pred.bytes_per_rank == 4_000_000
+    assert pred.exposed_comm_s == pytest.approx(0.2704)
+    slow = predict_step(buckets=[Bucket(numel=1000, ready_frac=1.0)], compute=Compute(pre_s=0.1, backward_s=0.2, post_s=0.0),
+                        speeds=[1.0, 0.25], network=Network(alpha_s=0, beta_s_per_byte=0),
+                        codec=CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n))
+    assert slow.step_s == pytest.approx(1.2) and slow.compute_s == pytest.approx(1.2)  # the quarter-core host
+
+
+def test_scheme_dispatch_and_bytes():
+    net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
+    n = 1_000_000
+    bf16 = CodecModel(name="bf16", scheme=Scheme.SUMMABLE, payload_bytes=lambda k: 2 * k, head_itemsize=2)
+    assert bucket_cost(bf16, 0, n, 4, net).bytes_sent == (2 * 3 * (2 * n + 2)) // 4
+    topk = CodecModel(name="topk", scheme=Scheme.SPARSE, payload_bytes=lambda k: 8 * math.ceil(0.01 * k))
+    assert bucket_cost(topk, 0, n, 4, net).collectives == (("all-gather", 80_004),)
+    assert bucket_cost(topk, 0, n, 400, net).scheme == "sparse-dense"  # p * density too large
+    int8 = CodecModel(name="int8", scheme=Scheme.QUANTIZED, payload_bytes=lambda k: k + 4 * math.ceil(k / 256))
+    assert bucket_cost(int8, 0, n, 2, net).collectives == (("all-gather", n + 4 * 3907 + 4),)
+    assert [c[0] for c in bucket_cost(int8, 0, n, 3, net).collectives] == ["all-to-all", "all-gather"]
+    small = bucket_cost(bf16, 0, 1000, 4, net)  # under min_compress_bytes: fp32
+    assert small.scheme == "fp32" and small.bytes_sent == 6000
+    with_costs = CodecModel(name="bf16", scheme=Scheme.SUMMABLE, payload_bytes=lambda k: 2 * k,
+                            encode=LinearCost(per_byte_s=1e-9), decode=LinearCost(per_byte_s=1e-9))
+    c = bucket_cost(with_costs, 0, n, 2, net, codec_speed=0.5)
+    assert c.encode_s == pytest.approx(2 * (4e-3 + 4e-3)) and c.decode_s == pytest.approx(2 * 4e-3)
+
+
+def _bytes_per_step(rank, world, specs):
+    """On each rank: for each codec, bytes this rank put on the wire per step, and DDP's bucket layout."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thinwire
+    from thinwire.compress import hook
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(40, 300), nn.Linear(300, 30)
+            self.c = nn.Parameter(torch.zeros(5000))
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))).sum() + (self.c * x.sum()).sum()
+
+    seen, original = [], hook.CommState.hook
+
+    def spy(state, bucket):
+        seen.append((bucket.buffer().numel(), [list(p.shape) for p in bucket.parameters()]))
+        return original(state, bucket)
+
+    hook.CommState.hook = spy
+    out = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.03)
+        state = thinwire.attach(model, spec)
+        per_step = []
+        for step in range(2):  # step 1 runs on DDP's rebuilt buckets
+            seen.clear()
+            before = state.wire.bytes_sent
+            model(torch.randn(8, 40, generator=torch.Generator().manual_seed(rank + 10 * step))).backward()
+            per_step.append(state.wire.bytes_sent - before)
+            model.zero_grad()
+        state.close()
+        out[spec] = (per_step[-1], list(seen))
+    return out
+
+
+# every scheme and branch: fp32, summable (bf16, randomk), sparse (top-k gathered, top-k dense fallback),
+# quantized (all-gather at p = 2, compressed reduce-scatter at p > 2), low-rank
+CODECS = {2: ["none", "bf16", "int8", "sign", "topk", "topk:ratio=0.6", "randomk", "powersgd"],
+          3: ["bf16", "int8", "topk", "topk:ratio=0.6", "powersgd"]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_priced_exactly_as_the_hook_sends_them(world):
+    from tests.distributed import run_ranks
+    from thinwire.sim.inputs import codec_model
+
+    results = run_ranks(_bytes_per_step, world, CODECS[world])[0]
+    net = Network(alpha_s=0.0, beta_s_per_byte=1e-9)
+    for spec, (sent, layout) in results.items():
+        assert len(layout) > 1, "the test needs several buckets"
+        model = codec_model(spec, None, shapes=[shapes for _, shapes in layout])
+        predicted = sum(bucket_cost(model, i, numel, world, net).bytes_sent for i, (numel, _) in enumerate(layout))
+        assert predicted == sent, f"{spec} on {world} ranks: predicted {predicted} bytes, the hook sent {sent}"
+
+
+# ---- profile and simulate -------------------------------------------------------------------------------
+
+def test_profile_measures_ddp_layout_and_costs(tmp_path):
+    from thinwire.perf_profile.file import load_profile, save_profile
+    from thinwire.perf_profile.run import profile_workload
+
+    prof = profile_workload(workload="digits", model={"channels": 4, "hidden": 64}, batch_sizes=[8, 4],
+                            bucket_mb=0.01, codecs=["none", "bf16"], reps=2, warmup=2, corun=False)
+    assert len(prof.buckets) > 1 and [c.batch for c in prof.compute] == [8, 4]
+    assert sum(b.numel for b in prof.buckets) == prof.parameters
+    assert all(0.0 <= b.ready_frac <= 1.0 for b in prof.buckets)
+    assert prof.flops_per_sample > 0 and prof.activation_bytes_per_sample > 0
+    # DDP's rebuilt layout is the size-capped assignment in gradient-ready order (first cap = cap here)
+    order = [i for b in prof.buckets for i in b.params]
+    sizes = {i: 4 * math.prod(s) for b in prof.buckets for i, s in zip(b.params, b.shapes)}
+    cap = int(0.01 * 2**20)
+    expect = ddp_bucket_assignment([sizes[i] for i in order], cap=cap, first_cap=cap)
+    assert [[order[j] for j in bk] for bk in expect] == [b.params for b in prof.buckets]
+    back = load_profile(save_profile(prof, tmp_path / "p.yaml"))
+    assert back.codecs["bf16"].encode.per_byte_s == prof.codecs["bf16"].encode.per_byte_s
+
+
+def _profile_file(tmp_path, **over) -> Path:
+    data = {
+        "version": 1, "workload": "charlm", "model": {}, "threads": 1, "bucket_mb": 25.0, "parameters": 445952,
+        "compute": [{"batch": 32, "pre_s": 0.05, "backward_s": 0.1, "post_s": 0.003, "std_s": 0.002},
+                    {"batch": 16, "pre_s": 0.03, "backward_s": 0.05, "post_s": 0.003, "std_s": 0.002}],
+        "activation_bytes_per_sample": 2e6,
+        "buckets": [{"numel": 445952, "ready_frac": 1.0, "params": [0], "shapes": [[445952]]}],
+        "kernels": {"add": {"fixed_s": 0, "per_byte_s": 1e-10}, "feedback": {"fixed_s": 0, "per_byte_s": 2e-10}},
+        "codecs": {"bf16": {"encode": {"fixed_s": 1e-5, "per_byte_s": 1e-10}, "decode": {"fixed_s": 0, "per_byte_s": 1e-11}}},
+    }
+    data.update(over)
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cli(*args):
+    from thinwire.cli.main import main
+
+    return main([str(a) for a in args])
+
+
+def test_simulate_cli_smoke(tmp_path, capsys):
+    prof = _profile_file(tmp_path)
+    rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/two-sites.yaml", "--profile", prof,
+              "--compression", "bf16", "--hosts", "2,4,...,1024", "--out", tmp_path / "sim", "--json")
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    pts = out["points"]
+    assert [p["hosts"] for p in pts] == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert out["simulate_seconds"] < 1.0  # measured, not a timing assertion: a 10-point sweep is milliseconds
+    assert all(a["bytes_per_rank"] <= b["bytes_per_rank"] for a, b in zip(pts, pts[1:]))
+    assert all(0 < p["efficiency"] <= 1 for p in pts)
+    assert "hierarchical" in pts[0]["dense_fp32_allreduce_s"]
+    for name in ("simulate.json", "scaling.png", "timeline.png"):
+        assert (tmp_path / "sim" / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hosts", "0,2"], r"--hosts: must be comma-separated host counts >= 1.*got '0,2'"),
+    (["--hosts", "two"], r"--hosts: must be comma-separated host counts.*got 'two'"),
+    (["--hosts", "8,4,...,2"], r"--hosts: .*The terms must grow"),
+    (["--compression", "topk"], r"profile: has no measured cost for codec 'topk'.*--codecs topk"),
+    (["--device", "pi9"], r"--device: must be one of .*raspberry-pi-4"),
+    (["--scaling", "strong", "--batch-size", "4", "--hosts", "8"], r"--batch-size: must be at least one sample per host"),
+    (["--model-opt", "width=64"], r"profile: measured workload 'charlm' with model options \{\}"),
+])
+def test_simulate_bad_input_says_what_and_how(tmp_path, capsys, args, message):
+    import re
+
+    prof = _profile_file(tmp_path)
+    rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", prof,
+              "--out", tmp_path / "sim", *args)
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(message, err), err
+
+
+def test_missing_or_foreign_profile(tmp_path, capsys):
+    rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", tmp_path / "nope.yaml")
+    assert rc == 2
+    assert re_search(r"profile: file '.*nope.yaml' does not exist. Make one with `thinwire profile", capsys.readouterr().err)
+    bad = _profile_file(tmp_path, version=7)
+    assert _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", bad) == 2
+    assert re_search(r"version: must be 1, got 7. The profile was written by another", capsys.readouterr().err)
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+# ---- auto: the per-bucket plan -----------------------------------------------------------------------
+
+# encode / decode seconds per byte on one core of the development machine (thinwire profile, charlm buckets)
+CODEC_COST = {"bf16": (8e-11, 2e-11), "topk:ratio=0.01": (3e-9, 2e-11), "powersgd:rank=4": (8e-10, 9e-11)}
+
+
+def _candidates():
+    import dataclasses
+
+    from thinwire.sim.inputs import codec_model
+
+    out = {}
+    for spec in ("none", "bf16", "topk:ratio=0.01", "powersgd:rank=4"):
+        model = codec_model(spec, None, numels={0: 400_000, 1: 400_000})
+        if spec in CODEC_COST:
+            enc, dec = CODEC_COST[spec]
+            model = dataclasses.replace(model, encode=LinearCost(per_byte_s=enc), decode=LinearCost(per_byte_s=dec))
+        out[spec] = model
+    return out
+
+
+def _choose(rate_bps, banned=None):
+    from thinwire.plan.choose import choose
+
+    buckets = [Bucket(numel=400_000, ready_frac=0.5), Bucket(numel=400_000, ready_frac=1.0)]
+    return choose(buckets=buckets, compute=Compute(pre_s=0.02, backward_s=0.04, post_s=0.003), speeds=[1.0] * 4,
+                  network=Network(alpha_s=1e-4, beta_s_per_byte=8 / rate_bps), candidates=_candidates(),
+                  banned=banned)
+
+
+def test_auto_chooses_light_on_fast_links_and_strong_on_slow_links():
+    fast = _choose(10e9)
+    assert set(fast.choices) <= {"none", "bf16"} and fast.step_s <= fast.baseline_s
+    slow = _choose(10e6)
+    assert set(slow.choices) <= {"topk:ratio=0.01", "powersgd:rank=4"}
+    assert slow.step_s < 0.2 * slow.baseline_s
+    guarded = _choose(10e6, banned={0: {"topk:ratio=0.01", "powersgd:rank=4"}, 1: {"topk:ratio=0.01"}})
+    assert guarded.choices == ["bf16", "powersgd:rank=4"]
+
+
+def _auto_run(rank, world, slow_link_bps):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thinwire
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = DDP(net, bucket_cap_mb=0.25)
+    policy = AutoPolicy(AutoConfig(warmup_steps=2, check_every=3, max_error=10.0,
+                                   candidates=("none", "bf16", "topk:ratio=0.01", "powersgd:rank=4")))
+    state = thinwire.attach(model, policy)
+    policy.bind(state, net)  # what attach will do for a policy with bind()
+    if slow_link_bps:  # every rank "measures" the same slow link
+        policy.link.estimate = lambda p: (1e-4, 8 / slow_link_bps)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        nn.functional.cross_entropy(model(torch.randn(16, 64, generator=g)), torch.randint(0, 10, (16,), generator=g)).backward()
+        model.zero_grad()
+    state.close()
+    return policy.decisions, policy.describe()
+
+
+def test_auto_decides_identically_on_every_rank_and_logs_why():
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_auto_run, 2, 1e6)
+    (decisions, described), (other, described_other) = results
+    assert decisions == other and described == described_other
+    assert decisions[0]["step"] == 2 and decisions[0]["reason"] == "warm-up done"
+    assert set(decisions[0]["choices"].values()) & {"topk:ratio=0.01", "powersgd:rank=4"}
+    assert described.startswith("auto[")

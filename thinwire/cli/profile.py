@@ -1,0 +1,126 @@
+"""``thinwire profile``: measure a workload, its codecs and (optionally) the network; write a profile YAML."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from thinwire.config import check
+from thinwire.errors import ConfigError
+
+EPILOG = """examples:
+  thinwire profile --workload charlm --out charlm.profile.yaml
+  thinwire profile --workload charlm --model-opt width=256 --batch-sizes 12,8,6 --codecs none,bf16,topk --out p.yaml
+  sudo thinwire profile --workload charlm --cluster examples/clusters/pair-100mbit.yaml --out p.yaml   # + alpha/beta
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure compute, codec and network costs for the simulator",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="charlm", help="charlm, digits, or package.module:function")
+    p.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option of the workload, e.g. width=256 (repeatable)")
+    p.add_argument("--data", help="text file or folder for charlm")
+    p.add_argument("--batch-size", type=int, help="global batch: measures per-rank batches B, B/2, B/4")
+    p.add_argument("--batch-sizes", help="per-rank batch sizes to measure, e.g. 12,8,6 (overrides --batch-size)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap, as `train --set bucket_mb=`")
+    p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
+    p.add_argument("--codecs", help="comma-separated codec specs (default: every codec with default parameters)")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement")
+    p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth (root)")
+    p.add_argument("--no-corun", dest="corun", action="store_false",
+                   help="skip measuring the step with every core busy (needed to simulate an emulated cluster)")
+    p.add_argument("--out", required=True, help="profile YAML to write")
+    p.set_defaults(func=run)
+
+
+def parse_model_opts(items: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError("--model-opt", item, "KEY=VALUE such as width=256")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def parse_ints(text: str, field: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(field, text, "comma-separated integers such as 12,8,6") from None
+    check(bool(values) and min(values) >= 1, field, text, "comma-separated integers >= 1")
+    return values
+
+
+def batch_sizes(args, default_batch: int) -> list[int]:
+    if args.batch_sizes:
+        return parse_ints(args.batch_sizes, "--batch-sizes")
+    b = args.batch_size or default_batch
+    check(b >= 1, "--batch-size", b, "an integer >= 1")
+    return sorted({max(1, b // d) for d in (1, 2, 4)}, reverse=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from thinwire.compress.spec import parse_codec_spec
+    from thinwire.perf_profile.file import save_profile
+    from thinwire.perf_profile.run import DEFAULT_CODECS, profile_workload
+    from thinwire.workloads.registry import build_workload, check_workload_name
+
+    check_workload_name(args.workload)
+    model = parse_model_opts(args.model_opt)
+    codecs = [c.strip() for c in args.codecs.split(",")] if args.codecs else list(DEFAULT_CODECS)
+    for c in codecs:
+        parse_codec_spec(c)
+    network_spec = _cluster(args.cluster) if args.cluster else None
+    default_batch = build_workload(args.workload, model, args.data).batch_size
+    sizes = batch_sizes(args, default_batch)
+    network = None
+    if network_spec is not None:
+        from thinwire.perf_profile.network import probe_network
+
+        network = probe_network(network_spec)
+    prof = profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
+                            bucket_mb=args.bucket_mb, threads=args.threads, codecs=codecs, reps=args.reps,
+                            network=network, corun=args.corun)
+    path = save_profile(prof, args.out)
+    _show(prof, path)
+    return 0
+
+
+def _cluster(path: str):
+    from thinwire.cluster.emulator import EmulatedCluster
+    from thinwire.cluster.spec import load_cluster_spec
+
+    spec = load_cluster_spec(path)
+    EmulatedCluster(spec).require_up()
+    return spec
+
+
+def _show(prof, path: Path) -> None:
+    console = Console()
+    t = Table(title=f"profile of {prof.workload} ({prof.parameters:,} parameters, {prof.threads} thread(s))")
+    for col in ("batch/rank", "data+fwd ms", "backward ms", "optimizer ms", "std ms"):
+        t.add_column(col, justify="right")
+    for c in prof.compute:
+        t.add_row(str(c.batch), *(f"{v * 1e3:.2f}" for v in (c.pre_s, c.backward_s, c.post_s, c.std_s)))
+    console.print(t)
+    console.print(f"buckets: {[b.numel for b in prof.buckets]} values; {prof.flops_per_sample:.3g} FLOP/sample, "
+                  f"{prof.achieved_flops / 1e9:.2f} GFLOP/s achieved")
+    for name, c in prof.codecs.items():
+        console.print(f"  {name:>12}: encode {c.encode.per_byte_s * 1e9:.3f} ns/B + {c.encode.fixed_s * 1e6:.0f} us, "
+                      f"decode {c.decode.per_byte_s * 1e9:.3f} ns/B + {c.decode.fixed_s * 1e6:.0f} us")
+    if prof.corun_speed:
+        console.print("with every core busy each runs the step at " +
+                      ", ".join(f"{v:.2f} ({k} cores)" for k, v in prof.corun_speed.items()) + " of its speed alone")
+    if prof.network:
+        n = prof.network
+        console.print(f"network: alpha {n.alpha_s * 1e6:.0f} us, {n.measured_bps / 1e6:.1f} of "
+                      f"{n.nominal_bps / 1e6:.1f} Mbit/s ({n.efficiency:.1%})")
+    console.print(f"wrote {path}")

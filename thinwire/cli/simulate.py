@@ -1,0 +1,168 @@
+"""``thinwire simulate``: predict step time, scaling, bytes and energy of a workload on a cluster spec."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from thinwire.cli.profile import parse_model_opts
+from thinwire.config import check
+from thinwire.errors import ConfigError
+
+EPILOG = """examples:
+  thinwire simulate --cluster examples/clusters/uneven-4.yaml --workload charlm --profile p.yaml
+  thinwire simulate --cluster examples/clusters/pair-100mbit.yaml --profile p.yaml --compression bf16 \\
+                    --hosts 2,4,...,1024 --out runs/sim
+  sudo thinwire simulate --cluster examples/clusters/pair-100mbit.yaml --profile p.yaml --validate --steps 30
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="predict step time, scaling and energy before running",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True, help="cluster spec YAML")
+    p.add_argument("--workload", default="charlm")
+    p.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--data", help="text file or folder for charlm (only to measure without --profile)")
+    p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
+    p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
+    p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
+    p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
+    p.add_argument("--scaling", default="weak", choices=["weak", "strong"],
+                   help="weak: fixed batch per host (default); strong: fixed global batch")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: the profile's)")
+    p.add_argument("--colocated", type=float, metavar="CORES",
+                   help="all hosts share CORES cores, as on an emulated cluster (default: separate machines)")
+    p.add_argument("--device", default="xeon-8380-core", help="device table entry for energy (see thinwire.perf.devices)")
+    p.add_argument("--mfu", type=float, help="take compute from --device's peak FLOP/s at this utilization "
+                   "(e.g. 0.4) and the profile's FLOPs, instead of the measured time")
+    p.add_argument("--j-per-bit", type=float, help="network energy per bit (default: Aslan et al. 2018's "
+                   "wide-area 2.7e-5 J/bit; a LAN costs far less)")
+    p.add_argument("--steps", type=int, help="steps of the run (energy per run; with --validate, steps to train)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--out", help="folder for simulate.json and the PNGs (default runs/simulate-SPEC-TIME)")
+    p.add_argument("--validate", action="store_true", help="also run each configuration for real (root)")
+    p.add_argument("--max-foreign", type=float, metavar="CORES",
+                   help="with --validate: wait until other processes use at most CORES, and repeat a run "
+                        "during which they used more (up to --retries times)")
+    p.add_argument("--retries", type=int, default=2)
+    p.set_defaults(func=run)
+
+
+def parse_hosts(text: str) -> list[int]:
+    """``"2,3,4"``; ``"2,4,...,1024"`` continues the last two terms' ratio (or step) up to the last."""
+    allowed = "comma-separated host counts >= 1, optionally A,B,...,Z (e.g. 2,4,...,1024)"
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        values = [int(t) for t in parts if t != "..."]
+    except ValueError:
+        raise ConfigError("--hosts", text, allowed) from None
+    check(bool(values) and min(values) >= 1, "--hosts", text, allowed)
+    if "..." not in parts:
+        return values
+    check(len(parts) >= 4 and parts[-2] == "..." and parts.count("...") == 1, "--hosts", text, allowed)
+    a, b, z = values[-3], values[-2], values[-1]
+    check(a < b <= z, "--hosts", text, allowed, "The terms must grow: 2,4,...,1024.")
+    out, x = values[:-1], (b * b // a if b % a == 0 else 2 * b - a)
+    while x <= z:
+        out.append(x)
+        x = x * b // a if b % a == 0 else x + (b - a)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from thinwire.cluster.spec import load_cluster_spec
+    from thinwire.sim.sweep import SimOptions
+    from thinwire.workloads.registry import check_workload_name
+
+    check_workload_name(args.workload)
+    model = parse_model_opts(args.model_opt)
+    spec = load_cluster_spec(args.cluster)
+    from thinwire.compress.spec import parse_codec_spec
+
+    parse_codec_spec(args.compression)
+    check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
+    hosts = parse_hosts(args.hosts) if args.hosts else None
+    opts = SimOptions(codec=args.compression, hosts=hosts, batch_size=args.batch_size, scaling=args.scaling,
+                      threads=args.threads, colocated_cores=args.colocated, device=args.device, mfu=args.mfu,
+                      steps=args.steps or 1000, **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
+    profile, default_batch = _profile(args, model)
+    out = Path(args.out or Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if args.validate:
+        return _validate(args, spec, profile, opts, model, default_batch, out)
+    return _simulate(args, spec, profile, opts, default_batch, out)
+
+
+def _profile(args, model: dict):
+    from thinwire.perf_profile.file import load_profile
+    from thinwire.sim.inputs import check_profile_matches
+    from thinwire.workloads.registry import build_workload
+
+    default_batch = build_workload(args.workload, model, args.data).batch_size
+    if args.profile:
+        profile = load_profile(args.profile)
+        check_profile_matches(profile, args.workload, model)
+        return profile, default_batch
+    from thinwire.cli.profile import batch_sizes
+    from thinwire.perf_profile.run import profile_workload
+
+    Console(stderr=True).print("no --profile: measuring this machine now (save one with `thinwire profile`)")
+    sizes = batch_sizes(argparse.Namespace(batch_sizes=None, batch_size=args.batch_size), default_batch)
+    return profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
+                            codecs=sorted({"none", args.compression}), reps=6), default_batch
+
+
+def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
+    from thinwire.sim import output
+    from thinwire.sim.sweep import simulate
+
+    t0 = time.perf_counter()
+    points = simulate(spec, profile, opts, default_batch=default_batch)
+    elapsed = time.perf_counter() - t0
+    meta = {"cluster": spec.name, "workload": args.workload, "compression": opts.codec, "scaling": opts.scaling,
+            "device": opts.device, "steps": opts.steps, "simulate_seconds": elapsed,
+            "profile": args.profile, "colocated_cores": opts.colocated_cores}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate.json").write_text(output.to_json(points, meta))
+    title = f"{args.workload} on {spec.name}, {opts.codec}"
+    output.plot_scaling(points, out / "scaling.png", title)
+    own = next((pt for pt in points if pt.p == len(spec.hosts)), points[0])
+    output.plot_timeline(own, out / "timeline.png", f"{title}, {own.p} hosts")
+    if args.json:
+        print(output.to_json(points, meta))
+        return 0
+    console = Console()
+    console.print(output.table(points, f"predicted: {title} ({opts.scaling} scaling)"))
+    console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
+                  "scaling.png, timeline.png")
+    return 0
+
+
+def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: Path) -> int:
+    from thinwire.sim.validate import validate
+
+    steps = args.steps or 30
+    check(steps > 10, "--steps", steps, "more than 10 with --validate (the first 5 steps are skipped)")
+    rows = validate(spec, profile, opts, workload=args.workload, model=model,
+                    batch=args.batch_size or default_batch, steps=steps, out=out, max_foreign=args.max_foreign,
+                    retries=args.retries if args.max_foreign is not None else 0)
+    t = Table(title=f"predicted vs measured median step time ({args.workload}, {opts.codec})")
+    for col in ("hosts", "predicted ms", "measured ms", "error", "bytes/rank predicted", "measured", "other procs"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r.hosts), f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}", f"{r.error:+.1%}",
+                  f"{r.predicted_bytes:,}", f"{r.measured_bytes:,.0f}", f"{r.foreign_cores:.2f} cores")
+    Console().print(t)
+    if any(r.foreign_cores > 0.1 for r in rows):
+        Console().print("[yellow]other processes used CPU during a run: its hosts computed slower than the spec "
+                        "says, and the error above includes that[/yellow]")
+    if args.json:
+        import json
+
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+    return 0

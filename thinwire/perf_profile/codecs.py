@@ -1,0 +1,77 @@
+"""Measure each codec's encode and decode seconds, and the elementwise kernels the schemes add.
+
+For every codec and size (a small tensor for the fixed cost, and the workload's real bucket sizes)
+``compress`` and ``decompress`` of a standard-normal fp32 tensor are timed (median of ``reps``
+after a warm-up) on this process's threads, and a line ``fixed_s + per_byte_s * bytes`` is fitted
+by least squares. Two kernels every compressed bucket pays are measured the same way:
+
+* ``add``: summing decoded tensors (``total += decoded``, per rank received);
+* ``feedback``: error feedback's ``corrected = grad + residual`` and ``residual = corrected - sent``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from thinwire.compress.codecs import Meta
+from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.perf_profile.file import CodecCost, Cost
+
+SMALL_NUMEL = 16_384
+
+
+def median_s(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up: allocator, lazy init
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fit_line(points: list[tuple[float, float]]) -> Cost:
+    """Least-squares ``seconds = fixed + per_byte * bytes`` (both clamped at >= 0)."""
+    if len({x for x, _ in points}) < 2:
+        x, y = points[0]
+        return Cost(fixed_s=0.0, per_byte_s=y / x if x else 0.0)
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, slope)
+    return Cost(fixed_s=max(0.0, my - slope * mx), per_byte_s=slope)
+
+
+def sizes_for(bucket_numels: list[int]) -> list[int]:
+    return sorted({SMALL_NUMEL, *(n for n in bucket_numels if n > SMALL_NUMEL)})
+
+
+def measure_codec(spec: str, sizes: list[int], reps: int) -> CodecCost:
+    codec = parse_codec_spec(spec)
+    enc, dec = [], []
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        meta = Meta(numel=n, seed=7)
+        payload = codec.compress(x, meta)
+        enc.append((4 * n, median_s(lambda: codec.compress(x, meta), reps)))
+        dec.append((4 * n, median_s(lambda: codec.decompress(payload, meta), reps)))
+    return CodecCost(encode=fit_line(enc), decode=fit_line(dec))
+
+
+def measure_kernels(sizes: list[int], reps: int) -> dict[str, Cost]:
+    add, feedback = [], []
+    for n in sizes:
+        a, b, r = torch.randn(n), torch.randn(n), torch.randn(n)
+        add.append((4 * n, median_s(lambda: a.add_(b), reps)))
+        feedback.append((4 * n, median_s(lambda: (r + a) - b, reps)))
+    return {"add": fit_line(add), "feedback": fit_line(feedback)}
+
+
+def measure_codecs(specs: list[str], bucket_numels: list[int], reps: int = 5) -> dict[str, CodecCost]:
+    """Codec name (its canonical spec string) -> measured cost."""
+    sizes = sizes_for(bucket_numels)
+    return {spec_string(parse_codec_spec(s)): measure_codec(s, sizes, reps) for s in specs}

@@ -1,0 +1,82 @@
+"""How fast this machine's cores are when several are busy at once: the co-run speed.
+
+Co-located hosts of an emulated cluster compute at the same time (collectives line them up every
+step). On a virtual machine whose vCPUs share a physical core (SMT siblings) or caches and memory
+bandwidth, two busy cores deliver less than twice one: measured here, on 2 cores of the development
+VM, each of two concurrent single-thread processes ran the matmul-heavy step ~2.2x slower than
+alone. ``corun_speed(n)`` starts ``n`` copies of the workload's training step (one thread each),
+lines them up on a barrier and returns the median step time of one running alone divided by the
+median of the concurrent ones (1.0 = no slowdown).
+
+Run as a module it is one copy: ``python -m thinwire.perf_profile.corun --workload charlm ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _copy(args: argparse.Namespace) -> None:
+    import torch
+
+    from thinwire.perf_profile.compute import StepTimer, single_process_group
+    from thinwire.workloads.registry import build_workload
+
+    torch.set_num_threads(args.threads)
+    with single_process_group():
+        torch.manual_seed(0)
+        wl = build_workload(args.workload, json.loads(args.model), args.data)
+        timer = StepTimer(wl, bucket_mb=25.0, lr=wl.lr)
+        for _ in range(3):
+            timer.step(args.batch)
+        Path(args.barrier, f"ready-{os.getpid()}").touch()
+        while len(list(Path(args.barrier).glob("ready-*"))) < args.n:
+            time.sleep(0.005)
+        times = []
+        for _ in range(args.steps):
+            pre, _, bwd, post, _ = timer.step(args.batch)
+            times.append(pre + bwd + post)
+    print(json.dumps({"median_s": statistics.median(times)}), flush=True)
+
+
+def _run(n: int, argv: list[str], timeout: float) -> float:
+    with tempfile.TemporaryDirectory() as barrier:
+        cmd = [sys.executable, "-m", "thinwire.perf_profile.corun", *argv, "--n", str(n), "--barrier", barrier]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return statistics.median(json.loads(o.strip().splitlines()[-1])["median_s"] for o in outs)
+
+
+def corun_speed(*, workload: str, model: dict, data: str | None, batch: int, threads: int = 1, n: int = 2,
+                steps: int = 12, timeout: float = 300.0) -> float:
+    """Speed of each of ``n`` concurrent copies relative to one copy alone (see the module docstring)."""
+    argv = ["--workload", workload, "--model", json.dumps(model), "--batch", str(batch), "--threads", str(threads),
+            "--steps", str(steps)] + (["--data", data] if data else [])
+    alone = _run(1, argv, timeout)
+    return alone / _run(n, argv, timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", required=True)
+    p.add_argument("--model", default="{}")
+    p.add_argument("--data")
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--barrier", required=True)
+    _copy(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The profile file: what ``thinwire profile`` measured, read back by ``thinwire simulate``.
+
+A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
+
+    version: 1
+    workload: charlm
+    model: {width: 128}          # the workload's options as given
+    threads: 1                   # torch threads the measurement used (speed 1 in the model)
+    bucket_mb: 25.0              # DDP bucket cap of the measured layout
+    parameters: 443008
+    machine: {cpu: ..., cores: 2, torch: 2.13.0}
+    compute:                     # one entry per per-rank batch size measured
+      - {batch: 8, pre_s: 0.004, forward_s: 0.02, backward_s: 0.04, post_s: 0.003, std_s: 0.001}
+    flops_per_sample: 1.2e8      # forward + backward, torch.utils.flop_counter
+    achieved_flops: 3.0e9        # FLOP/s measured on this machine at `threads`
+    activation_bytes_per_sample: 1.5e6
+    buckets:                     # DDP's layout after its rebuild, in the order buckets are reduced
+      - {numel: 443008, ready_frac: 1.0, params: [12, 11, ...], shapes: [[256, 128], ...]}
+    corun_speed: {"2": 0.83}     # each of 2 busy cores runs the step at 0.83 of one core alone
+    kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
+    codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}}, ...}
+    network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
+
+All costs are one core's (``threads``) on the machine in ``machine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from thinwire.config import check, from_dict, load_yaml, to_dict
+from thinwire.errors import ThinwireError
+
+VERSION = 1
+# TCP payload per Ethernet frame on a 1500-byte MTU with TCP timestamps: 1448 of 1514 bytes (tbf counts
+# the Ethernet header). The default share of a link's rate that carries data when no probe was run.
+TCP_EFFICIENCY = 1448 / 1514
+DEFAULT_ALPHA_S = 1e-4  # per-message latency when no probe was run (a LAN round of gloo); measure it
+
+
+@dataclasses.dataclass(kw_only=True)
+class Cost:
+    """Seconds on one core for ``nbytes`` of fp32 input: ``fixed_s + per_byte_s * nbytes``."""
+
+    fixed_s: float = 0.0
+    per_byte_s: float = 0.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class CodecCost:
+    encode: Cost
+    decode: Cost
+
+
+@dataclasses.dataclass(kw_only=True)
+class ComputePoint:
+    """Seconds of one training step at a per-rank ``batch``: data + forward, backward, clip + optimizer."""
+
+    batch: int
+    pre_s: float
+    backward_s: float
+    post_s: float
+    std_s: float = 0.0
+    forward_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check(self.batch >= 1, "compute[].batch", self.batch, "an integer >= 1")
+        for name in ("pre_s", "backward_s", "post_s", "std_s"):
+            check(getattr(self, name) >= 0, f"compute[].{name}", getattr(self, name), "seconds >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class BucketRecord:
+    numel: int
+    ready_frac: float
+    params: list[int]
+    shapes: list[list[int]]
+
+
+@dataclasses.dataclass(kw_only=True)
+class NetworkRecord:
+    """From small and large all-reduce probes across ``hosts`` hosts of ``cluster``."""
+
+    alpha_s: float
+    efficiency: float
+    nominal_bps: float
+    measured_bps: float
+    hosts: int
+    cluster: str
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    times_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Profile:
+    version: int = VERSION
+    workload: str
+    model: dict = dataclasses.field(default_factory=dict)
+    data: str | None = None
+    threads: int = 1
+    bucket_mb: float = 25.0
+    parameters: int
+    machine: dict = dataclasses.field(default_factory=dict)
+    compute: list[ComputePoint]
+    flops_per_sample: float = 0.0
+    achieved_flops: float = 0.0
+    activation_bytes_per_sample: float = 0.0
+    buckets: list[BucketRecord]
+    corun_speed: dict[str, float] = dataclasses.field(default_factory=dict)  # busy cores -> speed of each
+    kernels: dict[str, Cost] = dataclasses.field(default_factory=dict)
+    codecs: dict[str, CodecCost] = dataclasses.field(default_factory=dict)
+    network: NetworkRecord | None = None
+
+    def __post_init__(self) -> None:
+        check(self.version == VERSION, "version", self.version, f"{VERSION}",
+              "The profile was written by another thinwire version; run `thinwire profile` again.")
+        check(len(self.compute) >= 1, "compute", self.compute, "at least one measured batch size")
+        check(len(self.buckets) >= 1, "buckets", self.buckets, "at least one bucket")
+
+    def codec_cost(self, name: str) -> CodecCost:
+        """Measured cost of codec ``name``; a clear error if the profile lacks it."""
+        if name not in self.codecs:
+            raise ThinwireError(f"profile: has no measured cost for codec {name!r} (it has "
+                                f"{', '.join(repr(c) for c in sorted(self.codecs)) or 'no codecs'}). Run `thinwire profile ... --codecs "
+                                f"{name}` to add it.")
+        return self.codecs[name]
+
+
+def save_profile(profile: Profile, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(profile), sort_keys=False, width=120))
+    return path
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and check a profile; a missing file says how to make one."""
+    if not Path(path).is_file():
+        raise ThinwireError(f"profile: file {str(path)!r} does not exist. Make one with "
+                            f"`thinwire profile --workload W --out {path}`, or leave --profile out to measure now.")
+    data = load_yaml(path, what="profile")
+    return from_dict(Profile, data, where="profile")

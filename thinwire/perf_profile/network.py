@@ -1,0 +1,47 @@
+"""Measure the network's alpha (latency per message) and beta (seconds per byte) on an emulated cluster.
+
+Two all-reduce probes with :mod:`thinwire.cluster.bench`'s workers (gloo, one process per host,
+each rep after a barrier, the slowest rank's time): a small one, whose time is mostly latency, and a
+large one lasting about half a second at the configured rate. The fastest of ``reps`` is kept: the
+link is deterministic (a token bucket), so slower reps measure other processes on the machine, not
+the network. With the ring all-reduce model ``t = 2 (p-1) alpha + 2 (p-1)/p n beta``
+the two points give::
+
+    beta  = (t_large - t_small) / (2 (p-1)/p (n_large - n_small))
+    alpha = (t_small - 2 (p-1)/p n_small beta) / (2 (p-1))
+
+``efficiency = 8 / beta / configured rate`` is the share of the link's rate that carries payload
+(~0.93 here: headers and TCP's slack); the simulator applies it to every link of a spec.
+"""
+
+from __future__ import annotations
+
+from thinwire.cluster.bench import _run_workers, bus_factor, default_sizes
+from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.spec import ClusterSpec
+from thinwire.perf_profile.file import NetworkRecord
+
+SMALL_BYTES = 4096
+
+
+def alpha_beta(sizes: list[int], times: list[float], p: int) -> tuple[float, float]:
+    """(alpha seconds, beta seconds/byte) from a small and a large all-reduce (see module docstring)."""
+    (n0, n1), (t0, t1) = sizes, times
+    f = bus_factor(p)
+    beta = max(1e-15, (t1 - t0) / (f * (n1 - n0)))
+    alpha = max(0.0, (t0 - f * n0 * beta) / (2 * (p - 1)))
+    return alpha, beta
+
+
+def probe_network(spec: ClusterSpec, *, reps: int = 7, hosts: list[str] | None = None,
+                  timeout: float = 300.0) -> NetworkRecord:
+    cluster = EmulatedCluster(spec)
+    cluster.require_up()
+    hosts = hosts or spec.host_names
+    expected = min(spec.bandwidth_bps(a, b) for a in hosts for b in hosts if a != b)
+    sizes = [SMALL_BYTES, default_sizes(expected, len(hosts))[1]]
+    times = [min(reps_s) for reps_s in _run_workers(cluster, hosts, sizes, reps, timeout)]
+    p = len(hosts)
+    alpha, beta = alpha_beta(sizes, times, p)
+    return NetworkRecord(alpha_s=alpha, efficiency=min(1.0, 8 / beta / expected), nominal_bps=expected,
+                         measured_bps=8 / beta, hosts=p, cluster=spec.name, sizes=sizes, times_s=times)

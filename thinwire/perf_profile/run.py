@@ -1,0 +1,78 @@
+"""``profile_workload``: measure everything the simulator needs on this machine, return a :class:`Profile`.
+
+Steps: (1) the training step at each per-rank batch size, in DDP on one rank, with the bucket
+layout and each bucket's readiness (:mod:`.compute`); (2) FLOPs and saved-activation bytes per
+sample; (3) how fast the step runs when all cores are busy at once (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
+bucket sizes (:mod:`.codecs`); (5) optionally the network's alpha and beta on a running emulated
+cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
+
+Example::
+
+    prof = profile_workload(workload="charlm", batch_sizes=[8, 4], codecs=["none", "bf16"])
+    save_profile(prof, "charlm.profile.yaml")
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from thinwire.config import check
+from thinwire.perf_profile.codecs import measure_codecs, measure_kernels, sizes_for
+from thinwire.perf_profile.compute import StepTimer, activation_bytes, count_flops, single_process_group
+from thinwire.perf_profile.file import Profile
+
+DEFAULT_CODECS = ("none", "fp16", "bf16", "int8", "bfp", "qsgd", "topk", "randomk", "sign", "powersgd")
+
+
+def machine_info(threads: int) -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "torch": str(torch.__version__), "threads": threads}
+
+
+def profile_workload(*, workload: str, model: dict | None = None, data: str | None = None, batch_sizes: list[int],
+                     bucket_mb: float = 25.0, threads: int = 1, codecs=DEFAULT_CODECS, reps: int = 10,
+                     warmup: int = 3, network=None, seed: int = 0, corun: bool = True) -> Profile:
+    """Measure ``workload`` at each per-rank batch size (see the module docstring)."""
+    from thinwire.workloads.registry import build_workload
+
+    check(bool(batch_sizes) and min(batch_sizes) >= 1, "--batch-sizes", batch_sizes, "positive integers")
+    check(threads >= 1, "--threads", threads, "an integer >= 1")
+    check(reps >= 2, "--reps", reps, "an integer >= 2")
+    torch.set_num_threads(threads)
+    with single_process_group():
+        torch.manual_seed(seed)
+        wl = build_workload(workload, dict(model or {}), data)
+        timer = StepTimer(wl, bucket_mb=bucket_mb, lr=wl.lr, seed=seed)
+        points, buckets = [], []
+        for b in sorted(set(batch_sizes), reverse=True):
+            point, layout = timer.measure(b, warmup=warmup, reps=reps)
+            points.append(point)
+            buckets = buckets or layout
+        b0 = points[0].batch
+        flops = count_flops(wl, b0) / b0
+        acts = activation_bytes(wl, b0) / b0
+    corun_speed = {}
+    cores = os.cpu_count() or 1
+    if corun and cores > 1:  # each of `cores` concurrent copies of the step, relative to one alone
+        from thinwire.perf_profile.corun import corun_speed as measure_corun
+
+        corun_speed[str(cores)] = measure_corun(workload=workload, model=dict(model or {}), data=data, batch=b0,
+                                                threads=threads, n=cores)
+    numels = [bk.numel for bk in buckets]
+    sizes = sizes_for(numels)
+    return Profile(
+        workload=workload, model=dict(model or {}), data=data, threads=threads, bucket_mb=bucket_mb,
+        parameters=sum(p.numel() for p in wl.model.parameters()), machine=machine_info(threads),
+        compute=points, flops_per_sample=flops,
+        achieved_flops=flops * b0 / (points[0].forward_s + points[0].backward_s),
+        activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
+        kernels=measure_kernels(sizes, reps),
+        codecs=measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), network=network)

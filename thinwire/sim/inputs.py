@@ -1,0 +1,194 @@
+"""Turn a cluster spec, a profile and a codec into the plain inputs of :func:`thinwire.perf.model.predict_step`.
+
+This is the layer above perf/ that may read specs, profiles and codecs (DESIGN.md: perf/ is handed
+plain values and callables):
+
+* **Hosts at any count**: a spec of ``k`` hosts is scaled to ``p`` by repeating its hosts in order
+  (host ``i`` is a copy of host ``i mod k``, in the same group), so a spec's mix of fast and slow
+  hosts and links is kept at every scale. The ring visits the hosts group by group.
+* **Speeds**: a host's speed is the cores it can use, relative to the profile's ``threads``:
+  ``min(cpu, threads) / profile.threads``, with ``cpu: null`` meaning ``threads``. On an emulated
+  cluster (``colocated_cores``: all hosts share this machine's cores) a host's cores are its
+  max-min fair share of the machine (:func:`thinwire.perf.straggler.cpu_shares`), i.e.
+  ``min(cpu, cores / hosts)`` when all caps are equal: four 1-core hosts on 2 cores run at 0.5.
+  Busy cores can be slower than one core alone (SMT siblings, shared caches): co-located hosts
+  also run at the profile's measured ``corun_speed`` (:func:`thinwire.perf.straggler.corun_factor`).
+* **Network**: the ring's pace is its slowest edge (:func:`thinwire.perf.collectives.ring_edge_rates`),
+  at the profile's measured efficiency and latency (defaults when it has no network probe: TCP's
+  1448/1514 payload share and 100 us).
+* **Compute**: the profile's phases at the per-rank batch, the measured point when there is one,
+  else a least-squares line in the batch size through the measured points.
+* **Codec**: its own ``payload_bytes``, the scheme ``thinwire.compress.schemes`` uses for it, the
+  profile's measured encode/decode/add/feedback costs; for PowerSGD the two all-reduce rounds from
+  the bucket's parameter shapes exactly as the scheme cuts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import torch
+
+from thinwire.cluster.spec import ClusterSpec, HostSpec
+from thinwire.compress.codecs import Codec, Meta
+from thinwire.compress.codecs.powersgd import matrix_view, near_square
+from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.config import check
+from thinwire.errors import ConfigError, ThinwireError
+from thinwire.perf import collectives as coll
+from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, scheme_for
+from thinwire.perf.straggler import corun_factor, cpu_shares
+from thinwire.perf_profile.file import DEFAULT_ALPHA_S, TCP_EFFICIENCY, Cost, Profile
+
+MAX_HOSTS = 65536
+
+
+def replicate_hosts(spec: ClusterSpec, p: int) -> list[HostSpec]:
+    """``p`` hosts: host ``i`` copies ``spec.hosts[i % k]``; ordered group by group (the ring's order)."""
+    check(isinstance(p, int) and 1 <= p <= MAX_HOSTS, "--hosts", p, f"host counts in [1, {MAX_HOSTS}]")
+    k = len(spec.hosts)
+    hosts = [dataclasses.replace(spec.hosts[i % k], name=f"{spec.hosts[i % k].name}-{i // k}" if p > k else
+                                 spec.hosts[i].name) for i in range(p)]
+    order = {g: j for j, g in enumerate(spec.groups)}
+    return sorted(hosts, key=lambda h: order[h.group])
+
+
+def host_cores(hosts: list[HostSpec], *, threads: int, colocated_cores: float | None = None) -> list[float]:
+    """Cores each host computes with (see the module docstring)."""
+    if colocated_cores:
+        return cpu_shares([h.cpu for h in hosts], colocated_cores)
+    return [h.cpu if h.cpu is not None else float(threads) for h in hosts]
+
+
+def host_speeds(cores: list[float], *, profile_threads: int, threads: int, profile: Profile | None = None,
+                colocated_cores: float | None = None) -> list[float]:
+    """Speed relative to the profile: the cores a host's ``threads`` threads can use, over the profile's;
+    co-located hosts also run at the measured speed of a core while the others are busy."""
+    speeds = [min(c, threads) / profile_threads for c in cores]
+    if colocated_cores and profile is not None and profile.corun_speed:
+        corun = {int(k): v for k, v in profile.corun_speed.items()}
+        factor = corun_factor(cores, int(colocated_cores), corun)
+        speeds = [v * factor for v in speeds]
+    return speeds
+
+
+def hierarchical_s(spec: ClusterSpec, hosts: list[HostSpec], nbytes: float, net: Network, efficiency: float) -> float:
+    """Two-level all-reduce of ``nbytes`` over the spec's groups (what-if; thinwire's hook uses a ring)."""
+    groups = sorted({h.group for h in hosts})
+    g = max(1, len(hosts) // len(groups))
+    intra = min(h.bandwidth for h in hosts)
+    inter = min([l.bandwidth for l in spec.links] or [intra])
+    return coll.hierarchical_allreduce_s(nbytes, g, len(groups), alpha_in=net.alpha_s,
+                                         beta_in=coll.beta_from_rate(intra, efficiency), alpha_out=net.alpha_s,
+                                         beta_out=g * coll.beta_from_rate(inter, efficiency))
+
+
+def efficiency_of(profile: Profile) -> float:
+    return profile.network.efficiency if profile.network else TCP_EFFICIENCY
+
+
+def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile) -> Network:
+    """Alpha and the slowest edge's beta of the ring over ``hosts`` (spec links shared as the spec says)."""
+    links = {link.pair: link.bandwidth for link in spec.links}
+    rates = coll.ring_edge_rates([h.bandwidth for h in hosts], [h.group for h in hosts], links)
+    net = profile.network
+    efficiency = efficiency_of(profile)
+    alpha = net.alpha_s if net else DEFAULT_ALPHA_S
+    latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
+    return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency))
+
+
+def _line(xs: list[float], ys: list[float], x: float) -> float:
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return max(0.0, intercept + slope * x)
+
+
+def compute_at(profile: Profile, batch: float) -> Compute:
+    """Phases at per-rank ``batch``: the measured point if there is one, else a line through them."""
+    check(batch >= 1, "--batch-size", batch, "at least one sample per host",
+          "Use a larger --batch-size or --scaling weak.")
+    exact = next((c for c in profile.compute if c.batch == batch), None)
+    if exact is not None:
+        return Compute(pre_s=exact.pre_s, backward_s=exact.backward_s, post_s=exact.post_s, std_s=exact.std_s)
+    bs = [float(c.batch) for c in profile.compute]
+    post = statistics.median(c.post_s for c in profile.compute)  # clip + optimizer: no batch dependence
+    std = statistics.median(c.std_s for c in profile.compute)
+    return Compute(pre_s=_line(bs, [c.pre_s for c in profile.compute], batch),
+                   backward_s=_line(bs, [c.backward_s for c in profile.compute], batch), post_s=post, std_s=std)
+
+
+def buckets_of(profile: Profile, bucket_mb: float | None = None) -> list[Bucket]:
+    if bucket_mb is not None and abs(bucket_mb - profile.bucket_mb) > 1e-9:
+        raise ConfigError("bucket_mb", bucket_mb, f"the profile's bucket cap ({profile.bucket_mb:g} MB)",
+                          f"Profile again with --bucket-mb {bucket_mb:g}: the bucket layout is measured.")
+    return [Bucket(numel=b.numel, ready_frac=b.ready_frac) for b in profile.buckets]
+
+
+def _cost(c: Cost) -> LinearCost:
+    return LinearCost(fixed_s=c.fixed_s, per_byte_s=c.per_byte_s)
+
+
+def _near_square_rounds(codec: Codec, numel: int) -> tuple[int, int]:
+    rows, cols = near_square(numel)
+    r = min(codec.config.rank, rows, cols)
+    return rows * r + 1, cols * r
+
+
+def lowrank_rounds(codec: Codec, shapes_per_bucket: list[list[list[int]]], numel_of: dict[int, int] | None = None):
+    """Bucket index -> (fp32 elements of P's round incl. uncompressed params and flag, of Q's round).
+
+    Buckets without known shapes (``auto`` sees only sizes) are priced as the codec's near-square
+    view of the flat bucket, ``numel_of[index]`` values."""
+    cfg = codec.config
+    numel_of = numel_of or {}
+
+    def rounds(index: int) -> tuple[int, int]:
+        if index >= len(shapes_per_bucket):  # shapes unknown: the codec's own near-square view of the bucket
+            return _near_square_rounds(codec, numel_of.get(index, 0))
+        first, second = 1, 0
+        for shape in shapes_per_bucket[index]:
+            numel = math.prod(shape)
+            mn = matrix_view(numel, tuple(shape))
+            r = min(cfg.rank, *mn) if mn else 0
+            if mn and (mn[0] + mn[1]) * r * cfg.min_compression_rate < mn[0] * mn[1]:
+                first, second = first + mn[0] * r, second + mn[1] * r
+            else:
+                first += numel
+        return first, second
+
+    return rounds
+
+
+def codec_model(spec: str, profile: Profile | None, *, min_compress_bytes: int = 4096,
+                shapes: list[list[list[int]]] | None = None, numels: dict[int, int] | None = None) -> CodecModel:
+    """The :class:`CodecModel` of codec ``spec`` with the profile's measured costs (zero without a
+    profile: bytes only). ``shapes``: parameter shapes per bucket (default: the profile's buckets)."""
+    codec = parse_codec_spec(spec)
+    scheme = scheme_for(lossless=codec.lossless, summable=codec.summable, sparse=codec.sparse,
+                        lowrank=codec.name == "powersgd")
+    name = spec_string(codec)
+    if codec.lossless:
+        return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes,
+                          min_compress_bytes=min_compress_bytes)
+    costs = {"encode": LinearCost(), "decode": LinearCost(), "add": LinearCost(), "feedback": LinearCost()}
+    if profile is not None:
+        measured = profile.codec_cost(name)
+        costs.update(encode=_cost(measured.encode), decode=_cost(measured.decode),
+                     **{k: _cost(profile.kernels[k]) for k in ("add", "feedback") if k in profile.kernels})
+    if shapes is None:
+        shapes = [b.shapes for b in profile.buckets] if profile is not None else []
+    head = codec.compress(torch.zeros(64), Meta(numel=64))[0].element_size()
+    rounds = lowrank_rounds(codec, shapes, numels) if codec.name == "powersgd" else None
+    return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes, head_itemsize=head,
+                      lowrank_rounds=rounds, min_compress_bytes=min_compress_bytes, **costs)
+
+
+def check_profile_matches(profile: Profile, workload: str, model: dict) -> None:
+    if profile.workload != workload or {k: v for k, v in profile.model.items()} != dict(model):
+        raise ThinwireError(f"profile: measured workload {profile.workload!r} with model options {profile.model}, "
+                            f"but the simulation asks for {workload!r} with {dict(model)}. Profile this workload "
+                            "with `thinwire profile` or pass the matching --profile.")

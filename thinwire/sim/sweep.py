@@ -1,0 +1,149 @@
+"""``simulate``: predicted step, scaling, bytes, memory and energy of a workload on a cluster spec.
+
+For each host count ``p`` the spec is scaled to ``p`` hosts (:func:`~thinwire.sim.inputs.replicate_hosts`)
+and :func:`thinwire.perf.model.predict_step` prices one step. Scaling:
+
+* ``weak`` (default): every host keeps the per-host batch the spec's own host count would get from
+  ``batch_size`` (``batch_size / k``), so the global batch grows with ``p``;
+* ``strong``: the global batch stays ``batch_size`` and is split over ``p`` hosts (what
+  ``thinwire train`` does for a given spec).
+
+``speedup(p)`` is the throughput (samples/s) over that of one speed-1 host (the profiled machine)
+computing the same per-host batch alone; ``efficiency = speedup / p``. Energy uses a device from
+:mod:`thinwire.perf.devices` (per core for ``cpu-core`` devices, times the host's cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from thinwire.cluster.spec import ClusterSpec
+from thinwire.config import check
+from thinwire.perf import collectives as coll
+from thinwire.perf.devices import get_device
+from thinwire.perf.energy import EnergyEstimate, J_PER_BIT_INTERNET, run_energy, step_energy
+from thinwire.perf.memory import MemoryEstimate, memory_per_rank, residual_values
+from thinwire.perf.model import Scheme, StepPrediction, predict_step
+from thinwire.perf_profile.file import Profile
+from thinwire.sim import inputs
+
+
+@dataclasses.dataclass(kw_only=True)
+class SimOptions:
+    codec: str = "none"
+    hosts: list[int] | None = None        # None: the spec's own host count
+    batch_size: int | None = None         # global batch at the spec's host count (weak) or at every count (strong)
+    scaling: str = "weak"
+    threads: int | None = None            # torch threads per worker; None: the profile's
+    colocated_cores: float | None = None  # all hosts share this many cores (an emulated cluster)
+    device: str = "xeon-8380-core"
+    mfu: float | None = None              # compute from the device's peak at this utilization, not the profile
+    j_per_bit: float = J_PER_BIT_INTERNET
+    steps: int = 1000
+    bucket_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        check(self.scaling in ("weak", "strong"), "--scaling", self.scaling, "weak or strong")
+        check(self.steps >= 1, "--steps", self.steps, "an integer >= 1")
+        check(self.threads is None or self.threads >= 1, "--threads", self.threads, "an integer >= 1")
+        check(self.mfu is None or 0 < self.mfu <= 1, "--mfu", self.mfu, "a fraction of peak in (0, 1]",
+              "0.3-0.5 is typical for training; leave it out to use the profile's measured compute.")
+        check(self.j_per_bit >= 0, "--j-per-bit", self.j_per_bit, "a number of joules per bit >= 0")
+        get_device_checked(self.device)
+
+
+def get_device_checked(name: str):
+    """The device table entry, or a ConfigError listing the known devices."""
+    from thinwire.errors import ConfigError
+    from thinwire.perf.devices import DEVICES
+
+    if name not in DEVICES:
+        raise ConfigError("--device", name, f"one of {', '.join(DEVICES)}", "See thinwire/perf/devices.py for sources.")
+    return get_device(name)
+
+
+@dataclasses.dataclass
+class Point:
+    """One host count's prediction and what follows from it."""
+
+    p: int
+    batch_per_host: float
+    prediction: StepPrediction
+    speedup: float
+    efficiency: float
+    energy_step: EnergyEstimate
+    energy_run: EnergyEstimate
+    memory: MemoryEstimate
+    dense_allreduce_s: dict[str, float]
+
+    def to_dict(self) -> dict:
+        pr = self.prediction
+        return {
+            "hosts": self.p, "batch_per_host": self.batch_per_host, "step_s": pr.step_s, "compute_s": pr.compute_s,
+            "exposed_comm_s": pr.exposed_comm_s, "comm_s": pr.comm_s, "codec_s": pr.codec_s, "noise_s": pr.noise_s,
+            "bytes_per_rank": pr.bytes_per_rank, "speedup": self.speedup, "efficiency": self.efficiency,
+            "energy_step_j": self.energy_step.total_j, "energy_run_j": self.energy_run.total_j,
+            "energy_network_step_j": self.energy_step.network_j, "memory_per_rank_bytes": self.memory.total,
+            "memory": dataclasses.asdict(self.memory), "dense_fp32_allreduce_s": self.dense_allreduce_s,
+            "buckets": [{"numel": b.numel, "scheme": b.scheme, "bytes_sent": b.bytes_sent, "comm_s": b.comm_s,
+                         "encode_s": b.encode_s, "decode_s": b.decode_s, "collectives": b.collectives,
+                         "ready_s": s.ready_s, "start_s": s.start_s, "done_s": s.done_s}
+                        for b, s in zip(pr.buckets, pr.timeline.buckets)],
+            "backward_end_s": pr.timeline.backward_s, "pre_s": pr.timeline.pre_s, "post_s": pr.timeline.post_s,
+        }
+
+
+def per_host_batch(opts: SimOptions, profile: Profile, k: int, p: int, default_batch: int) -> float:
+    batch = opts.batch_size or default_batch
+    return batch / k if opts.scaling == "weak" else batch / p
+
+
+def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_batch: int) -> list[Point]:
+    """Predictions for each host count in ``opts.hosts`` (see the module docstring)."""
+    codec = inputs.codec_model(opts.codec, profile)
+    buckets = inputs.buckets_of(profile, opts.bucket_mb)
+    threads = opts.threads or profile.threads
+    device = get_device_checked(opts.device)
+    out = []
+    for p in opts.hosts or [len(spec.hosts)]:
+        hosts = inputs.replicate_hosts(spec, p)
+        b = per_host_batch(opts, profile, len(spec.hosts), p, default_batch)
+        compute = inputs.compute_at(profile, b)
+        cores = inputs.host_cores(hosts, threads=threads, colocated_cores=opts.colocated_cores)
+        speeds = inputs.host_speeds(cores, profile_threads=profile.threads, threads=threads, profile=profile,
+                                    colocated_cores=opts.colocated_cores)
+        reference_s = compute.total_s  # one speed-1 host alone: the profiled machine, or one `device`
+        if opts.mfu:  # every host is a `device`: its speed relative to the profiled step, from FLOPs
+            on_device = device.compute_s(profile.flops_per_sample * b, utilization=opts.mfu)
+            speeds, reference_s = [compute.total_s / on_device] * p, on_device
+        net = inputs.ring_network(spec, hosts, profile)
+        # no spare core for the communication thread on the slowest host: its codec work competes with backward
+        steals = cores[speeds.index(min(speeds))] < threads + 1
+        pred = predict_step(buckets=buckets, compute=compute, speeds=speeds, network=net, codec=codec,
+                            codec_steals_compute=steals)
+        out.append(_point(p, b, pred, compute.total_s, reference_s, speeds, cores, hosts, device, opts, profile, codec, net, spec))
+    return out
+
+
+def _point(p, b, pred, compute_unit_s, reference_s, speeds, cores, hosts, device, opts, profile, codec, net, spec) -> Point:
+    speedup = p * reference_s / pred.step_s  # samples/s over those of one reference host alone
+    busy = [min(pred.step_s, compute_unit_s / s + pred.codec_s) for s in speeds]
+    units = sum(cores) if device.kind == "cpu-core" else p  # power per core, or per device
+    step_e = step_energy(busy_s=busy, step_s=pred.step_s, busy_w=device.busy_w * units / p,
+                         idle_w=device.idle_w * units / p, bytes_sent=pred.bytes_per_rank * p,
+                         j_per_bit=opts.j_per_bit)
+    numels = [bk.numel for bk in pred.buckets]
+    compressed = [bk.numel for bk in pred.buckets if bk.scheme != "fp32"]
+    resid = residual_values(compressed, compressed=bool(compressed), p=p,
+                            reduced_chunk=codec.scheme is Scheme.QUANTIZED)
+    mem = memory_per_rank(sum(numels), residual_values=resid,
+                          activation_bytes=int(profile.activation_bytes_per_sample * b))
+    n = 4 * sum(numels)
+    dense = {"ring": coll.ring_allreduce_s(n, p, alpha=net.alpha_s, beta=net.beta_s_per_byte),
+             "halving_doubling": coll.halving_doubling_allreduce_s(n, p, alpha=net.alpha_s, beta=net.beta_s_per_byte),
+             "in_network": coll.parameter_server_s(n, p, alpha=net.alpha_s, beta_host=net.beta_s_per_byte,
+                                                   beta_server=0.0)}
+    if len(spec.groups) > 1:
+        dense["hierarchical"] = inputs.hierarchical_s(spec, hosts, n, net, inputs.efficiency_of(profile))
+    return Point(p=p, batch_per_host=b, prediction=pred, speedup=speedup, efficiency=speedup / p,
+                 energy_step=step_e, energy_run=run_energy(step_e, opts.steps), memory=mem, dense_allreduce_s=dense)

@@ -1,0 +1,157 @@
+"""``simulate --validate``: run the simulated configurations for real on the emulated cluster and compare.
+
+For each host count the spec is scaled (:func:`~thinwire.sim.inputs.replicate_hosts`), written as
+a spec file, brought up with :class:`~thinwire.cluster.emulator.EmulatedCluster` (and taken down
+again if this run brought it up), and ``thinwire train --cluster`` runs ``steps`` steps with the
+same workload, global batch, codec, bucket cap and torch threads. The measured step time is the
+median ``step_time_s`` of ``metrics.jsonl`` after the first ``skip`` steps (connection set-up and
+DDP's bucket rebuild). The prediction for the comparison is made as for an emulated cluster: strong
+scaling (``train`` splits the global batch) and hosts sharing this machine's cores.
+
+Nothing of the measured runs feeds the prediction: it comes from the profile alone (one host's
+compute, codec costs and, when probed, the network's alpha and efficiency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.spec import ClusterSpec, spec_to_dict
+from thinwire.errors import ThinwireError
+from thinwire.perf_profile.file import Profile
+from thinwire.sim import inputs
+from thinwire.sim.foreign import ForeignCpu, wait_quiet
+from thinwire.sim.sweep import SimOptions, simulate
+from thinwire.train.metrics import read_metrics
+
+SUBNET = "10.231.0.0/24"  # private, used only inside the validation clusters' namespaces
+
+
+@dataclasses.dataclass
+class Comparison:
+    hosts: int
+    codec: str
+    predicted_s: float
+    measured_s: float
+    predicted_bytes: int
+    measured_bytes: float
+    out: str
+    foreign_cores: float = 0.0   # cores other processes used during the run (see thinwire.sim.foreign)
+    attempts: int = 1
+
+    @property
+    def error(self) -> float:
+        """Relative error of the predicted step time: (predicted - measured) / measured."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "error": self.error}
+
+
+def scaled_spec(spec: ClusterSpec, p: int) -> ClusterSpec:
+    """A real spec of ``p`` hosts (copies of the spec's hosts) with a name of its own."""
+    hosts = inputs.replicate_hosts(spec, p)
+    data = spec_to_dict(spec)
+    data["hosts"] = [dataclasses.asdict(h) for h in hosts]
+    digest = hashlib.sha1(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    data.update(name=f"val-{spec.name[:12]}-{p}-{digest}", subnet=SUBNET if p < 250 else "10.231.0.0/16")
+    from thinwire.config import from_dict
+
+    return from_dict(ClusterSpec, data, where="")
+
+
+def train_argv(spec_path: Path, out: Path, *, workload: str, model: dict, batch: int, codec: str, steps: int,
+               threads: int, bucket_mb: float) -> list[str]:
+    argv = [sys.executable, "-m", "thinwire", "train", "--cluster", str(spec_path), "--workload", workload,
+            "--steps", str(steps), "--batch-size", str(batch), "--compression", codec, "--threads", str(threads),
+            "--out", str(out), "--eval-every", str(steps), "--checkpoint-every", str(10 * steps),
+            "--set", f"bucket_mb={bucket_mb}"]
+    for k, v in model.items():
+        argv += ["--set", f"model.{k}={v}"]
+    return argv
+
+
+def measured(out: Path, skip: int) -> tuple[float, float]:
+    """(median step_time_s, median bytes_sent) of the steps after the first ``skip``."""
+    steps = [r for r in read_metrics(out) if "step_time_s" in r and r["step"] > skip]
+    if not steps:
+        raise ThinwireError(f"validation run {out} wrote no step records after step {skip}; see its output.")
+    return (statistics.median(r["step_time_s"] for r in steps), statistics.median(r["bytes_sent"] for r in steps))
+
+
+def run_real(spec: ClusterSpec, out: Path, *, skip: int, timeout: float, **train) -> tuple[float, float, float]:
+    """Bring ``spec`` up (if needed), train on it, take it down again (if we brought it up).
+    Returns (median step seconds, median bytes sent, cores other processes used meanwhile)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "cluster.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_to_dict(spec), sort_keys=False))
+    cluster = EmulatedCluster(spec)
+    built = cluster.up()
+    log = open(out / "train.log", "w")
+    try:
+        with ForeignCpu() as foreign:
+            proc = subprocess.Popen(train_argv(spec_path, out / "run", **train), stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+            _wait(proc, foreign, timeout)
+    finally:
+        log.close()
+        if built:
+            cluster.down()
+    if proc.returncode != 0:
+        tail = (out / "train.log").read_text(errors="replace").strip()[-1500:]
+        raise ThinwireError(f"validation run in {out} failed (exit {proc.returncode}): {tail}")
+    return (*measured(out / "run", skip), foreign.cores)
+
+
+def _wait(proc: subprocess.Popen, foreign: ForeignCpu, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise ThinwireError(f"validation run did not finish in {timeout:.0f} s; is a link down?")
+        foreign.sample()
+        time.sleep(1.0)
+
+
+def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload: str, model: dict, batch: int,
+             steps: int, out: Path, skip: int = 5, timeout: float = 900.0, max_foreign: float | None = None,
+             retries: int = 0, quiet_timeout_s: float = 300.0) -> list[Comparison]:
+    """Predict, run and compare each host count of ``opts.hosts`` (see the module docstring).
+
+    With ``max_foreign``, each run waits (up to ``quiet_timeout_s``) until other processes use at most
+    that many cores, and a run during which they used more is repeated up to ``retries`` times; the
+    last attempt is kept and its foreign load reported.
+    """
+    threads = opts.threads or profile.threads
+    results = []
+    for p in opts.hosts or [len(spec.hosts)]:
+        real = scaled_spec(spec, p)
+        sim_opts = dataclasses.replace(opts, hosts=[p], batch_size=batch, scaling="strong",
+                                       colocated_cores=float(os.cpu_count() or 1), threads=threads)
+        point = simulate(real, profile, sim_opts, default_batch=batch)[0]
+        base = out / f"hosts{p}-{opts.codec.replace(':', '_')}"
+        for attempt in range(retries + 1):
+            if max_foreign is not None:
+                wait_quiet(max_foreign, timeout_s=quiet_timeout_s)
+            where = base if attempt == 0 else base.with_name(f"{base.name}-retry{attempt}")
+            step_s, sent, foreign = run_real(real, where, skip=skip, timeout=timeout, workload=workload, model=model,
+                                             batch=batch, codec=opts.codec, steps=steps, threads=threads,
+                                             bucket_mb=profile.bucket_mb)
+            if max_foreign is None or foreign <= max_foreign or attempt == retries:
+                break
+        results.append(Comparison(hosts=p, codec=opts.codec, predicted_s=point.prediction.step_s, measured_s=step_s,
+                                  predicted_bytes=point.prediction.bytes_per_rank, measured_bytes=sent, out=str(where),
+                                  foreign_cores=foreign, attempts=attempt + 1))
+    return results
