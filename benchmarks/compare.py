@@ -195,7 +195,7 @@ def main() -> int:
     if args.clusters:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
     contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS
-    steps = args.steps or (40 if args.quick else 150)
+    steps = args.steps or (40 if args.quick else 120)
     stem = "compare_quick" if args.quick else "compare"
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
                "steps": steps, "batch": args.batch, "model": MODEL, "clusters": []}
@@ -204,10 +204,12 @@ def main() -> int:
         for hosts, rate in clusters:
             results["clusters"].append(bench_cluster(hosts, rate, contenders, steps, args.batch, Path(tmp)))
     results["elapsed_s"] = time.time() - t0
+    results["load_average_at_end"] = os.getloadavg()
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    (folder / f"{stem}.md").write_text(markdown(results) + f"\nTotal time: {results['elapsed_s'] / 60:.1f} min\n")
+    (folder / f"{stem}.md").write_text(markdown(results) + f"\nTotal time: {results['elapsed_s'] / 60:.1f} min; "
+                                       f"load average at the end {results['load_average_at_end']}\n")
     for p in plots(results, folder, stem):
         print(p)
     print(markdown(results))
