@@ -45,13 +45,15 @@ def add_parser(sub) -> None:
     p.add_argument("--log-every", type=int)
     p.add_argument("--threads", type=int, help="torch threads per worker")
     p.add_argument("--cluster", help="cluster spec: one worker per emulated host (needs `thinwire cluster up`)")
+    p.add_argument("--plan", help="execute a plan from `thinwire plan` (uneven shares, codecs, grouping); needs --cluster")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config field, e.g. --set model.width=256 (repeatable)")
     p.set_defaults(func=run)
 
 
 FLAGS = ("workload", "data", "steps", "batch_size", "lr", "nproc", "max_restarts", "out", "resume", "compression",
-         "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster")
+         "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
+         "plan")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,14 +109,26 @@ def preflight(cfg: TrainConfig) -> None:
         parse_codec_spec(cfg.compression)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
-    world = _world_size(cfg)
-    check_batch(batch, world)
+    if cfg.plan:
+        _check_plan(cfg)
+    else:
+        check_batch(batch, _world_size(cfg))
     out = Path(cfg.out)
     if cfg.resume:
         _check_resume(cfg, wl)
     elif (out / "metrics.jsonl").exists() or ckpt.latest(out):
         raise ThinwireError(f"out: folder {str(out)!r} already holds a run. Continue it with --resume {out}, "
                             "or pass another --out; nothing was changed.")
+
+
+def _check_plan(cfg: TrainConfig) -> None:
+    from thinwire.cluster.spec import load_cluster_spec
+    from thinwire.plan.planfile import load_plan
+
+    if not cfg.cluster:
+        raise ThinwireError("plan: --plan needs --cluster SPEC, the cluster the plan was made for.")
+    plan = load_plan(cfg.plan, load_cluster_spec(cfg.cluster), cfg.workload, cfg.model, batch_size=cfg.batch_size)
+    plan.shares(len(plan.hosts))  # refuses a plan that is not executable (pipeline-only)
 
 
 def _world_size(cfg: TrainConfig) -> int:

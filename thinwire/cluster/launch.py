@@ -31,6 +31,11 @@ def launch_cluster(cfg: TrainConfig, config_path: Path) -> None:
     if not cluster.is_up():
         raise ThinwireError(f"cluster: {spec.name!r} is not up. Start it first: thinwire cluster up {cfg.cluster}")
     hosts = cluster.hosts()
+    if cfg.plan:  # only the hosts the plan trains on
+        from thinwire.plan.planfile import read_plan
+
+        keep = set(read_plan(cfg.plan).hosts)
+        hosts = [h for h in hosts if h.name in keep]
     logs = Path(cfg.out) / "hosts"
     logs.mkdir(parents=True, exist_ok=True)
     pythonpath = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")] if p)

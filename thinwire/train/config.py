@@ -49,6 +49,7 @@ class TrainConfig:
     out: str | None = None
     resume: str | None = None
     cluster: str | None = None
+    plan: str | None = None             # a plan file from `thinwire plan` (needs cluster)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):

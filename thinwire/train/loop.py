@@ -28,6 +28,7 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
 from thinwire.train.peers import PeerComm, is_peer, peer_bucket_mb
+from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
 from thinwire.workloads.base import GlobalSampler, collate, even_shares
@@ -66,13 +67,20 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.wl = build_workload(cfg.workload, cfg.model, cfg.data)
         self.steps, self.batch, lr = resolve(cfg, self.wl)
-        check_batch(self.batch, env.world)
-        self.shares = even_shares(self.batch, env.world)
+        self.planned = PlannedRun(cfg.plan, cfg.cluster, cfg.workload, cfg.model, cfg.batch_size) if cfg.plan else None
+        if self.planned:
+            self.batch, self.shares = self.planned.global_batch, self.planned.shares
+        else:
+            check_batch(self.batch, env.world)
+            self.shares = even_shares(self.batch, env.world)
+        self.loss_weight = self.planned.loss_weight(env.rank) if self.planned else 1.0
         model = self.wl.model.to(device)
         self.prec = prepare_precision(  # int8 layers, auto choice, micro-batches under memory_budget
             model, cfg.precision, device=device, batch=self.shares[env.rank], loss_fn=self.wl.loss,
             sample=sample_from(self.wl.train, collate, device, cfg.seed), memory_budget=cfg.memory_budget,
             optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=cfg.weight_decay), clip=cfg.grad_clip)
+        if self.planned:
+            self.prec.micro_sizes = self.planned.micro_sizes(env.rank)
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=peer_bucket_mb(cfg.compression, cfg.bucket_mb),
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
@@ -93,8 +101,11 @@ class Trainer:
         # The world group, not a new one: after an elastic restart a new group's store keys can still
         # hold the dead workers' addresses. Safe here because the loop issues its own collectives only
         # between steps, when DDP has waited for every bucket.
-        return attach(self.ddp, self.cfg.compression, error_feedback=self.cfg.error_feedback,
-                      warmup_steps=self.cfg.compression_warmup, process_group=dist.group.WORLD)
+        kwargs = dict(error_feedback=self.cfg.error_feedback, warmup_steps=self.cfg.compression_warmup,
+                      process_group=dist.group.WORLD)
+        if self.planned:
+            return self.planned.attach(self.ddp, **kwargs)
+        return attach(self.ddp, self.cfg.compression, **kwargs)
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
@@ -135,7 +146,7 @@ class Trainer:
             for i, (xm, ym) in enumerate(zip(x.split(self.prec.micro_sizes), y.split(self.prec.micro_sizes))):
                 with self.ddp.no_sync() if i < n - 1 else contextlib.nullcontext():  # all-reduce once, at the end
                     with self._autocast():
-                        part = self.wl.loss(self.ddp(xm), ym) * (len(ym) / len(y))
+                        part = self.wl.loss(self.ddp(xm), ym) * (len(ym) / len(y) * self.loss_weight)
                     t2 = time.perf_counter()
                     self.prec.runner.backward(part)
                 loss += part.detach()
@@ -149,7 +160,7 @@ class Trainer:
         t4 = time.perf_counter()
         self.step_times.append(t4 - t0)
         self.waits.append(wait)
-        return {"loss": loss.item(), "step_time_s": t4 - t0, "compute_s": (t4 - t1) - wait, "comm_wait_s": wait,
+        return {"loss": loss.item() / self.loss_weight, "step_time_s": t4 - t0, "compute_s": (t4 - t1) - wait, "comm_wait_s": wait,
                 "data_s": t1 - t0, "bytes_sent": self.comm.wire.bytes_sent - bytes_before,
                 "lr": self.sched.get_last_lr()[0], "skipped": skipped}
 
