@@ -108,8 +108,23 @@ def bench_cluster(hosts: int, rate: str, contenders: list[str], steps: int, batc
     return {"hosts": hosts, "rate": rate, "target_val_loss": target, "runs": runs}
 
 
+def merge(old: dict, new: dict) -> dict:
+    """``old`` with the runs of ``new`` replacing those of the same cluster and contender."""
+    for c in new["clusters"]:
+        into = next(o for o in old["clusters"] if (o["hosts"], o["rate"]) == (c["hosts"], c["rate"]))
+        for run in c["runs"]:
+            into["runs"] = [run if r["contender"] == run["contender"] else r for r in into["runs"]]
+        target = into["target_val_loss"]
+        for r in into["runs"]:
+            r["time_to_target_s"] = time_to_target(r, target) if target is not None and "error" not in r else None
+    old["reruns"] = old.get("reruns", []) + [new["command"]]
+    old["elapsed_s"] += new["elapsed_s"]
+    return old
+
+
 def markdown(results: dict) -> str:
     lines = [f"# Head-to-head on emulated clusters\n", f"Command: `{results['command']}`  ",
+             *(f"Re-run and merged: `{c}`  " for c in results.get("reruns", [])),
              f"Workload: charlm {MODEL}, global batch {results['batch']}, {results['steps']} steps "
              f"(equal samples for every contender), gloo over tc-shaped links, the 2 cores split evenly across hosts.  ",
              "Target: the final validation loss of PyTorch DDP fp32 (`torch:none`) on the same cluster "
@@ -187,6 +202,7 @@ def main() -> int:
     ap.add_argument("--contenders", help="comma-separated subset")
     ap.add_argument("--clusters", help="comma-separated HOSTSxRATE, e.g. 4x100mbit,2x10gbit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("compare.py needs root for network namespaces, tc and cgroups (the emulated cluster). Run it with sudo.")
@@ -204,6 +220,8 @@ def main() -> int:
         for hosts, rate in clusters:
             results["clusters"].append(bench_cluster(hosts, rate, contenders, steps, args.batch, Path(tmp)))
     results["elapsed_s"] = time.time() - t0
+    if args.merge:  # re-measured contenders replace their rows in an earlier result
+        results = merge(json.loads((Path(args.out) / f"{stem}.json").read_text()), results)
     results["load_average_at_end"] = os.getloadavg()
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)

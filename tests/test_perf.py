@@ -457,3 +457,20 @@ def test_auto_decides_identically_on_every_rank_and_logs_why():
     assert decisions[0]["step"] == 2 and decisions[0]["reason"] == "warm-up done"
     assert set(decisions[0]["choices"].values()) & {"topk:ratio=0.01", "powersgd:rank=4"}
     assert described.startswith("auto[")
+
+
+def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
+    import thinwire.sim.validate as v
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+    from thinwire.perf_profile.file import load_profile
+    from thinwire.sim.sweep import SimOptions
+
+    foreign = iter([0.9, 0.4, 0.6])
+    monkeypatch.setattr(v, "run_real", lambda real, where, **kw: (0.2, 1000.0, next(foreign)))
+    monkeypatch.setattr(v, "wait_quiet", lambda *a, **k: 0.0)
+    spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="200mbit", cpu=1.0), hosts=[HostSpec(name="a"), HostSpec(name="b")])
+    prof = load_profile(_profile_file(tmp_path))
+    (row,) = v.validate(spec, prof, SimOptions(codec="bf16"), workload="charlm", model={}, batch=32, steps=30,
+                        out=tmp_path, max_foreign=0.3, retries=2)
+    assert row.attempts == 3 and row.foreign_cores == 0.4 and row.out.endswith("hosts2-bf16-retry1")
+    assert row.predicted_loaded_s > row.predicted_s  # fewer cores left: slower

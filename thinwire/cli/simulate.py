@@ -152,11 +152,13 @@ def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: P
                     batch=args.batch_size or default_batch, steps=steps, out=out, max_foreign=args.max_foreign,
                     retries=args.retries if args.max_foreign is not None else 0)
     t = Table(title=f"predicted vs measured median step time ({args.workload}, {opts.codec})")
-    for col in ("hosts", "predicted ms", "measured ms", "error", "bytes/rank predicted", "measured", "other procs"):
+    for col in ("hosts", "predicted ms", "measured ms", "error", "bytes/rank predicted", "measured", "other procs",
+                "predicted w/o their cores"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r.hosts), f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}", f"{r.error:+.1%}",
-                  f"{r.predicted_bytes:,}", f"{r.measured_bytes:,.0f}", f"{r.foreign_cores:.2f} cores")
+                  f"{r.predicted_bytes:,}", f"{r.measured_bytes:,.0f}", f"{r.foreign_cores:.2f} cores",
+                  f"{r.predicted_loaded_s * 1e3:.1f}")
     Console().print(t)
     if any(r.foreign_cores > 0.1 for r in rows):
         Console().print("[yellow]other processes used CPU during a run: its hosts computed slower than the spec "

@@ -106,7 +106,11 @@ def preflight(cfg: TrainConfig) -> None:
 
         parse_peer(cfg.compression)
     else:
-        parse_codec_spec(cfg.compression)
+        from thinwire.api import resolve_codec
+
+        codec = resolve_codec(cfg.compression)  # "auto" builds its policy, which checks its options
+        if isinstance(codec, str):
+            parse_codec_spec(codec)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     if cfg.plan:

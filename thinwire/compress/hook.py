@@ -193,6 +193,8 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
         state.close()
         raise ValueError(f"thinwire.attach: DDP refused the hook ({e}); a communication hook can be registered only once") from None
     state.param_index = {id(p): i for i, p in enumerate(model.module.parameters())}
+    if hasattr(policy, "bind"):  # online policies (e.g. "auto") measure through the state
+        policy.bind(state, model.module)
     model._thinwire_state = state
     return state
 

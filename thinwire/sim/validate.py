@@ -9,7 +9,10 @@ DDP's bucket rebuild). The prediction for the comparison is made as for an emula
 scaling (``train`` splits the global batch) and hosts sharing this machine's cores.
 
 Nothing of the measured runs feeds the prediction: it comes from the profile alone (one host's
-compute, codec costs and, when probed, the network's alpha and efficiency).
+compute, codec costs and, when probed, the network's alpha and efficiency). Because this machine
+may be shared, the CPU other processes used during each run is measured too
+(:class:`~thinwire.perf_profile.foreign.ForeignCpu`) and reported with a *diagnostic* second
+prediction that takes those cores away; it explains an error, it is not the prediction.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from thinwire.cluster.spec import ClusterSpec, spec_to_dict
 from thinwire.errors import ThinwireError
 from thinwire.perf_profile.file import Profile
 from thinwire.sim import inputs
-from thinwire.sim.foreign import ForeignCpu, wait_quiet
+from thinwire.perf_profile.foreign import ForeignCpu, wait_quiet
 from thinwire.sim.sweep import SimOptions, simulate
 from thinwire.train.metrics import read_metrics
 
@@ -47,8 +50,9 @@ class Comparison:
     predicted_bytes: int
     measured_bytes: float
     out: str
-    foreign_cores: float = 0.0   # cores other processes used during the run (see thinwire.sim.foreign)
+    foreign_cores: float = 0.0   # cores other processes used during the run (thinwire.perf_profile.foreign)
     attempts: int = 1
+    predicted_loaded_s: float | None = None  # diagnostic: the prediction with those cores taken away
 
     @property
     def error(self) -> float:
@@ -132,7 +136,7 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
 
     With ``max_foreign``, each run waits (up to ``quiet_timeout_s``) until other processes use at most
     that many cores, and a run during which they used more is repeated up to ``retries`` times; the
-    last attempt is kept and its foreign load reported.
+    least disturbed attempt is kept and its foreign load reported.
     """
     threads = opts.threads or profile.threads
     results = []
@@ -142,16 +146,21 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
                                        colocated_cores=float(os.cpu_count() or 1), threads=threads)
         point = simulate(real, profile, sim_opts, default_batch=batch)[0]
         base = out / f"hosts{p}-{opts.codec.replace(':', '_')}"
+        best = None
         for attempt in range(retries + 1):
             if max_foreign is not None:
                 wait_quiet(max_foreign, timeout_s=quiet_timeout_s)
-            where = base if attempt == 0 else base.with_name(f"{base.name}-retry{attempt}")
-            step_s, sent, foreign = run_real(real, where, skip=skip, timeout=timeout, workload=workload, model=model,
-                                             batch=batch, codec=opts.codec, steps=steps, threads=threads,
-                                             bucket_mb=profile.bucket_mb)
-            if max_foreign is None or foreign <= max_foreign or attempt == retries:
+            here = base if attempt == 0 else base.with_name(f"{base.name}-retry{attempt}")
+            got = run_real(real, here, skip=skip, timeout=timeout, workload=workload, model=model, batch=batch,
+                           codec=opts.codec, steps=steps, threads=threads, bucket_mb=profile.bucket_mb)
+            if best is None or got[2] < best[0][2]:
+                best = (got, here)
+            if max_foreign is None or got[2] <= max_foreign:
                 break
+        (step_s, sent, foreign), where = best
+        loaded = dataclasses.replace(sim_opts, colocated_cores=max(0.1, sim_opts.colocated_cores - foreign))
+        loaded_s = simulate(real, profile, loaded, default_batch=batch)[0].prediction.step_s
         results.append(Comparison(hosts=p, codec=opts.codec, predicted_s=point.prediction.step_s, measured_s=step_s,
                                   predicted_bytes=point.prediction.bytes_per_rank, measured_bytes=sent, out=str(where),
-                                  foreign_cores=foreign, attempts=attempt + 1))
+                                  foreign_cores=foreign, attempts=attempt + 1, predicted_loaded_s=loaded_s))
     return results

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.compress.hook import attach
+from thinwire.api import attach
 from thinwire.config import to_dict
 from thinwire.errors import ThinwireError
 from thinwire.precision import prepare_precision, sample_from

@@ -6,6 +6,8 @@ The agent started by :mod:`thinwire.train.launch` runs this in every worker; the
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from thinwire.train.config import TrainConfig
 def main(argv: list[str]) -> int:
     from thinwire.train.loop import train
 
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=f"thinwire[{rank}]: %(message)s")
     path = Path(argv[0])
     cfg = from_dict(TrainConfig, load_yaml(path), where="")
     try:
@@ -27,7 +31,11 @@ def main(argv: list[str]) -> int:
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    # Everything is written and fsync'ed. Leave without running C++ static destructors: gloo's can
+    # abort ("terminate called without an active exception") at interpreter exit after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,247 @@
+"""``auto``: an online plan that picks each bucket's codec from measured link, compute and codec costs.
+
+How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers identically):
+
+1. **Measure, passively, on every rank.** Once bound to the hook's state and the model
+   (:meth:`AutoPolicy.bind`), it times every collective the hook issues (bytes as ``Wire`` counts
+   them, seconds), the forward start and the first/last gradient of each backward (autograd hooks),
+   and, through error feedback's ``update``, what each compressed bucket holds back.
+2. **Agree.** Every ``check_every`` steps after ``warmup_steps``, on the communication thread at the
+   first bucket of the step (all ranks reach it in the same place of the same collective
+   sequence), one all-reduce (MAX) merges the ranks' measurements: the slowest rank's compute and
+   codec costs, the fastest rank's transfer time per byte (the others' include waiting for late
+   peers). From then on every input of the decision is identical on all ranks.
+3. **Decide** with the performance model (:func:`thinwire.plan.choose.choose`): per bucket, the
+   candidate that minimizes the predicted step time. It decides after the warm-up, again when the
+   measured link rate moves by more than ``rebalance_change`` (30%) from the rate of the last
+   decision, and when the accuracy guard bans a codec from a bucket.
+4. **Guard accuracy.** Over each window between checks, a bucket's relative error with error
+   feedback is ``||sum sent - sum grad|| / ||sum grad|| = ||r_end - r_start|| / ||sum grad||``
+   (what EF has not yet delivered, relative to what the window's gradients add up to). Above
+   ``max_error`` the bucket's codec is banned there and the plan is re-decided. This keeps two
+   extra fp32 copies per compressed bucket.
+
+Every decision is logged (``thinwire.plan`` logger) with its reason and kept in ``decisions``.
+
+Example::
+
+    policy = AutoPolicy(AutoConfig(candidates=("none", "bf16", "topk:ratio=0.01")))
+    state = thinwire.attach(ddp_model, policy)      # attach calls policy.bind(state, model)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thinwire.compress.codecs import Codec
+from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.config import check
+from thinwire.perf.model import Bucket, Compute, Network
+from thinwire.plan.choose import choose
+from thinwire.plan.meters import ComputeMeter, ErrorMeter, LinkMeter
+
+log = logging.getLogger("thinwire.plan")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class AutoConfig:
+    candidates: tuple[str, ...] = ("none", "bf16", "int8", "topk:ratio=0.01", "powersgd:rank=4")
+    warmup_steps: int = 5
+    check_every: int = 10
+    rebalance_change: float = 0.3
+    max_error: float = 0.5
+    min_gain: float = 0.02
+
+    def __post_init__(self) -> None:
+        check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
+        for c in self.candidates:
+            parse_codec_spec(c)
+        check(self.warmup_steps >= 1, "auto.warmup_steps", self.warmup_steps, "an integer >= 1")
+        check(self.check_every >= 1, "auto.check_every", self.check_every, "an integer >= 1")
+        check(0 < self.rebalance_change < 10, "auto.rebalance_change", self.rebalance_change, "a fraction > 0")
+        check(self.max_error > 0, "auto.max_error", self.max_error, "a relative error > 0")
+
+
+def parse_auto_spec(spec: str) -> AutoConfig:
+    """``"auto"`` or ``"auto:max_error=0.3,check_every=20,candidates=none|bf16|topk:ratio=0.01"``.
+
+    ``candidates`` are separated by ``|`` (a candidate's own parameters keep their ``:``/``=``;
+    only one parameter per candidate fits this syntax).
+    """
+    from thinwire.errors import ConfigError
+
+    name, _, rest = spec.partition(":")
+    if name.strip().lower() != "auto":
+        raise ConfigError("compression", spec, "auto or auto:key=value,...")
+    fields = {f.name: f.type for f in dataclasses.fields(AutoConfig)}
+    kwargs: dict[str, Any] = {}
+    for item in _split_top(rest):
+        key, eq, value = (t.strip() for t in item.partition("="))
+        if not eq or key not in fields:
+            raise ConfigError("auto parameter", item, f"key=value with key one of {', '.join(fields)}")
+        kwargs[key] = tuple(v.strip() for v in value.split("|")) if key == "candidates" else \
+            (int(value) if fields[key] in (int, "int") else float(value))
+    return AutoConfig(**kwargs)
+
+
+def _split_top(rest: str) -> list[str]:
+    """Split ``a=1,candidates=none|topk:ratio=0.01,b=2`` on the commas between auto's own keys."""
+    names = {f.name for f in dataclasses.fields(AutoConfig)}
+    items: list[str] = []
+    for piece in (p for p in rest.split(",") if p.strip()):
+        if items and piece.partition("=")[0].strip() not in names:
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return items
+
+
+class AutoPolicy:
+    """Per-bucket codec choice from measurements (see the module docstring)."""
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "AutoPolicy":
+        return cls(parse_auto_spec(spec))
+
+    def __init__(self, config: AutoConfig | None = None) -> None:
+        self.config = config or AutoConfig()
+        self.codecs: dict[str, Codec] = {c: parse_codec_spec(c) for c in self.config.candidates}
+        self.choices: dict[int, str] = {}
+        self.numels: dict[int, int] = {}
+        self.banned: dict[int, set[str]] = {}
+        self.decisions: list[dict] = []
+        self.costs: dict[str, Any] | None = None
+        self.decided_bps: float | None = None
+        self._last_step, self._state = -1, None
+        self.link = LinkMeter()
+        self.compute = ComputeMeter()
+        self.errors = ErrorMeter()
+
+    # -- wiring ------------------------------------------------------------------------------------
+    def bind(self, state, model: torch.nn.Module | None = None) -> None:
+        """Start measuring: the hook's collectives, error feedback, and (given ``model``) its compute."""
+        self._state = state
+        self.link.wrap(state.wire)
+        if state.feedback is not None:
+            self.errors.wrap(state.feedback)
+        if model is not None:
+            self.compute.attach(model)
+
+    # -- the Policy protocol -------------------------------------------------------------------------
+    def codec_for(self, bucket: int, numel: int, step: int) -> Codec:
+        if step != self._last_step:
+            self._last_step = step
+            if self._state is not None and self._due(step):
+                self._check(step)
+        self.numels[bucket] = numel
+        return self.codecs[self.choices.get(bucket, "none")]
+
+    def describe(self) -> str:
+        if not self.choices:
+            return "auto (measuring)"
+        return "auto[" + ", ".join(f"{i}:{c}" for i, c in sorted(self.choices.items())) + "]"
+
+    # -- measuring and deciding ----------------------------------------------------------------------
+    def _due(self, step: int) -> bool:
+        c = self.config
+        return step >= c.warmup_steps and (step - c.warmup_steps) % c.check_every == 0
+
+    def _check(self, step: int) -> None:
+        if self.costs is None:
+            self.costs = self._codec_costs()
+        shared = self._agree()
+        bps = 8 / shared["beta"]
+        reason = self._reason(shared, bps)
+        if reason:
+            self._decide(step, shared, bps, reason)
+
+    def _reason(self, shared: dict, bps: float) -> str | None:
+        for i, err in shared["errors"].items():
+            current = self.choices.get(i, "none")
+            if err > self.config.max_error and current != "none":
+                self.banned.setdefault(i, set()).add(current)
+                return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
+        if self.decided_bps is None:
+            return "warm-up done"
+        change = abs(bps - self.decided_bps) / self.decided_bps
+        if change > self.config.rebalance_change:
+            return f"link moved {change:.0%}: {self.decided_bps / 1e6:.1f} -> {bps / 1e6:.1f} Mbit/s"
+        return None
+
+    def _decide(self, step: int, shared: dict, bps: float, reason: str) -> None:
+        from thinwire.sim.inputs import codec_model
+
+        order = sorted(self.numels)
+        numels = [self.numels[i] for i in order]
+        total = sum(numels) or 1
+        buckets = [Bucket(numel=n, ready_frac=sum(numels[: k + 1]) / total) for k, n in enumerate(numels)]
+        models = {c: codec_model(c, None, numels={k: n for k, n in enumerate(numels)}) for c in self.config.candidates}
+        models = {c: dataclasses.replace(m, **self.costs_for(c)) for c, m in models.items()}
+        p = self._state.wire.world
+        decision = choose(buckets=buckets, compute=Compute(pre_s=shared["pre_s"], backward_s=shared["backward_s"],
+                                                           post_s=0.0),
+                          speeds=[1.0] * p, network=Network(alpha_s=shared["alpha"], beta_s_per_byte=shared["beta"]),
+                          candidates=models, banned={order.index(i): b for i, b in self.banned.items() if i in order},
+                          min_gain=self.config.min_gain, codec_steals_compute=_no_spare_core())
+        old = dict(self.choices)
+        self.choices = {i: c for i, c in zip(order, decision.choices)}
+        self.decided_bps = bps
+        self._log(step, reason, decision, bps, old)
+
+    def costs_for(self, spec: str) -> dict:
+        from thinwire.perf.model import LinearCost
+
+        if spec == "none" or not self.costs:
+            return {}
+        enc, dec = self.costs[spec]
+        return {"encode": LinearCost(per_byte_s=enc), "decode": LinearCost(per_byte_s=dec)}
+
+    def _log(self, step: int, reason: str, decision, bps: float, old: dict) -> None:
+        entry = {"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
+                 "predicted_step_s": decision.step_s, "uncompressed_step_s": decision.baseline_s}
+        self.decisions.append(entry)
+        changed = {i: c for i, c in self.choices.items() if old.get(i) != c}
+        log.info("auto at step %d (%s): %s; predicted step %.1f ms vs %.1f ms uncompressed, link %.1f Mbit/s",
+                 step, reason, ", ".join(f"bucket {i} -> {c}" for i, c in sorted(changed.items())) or "no change",
+                 decision.step_s * 1e3, decision.baseline_s * 1e3, bps / 1e6)
+
+    # -- agreement across ranks ---------------------------------------------------------------------
+    def _codec_costs(self) -> dict[str, tuple[float, float]]:
+        """This rank's encode/decode seconds per byte of each lossy candidate, at the largest bucket."""
+        from thinwire.perf_profile.codecs import measure_codec
+
+        n = max(self.numels.values(), default=1 << 16)
+        out = {}
+        for spec in self.config.candidates:
+            if spec != "none":
+                c = measure_codec(spec, [n], reps=3)
+                out[spec] = (c.encode.per_byte_s, c.decode.per_byte_s)
+        return out
+
+    def _agree(self) -> dict:
+        """Merge the ranks' measurements with one MAX all-reduce (negated entries give a MIN)."""
+        alpha, beta = self.link.estimate(self._state.wire.world)
+        pre, backward = self.compute.estimate()
+        keys = sorted(self.numels)
+        errs = self.errors.window_errors([str(i) for i in keys])
+        specs = [s for s in self.config.candidates if s != "none"]
+        local = [alpha, -beta, pre, backward, *[v for s in specs for v in self.costs[s]], *errs]
+        t = torch.tensor(local, dtype=torch.float64)
+        if self._state.wire.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._state.wire.group)
+        v = t.tolist()
+        k = 4 + 2 * len(specs)
+        self.costs = {s: (v[4 + 2 * j], v[5 + 2 * j]) for j, s in enumerate(specs)}
+        return {"alpha": v[0], "beta": -v[1], "pre_s": v[2], "backward_s": v[3],
+                "errors": dict(zip(keys, v[k:]))}
+
+
+def _no_spare_core() -> bool:
+    """The training threads use every core: codec work on the communication thread slows backward."""
+    return torch.get_num_threads() >= (os.cpu_count() or 1)
