@@ -30,7 +30,6 @@ import time
 from collections import Counter
 from typing import Literal, Protocol
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.compress.codecs import Codec
-from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.compress.spec import parse_codec_spec
 from thinwire.config import check
 from thinwire.perf.model import Bucket, Compute, Network
 from thinwire.plan.choose import choose
