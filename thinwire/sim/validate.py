@@ -53,6 +53,12 @@ class Comparison:
     foreign_cores: float = 0.0   # cores other processes used during the run (thinwire.perf_profile.foreign)
     attempts: int = 1
     predicted_loaded_s: float | None = None  # diagnostic: the prediction with those cores taken away
+    model_s: float | None = None     # the model alone, without the measured co-location cost
+    colocation_s: float = 0.0        # co-location cost added to the model (measured at calibrate_bandwidth)
+
+    @property
+    def model_error(self) -> float | None:
+        return None if self.model_s is None else (self.model_s - self.measured_s) / self.measured_s
 
     @property
     def error(self) -> float:
@@ -60,7 +66,7 @@ class Comparison:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "error": self.error}
+        return {**dataclasses.asdict(self), "error": self.error, "model_error": self.model_error}
 
 
 def scaled_spec(spec: ClusterSpec, p: int) -> ClusterSpec:
@@ -129,38 +135,76 @@ def _wait(proc: subprocess.Popen, foreign: ForeignCpu, timeout: float) -> None:
         time.sleep(1.0)
 
 
+def at_bandwidth(spec: ClusterSpec, bandwidth: str) -> ClusterSpec:
+    """``spec`` with every host's link and every link between groups at ``bandwidth`` (same CPUs)."""
+    from thinwire.config import from_dict
+
+    data = spec_to_dict(spec)
+    data["name"] = f"{data['name'][:20]}-cal"
+    data["hosts"] = [{**h, "bandwidth": bandwidth} for h in data["hosts"]]
+    data["links"] = [{**link, "bandwidth": bandwidth} for link in data.get("links") or []]
+    return from_dict(ClusterSpec, data, where="")
+
+
+def _run_quiet(real: ClusterSpec, base: Path, *, retries: int, max_foreign: float | None, quiet_timeout_s: float,
+               **run) -> tuple[tuple[float, float, float], Path, int]:
+    """``run_real`` with retries while other processes load the machine: (result, folder, attempts)."""
+    best = None
+    for attempt in range(retries + 1):
+        if max_foreign is not None:
+            wait_quiet(max_foreign, timeout_s=quiet_timeout_s)
+        here = base if attempt == 0 else base.with_name(f"{base.name}-retry{attempt}")
+        got = run_real(real, here, **run)
+        if best is None or got[2] < best[0][2]:
+            best = (got, here)
+        if max_foreign is None or got[2] <= max_foreign:
+            break
+    return best[0], best[1], attempt + 1
+
+
 def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload: str, model: dict, batch: int,
              steps: int, out: Path, skip: int = 5, timeout: float = 900.0, max_foreign: float | None = None,
-             retries: int = 0, quiet_timeout_s: float = 300.0) -> list[Comparison]:
+             retries: int = 0, quiet_timeout_s: float = 300.0, calibrate_bandwidth: str | None = None,
+             colocation: dict | None = None) -> list[Comparison]:
     """Predict, run and compare each host count of ``opts.hosts`` (see the module docstring).
 
     With ``max_foreign``, each run waits (up to ``quiet_timeout_s``) until other processes use at most
     that many cores, and a run during which they used more is repeated up to ``retries`` times; the
     least disturbed attempt is kept and its foreign load reported.
+
+    With ``calibrate_bandwidth`` (e.g. ``"10gbit"``), the co-location cost of the emulation is measured
+    first: the same hosts, CPUs and codec on links of that bandwidth, measured step minus the model's
+    prediction for it. It is added to the prediction (``model_s`` keeps the model alone). ``colocation``
+    caches these costs across calls, keyed by the spec's hosts and codec.
     """
     threads = opts.threads or profile.threads
     results = []
+    quiet = dict(retries=retries, max_foreign=max_foreign, quiet_timeout_s=quiet_timeout_s)
     for p in opts.hosts or [len(spec.hosts)]:
         real = scaled_spec(spec, p)
         sim_opts = dataclasses.replace(opts, hosts=[p], batch_size=batch, scaling="strong",
                                        colocated_cores=float(os.cpu_count() or 1), threads=threads)
         point = simulate(real, profile, sim_opts, default_batch=batch)[0]
-        base = out / f"hosts{p}-{opts.codec.replace(':', '_')}"
-        best = None
-        for attempt in range(retries + 1):
-            if max_foreign is not None:
-                wait_quiet(max_foreign, timeout_s=quiet_timeout_s)
-            here = base if attempt == 0 else base.with_name(f"{base.name}-retry{attempt}")
-            got = run_real(real, here, skip=skip, timeout=timeout, workload=workload, model=model, batch=batch,
-                           codec=opts.codec, steps=steps, threads=threads, bucket_mb=profile.bucket_mb)
-            if best is None or got[2] < best[0][2]:
-                best = (got, here)
-            if max_foreign is None or got[2] <= max_foreign:
-                break
-        (step_s, sent, foreign), where = best
+        run = dict(skip=skip, timeout=timeout, workload=workload, model=model, batch=batch, codec=opts.codec,
+                   steps=steps, threads=threads, bucket_mb=profile.bucket_mb)
+        tag = f"hosts{p}-{opts.codec.replace(':', '_')}"
+        overhead = 0.0
+        if calibrate_bandwidth:
+            fast = at_bandwidth(real, calibrate_bandwidth)
+            key = (json.dumps([dataclasses.asdict(h) | {"name": "", "bandwidth": ""} for h in fast.hosts], sort_keys=True,
+                              default=str), opts.codec, calibrate_bandwidth)
+            cache = colocation if colocation is not None else {}
+            if key not in cache:
+                (cal_s, _, _), _, _ = _run_quiet(fast, out / f"{tag}-cal-{calibrate_bandwidth}", **quiet, **run)
+                cal_pred = simulate(fast, profile, sim_opts, default_batch=batch)[0].prediction.step_s
+                cache[key] = cal_s - cal_pred
+            overhead = cache[key]
+        (step_s, sent, foreign), where, attempts = _run_quiet(real, out / tag, **quiet, **run)
         loaded = dataclasses.replace(sim_opts, colocated_cores=max(0.1, sim_opts.colocated_cores - foreign))
-        loaded_s = simulate(real, profile, loaded, default_batch=batch)[0].prediction.step_s
-        results.append(Comparison(hosts=p, codec=opts.codec, predicted_s=point.prediction.step_s, measured_s=step_s,
-                                  predicted_bytes=point.prediction.bytes_per_rank, measured_bytes=sent, out=str(where),
-                                  foreign_cores=foreign, attempts=attempt + 1, predicted_loaded_s=loaded_s))
+        loaded_s = simulate(real, profile, loaded, default_batch=batch)[0].prediction.step_s + overhead
+        results.append(Comparison(hosts=p, codec=opts.codec, predicted_s=point.prediction.step_s + overhead,
+                                  measured_s=step_s, predicted_bytes=point.prediction.bytes_per_rank,
+                                  measured_bytes=sent, out=str(where), foreign_cores=foreign, attempts=attempts,
+                                  predicted_loaded_s=loaded_s, model_s=point.prediction.step_s,
+                                  colocation_s=overhead))
     return results
