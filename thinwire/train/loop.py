@@ -288,6 +288,7 @@ class Trainer:
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
             "compression": self.comm.policy.describe(), "compression_stats": self.comm.stats(),
+            **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
             "precision": self.cfg.precision, "restarts": self.restarts,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
