@@ -102,6 +102,9 @@ class CommState:
     def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> Tensor:
         self.bytes_raw += buf.numel() * buf.element_size()
         buf.div_(self.wire.world)
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None:  # online policies (auto) may look at the gradient before it travels
+            observe(index, buf, step)
         if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
             self.counts["fp32"] += 1
             return self.wire.all_reduce(buf)

@@ -15,11 +15,22 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    candidate that minimizes the predicted step time. It decides after the warm-up, again when the
    measured link rate moves by more than ``rebalance_change`` (30%) from the rate of the last
    decision, and when the accuracy guard bans a codec from a bucket.
-4. **Guard accuracy.** Over each window between checks, a bucket's relative error with error
-   feedback is ``||sum sent - sum grad|| / ||sum grad|| = ||r_end - r_start|| / ||sum grad||``
-   (what EF has not yet delivered, relative to what the window's gradients add up to). Above
-   ``max_error`` the bucket's codec is banned there and the plan is re-decided. This keeps two
-   extra fp32 copies per compressed bucket.
+4. **Guard accuracy**, before and after. The guarded quantity is the relative compression error
+   with error feedback, ``||r|| / ||g + r_prev||``: the share of what was due that a step left
+   behind. Before any codec is used, every lossy candidate runs in shadow on the warm-up's real
+   gradients with an error feedback of its own (:meth:`AutoPolicy.observe`); a candidate above
+   ``max_error`` (0.5) at the warm-up's last step is not considered for that bucket. Once used,
+   the same quantity, averaged over the window (:class:`~thinwire.plan.meters.ErrorMeter`), is
+   checked at every check: above ``max_error`` the codec is banned from the bucket and the plan
+   is re-decided. Measured on charlm (446k parameters, `benchmarks/compare.py` model): bf16 0.002,
+   int8 0.007, qsgd ~0.2, top-k 10% 0.1-0.6, top-k 1% and PowerSGD rank 4 above 0.8 within
+   three steps (the shadow runs PowerSGD on the flat near-square view with a fresh Q, which
+   overstates the error of its per-matrix, warm-started scheme); top-k 1% and PowerSGD rank 4 also
+   missed fp32's loss at equal samples in the head-to-head.
+5. **Switch only for a real gain.** A codec changes the numerics and the model's predictions
+   are good to a few percent (``benchmarks/results/validation.md``), so a candidate must be
+   predicted ``min_gain`` (10%) faster than the lighter choice to replace it: on a fast link,
+   where compression buys a few percent at best, ``auto`` stays with no compression or bf16.
 
 Every decision is logged (``thinwire.plan`` logger) with its reason and kept in ``decisions``.
 
@@ -52,11 +63,11 @@ log = logging.getLogger("thinwire.plan")
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class AutoConfig:
     candidates: tuple[str, ...] = ("none", "bf16", "int8", "topk:ratio=0.01", "powersgd:rank=4")
-    warmup_steps: int = 5
+    warmup_steps: int = 6
     check_every: int = 10
     rebalance_change: float = 0.3
     max_error: float = 0.5
-    min_gain: float = 0.02
+    min_gain: float = 0.10
 
     def __post_init__(self) -> None:
         check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
@@ -117,11 +128,14 @@ class AutoPolicy:
         self.banned: dict[int, set[str]] = {}
         self.decisions: list[dict] = []
         self.costs: dict[str, Any] | None = None
+        self.last_shadow: dict[int, dict[str, float]] = {}
         self.decided_bps: float | None = None
         self._last_step, self._state = -1, None
         self.link = LinkMeter()
         self.compute = ComputeMeter()
         self.errors = ErrorMeter()
+        self.shadow: dict[int, dict[str, float]] = {}  # bucket -> candidate -> its error with EF, in shadow
+        self._shadow_residuals: dict[tuple[int, str], torch.Tensor] = {}
 
     # -- wiring ------------------------------------------------------------------------------------
     def bind(self, state, model: torch.nn.Module | None = None) -> None:
@@ -141,6 +155,30 @@ class AutoPolicy:
                 self._check(step)
         self.numels[bucket] = numel
         return self.codecs[self.choices.get(bucket, "none")]
+
+    def observe(self, bucket: int, buf: torch.Tensor, step: int) -> None:
+        """The hook shows each bucket's gradient before it travels. During the warm-up (every
+        bucket uncompressed), run every lossy candidate on it in shadow with an error feedback of
+        its own: ``shadow[bucket][candidate]`` is the last step's ``||r|| / ||g + r_prev||``."""
+        if step >= self.config.warmup_steps or buf.numel() * 4 < 4096:
+            if step >= self.config.warmup_steps:
+                self._shadow_residuals.clear()
+            return
+        from thinwire.compress.codecs import Meta
+
+        self.numels.setdefault(bucket, buf.numel())
+        x = buf.detach().float().flatten()
+        errors = {}
+        for spec, codec in self.codecs.items():
+            if codec.lossless:
+                continue
+            prev = self._shadow_residuals.get((bucket, spec))
+            corrected = x + prev if prev is not None and prev.numel() == x.numel() else x.clone()
+            residual = corrected - codec.roundtrip(corrected, Meta(numel=x.numel()))
+            self._shadow_residuals[(bucket, spec)] = residual
+            norm = float(corrected.norm())
+            errors[spec] = float(residual.norm()) / norm if norm > 0 else 0.0
+        self.shadow[bucket] = errors
 
     def describe(self) -> str:
         if not self.choices:
@@ -184,10 +222,15 @@ class AutoPolicy:
         models = {c: codec_model(c, None, numels={k: n for k, n in enumerate(numels)}) for c in self.config.candidates}
         models = {c: dataclasses.replace(m, **self.costs_for(c)) for c, m in models.items()}
         p = self._state.wire.world
+        banned = {order.index(i): set(b) for i, b in self.banned.items() if i in order}
+        for i, errs in shared["shadow"].items():
+            if i in order:
+                banned.setdefault(order.index(i), set()).update(c for c, e in errs.items() if e > self.config.max_error)
+        self.last_shadow = shared["shadow"]
         decision = choose(buckets=buckets, compute=Compute(pre_s=shared["pre_s"], backward_s=shared["backward_s"],
                                                            post_s=0.0),
                           speeds=[1.0] * p, network=Network(alpha_s=shared["alpha"], beta_s_per_byte=shared["beta"]),
-                          candidates=models, banned={order.index(i): b for i, b in self.banned.items() if i in order},
+                          candidates=models, banned=banned,
                           min_gain=self.config.min_gain, codec_steals_compute=_no_spare_core())
         old = dict(self.choices)
         self.choices = {i: c for i, c in zip(order, decision.choices)}
@@ -204,7 +247,8 @@ class AutoPolicy:
 
     def _log(self, step: int, reason: str, decision, bps: float, old: dict) -> None:
         entry = {"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
-                 "predicted_step_s": decision.step_s, "uncompressed_step_s": decision.baseline_s}
+                 "predicted_step_s": decision.step_s, "uncompressed_step_s": decision.baseline_s,
+                 "shadow_errors": {i: {c: round(e, 4) for c, e in errs.items()} for i, errs in self.last_shadow.items()}}
         self.decisions.append(entry)
         changed = {i: c for i, c in self.choices.items() if old.get(i) != c}
         log.info("auto at step %d (%s): %s; predicted step %.1f ms vs %.1f ms uncompressed, link %.1f Mbit/s",
@@ -231,15 +275,20 @@ class AutoPolicy:
         keys = sorted(self.numels)
         errs = self.errors.window_errors([str(i) for i in keys])
         specs = [s for s in self.config.candidates if s != "none"]
-        local = [alpha, -beta, pre, backward, *[v for s in specs for v in self.costs[s]], *errs]
+        lossy = [s for s in specs if not self.codecs[s].lossless]
+        shadow = [self.shadow.get(i, {}).get(s, 0.0) for i in keys for s in lossy]
+        local = [alpha, -beta, pre, backward, *[v for s in specs for v in self.costs[s]], *errs, *shadow]
         t = torch.tensor(local, dtype=torch.float64)
         if self._state.wire.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._state.wire.group)
         v = t.tolist()
         k = 4 + 2 * len(specs)
         self.costs = {s: (v[4 + 2 * j], v[5 + 2 * j]) for j, s in enumerate(specs)}
+        errors = v[k:k + len(keys)]
+        flat = v[k + len(keys):]
+        shadow = {i: dict(zip(lossy, flat[j * len(lossy):(j + 1) * len(lossy)])) for j, i in enumerate(keys)}
         return {"alpha": v[0], "beta": -v[1], "pre_s": v[2], "backward_s": v[3],
-                "errors": dict(zip(keys, v[k:]))}
+                "errors": dict(zip(keys, errors)), "shadow": shadow}
 
 
 def _no_spare_core() -> bool:
