@@ -474,3 +474,47 @@ def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
                         out=tmp_path, max_foreign=0.3, retries=2)
     assert row.attempts == 3 and row.foreign_cores == 0.4 and row.out.endswith("hosts2-bf16-retry1")
     assert row.predicted_loaded_s > row.predicted_s  # fewer cores left: slower
+
+
+def test_link_meter_ignores_waits_that_a_regression_would_turn_into_any_slope():
+    from thinwire.plan.meters import DEFAULT_ALPHA_S, LinkMeter
+
+    meter = LinkMeter()
+    beta = 8 / 1e9  # 1 Gbit/s
+    fixed = 2 * DEFAULT_ALPHA_S
+    for i in range(20):  # 2 MB transfers, two of them behind a 50 ms wait for a late peer
+        meter.samples.append((2_000_000, fixed + 2_000_000 * beta + (0.05 if i in (3, 11) else 0.0)))
+    meter.samples.append((4, 0.05))  # a flag collective that waited too
+    alpha, est = meter.estimate(2)
+    assert alpha == DEFAULT_ALPHA_S and est == pytest.approx(beta, rel=1e-6)
+
+
+def test_shadow_guard_keeps_out_codecs_that_leave_most_of_the_gradient_behind():
+    import torch
+
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    policy = AutoPolicy(AutoConfig(warmup_steps=4, candidates=("none", "bf16", "int8", "topk:ratio=0.01")))
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):  # heavy-tailed gradients whose direction changes every step
+        policy.observe(0, torch.randn(100_000, generator=g) * torch.rand(100_000, generator=g) ** 4, step)
+    errs = policy.shadow[0]
+    assert errs["bf16"] < 0.01 and errs["int8"] < 0.05 and errs["topk:ratio=0.01"] > 0.8
+    policy.observe(0, torch.randn(100_000, generator=g), 4)  # after the warm-up: no more shadow work
+    assert policy._shadow_residuals == {} and policy.shadow[0] == errs
+
+
+def test_error_meter_reports_the_share_left_behind_with_error_feedback():
+    import torch
+
+    from thinwire.compress.feedback import ErrorFeedback
+    from thinwire.plan.meters import ErrorMeter
+
+    fb = ErrorFeedback()
+    meter = ErrorMeter()
+    meter.wrap(fb)
+    x = torch.ones(1000)
+    fb.update("0", x, x * 0.75)  # a quarter stays behind
+    fb.update("0", x, x * 0.75)
+    assert meter.window_errors(["0", "1"]) == [pytest.approx(0.25), 0.0]
+    assert meter.window_errors(["0"]) == [0.0]  # reset
