@@ -337,3 +337,29 @@ def test_hierarchical_collective_averages_on_four_gloo_ranks(codec, groups):
     assert sum(1 for b in inter if b) == len(groups)  # only leaders talk across groups
     dense = 2 * (len(groups) - 1) * 4 * N // len(groups)
     assert all(b == 0 or (b == dense if codec == "none" else b < dense / 1.9) for b in inter)
+
+
+def test_accuracy_guard_leaves_out_codecs_that_leave_most_of_the_gradient_behind():
+    import dataclasses
+
+    prof = profile()
+    prof.codecs = {"bf16": dataclasses.replace(prof.codecs["bf16"], ef_error=0.002),
+                   "int8": dataclasses.replace(prof.codecs["int8"], ef_error=0.9)}
+    spec = four(h0={"bandwidth": "10mbit"})  # a slow ring: int8 would win on time
+    plan = plan_for(spec, prof)
+    used = {c for alt in [plan.chosen, *plan.alternatives] for c in alt.codecs}
+    assert "int8" not in used and "bf16" in used
+    assert any("codec int8 left out by the accuracy guard" in line and "90%" in line for line in plan.explanation)
+    loose = plan_for(spec, prof, max_error=0.95)
+    assert "int8" in {c for alt in [loose.chosen, *loose.alternatives] for c in alt.codecs}
+
+
+def test_profile_measures_each_codecs_error_with_error_feedback_on_real_gradients():
+    import torch
+
+    from thinwire.perf_profile.codecs import ef_errors
+
+    g = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(50_000, generator=g), torch.randn(20_000, generator=g)] for _ in range(4)]
+    errs = ef_errors(["none", "bf16", "topk:ratio=0.01"], steps)
+    assert errs["none"] == 0.0 and errs["bf16"] < 0.01 and errs["topk"] > 0.9

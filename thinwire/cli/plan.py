@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", help="with --mfu: take compute from this device table entry's peak FLOP/s")
     p.add_argument("--mfu", type=float, help="utilization of --device's peak (e.g. 0.4)")
     p.add_argument("--keep", type=int, default=6, help="alternatives kept in the plan file (default 6)")
+    p.add_argument("--max-error", type=float, default=0.5,
+                   help="accuracy guard: leave out codecs whose relative error with error feedback on this "
+                        "workload's gradients is above this (default 0.5)")
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.set_defaults(func=run)
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     batch = args.batch_size or _default_batch(args, model)
     opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,
-                       device=args.device, mfu=args.mfu, keep=args.keep)
+                       device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error)
     profile = _profile(args, model, batch, len(spec.hosts), codecs)
     plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
     path = save_plan(plan, args.out)

@@ -75,3 +75,37 @@ def measure_codecs(specs: list[str], bucket_numels: list[int], reps: int = 5) ->
     """Codec name (its canonical spec string) -> measured cost."""
     sizes = sizes_for(bucket_numels)
     return {spec_string(parse_codec_spec(s)): measure_codec(s, sizes, reps) for s in specs}
+
+
+def ef_errors(specs: list[str], gradients: list[list]) -> dict[str, float]:
+    """Codec name -> its relative compression error with error feedback on real gradients.
+
+    ``gradients``: per training step, the list of that step's flat bucket gradients. Each lossy
+    codec runs over the steps in order with an error feedback of its own (``r = (g + r_prev) -
+    C(g + r_prev)``, per bucket); the result is the last step's ``||r|| / ||g + r_prev||`` over all
+    buckets together: the share of what was due that a step leaves behind (the quantity ``auto``
+    and the planner cap). Lossless codecs are 0. PowerSGD runs on each bucket's near-square view with
+    a fresh Q, which overstates the error of its per-matrix, warm-started scheme.
+    """
+    import torch
+
+    from thinwire.compress.codecs import Meta
+
+    out = {}
+    for s in specs:
+        codec = parse_codec_spec(s)
+        name = spec_string(codec)
+        if codec.lossless:
+            out[name] = 0.0
+            continue
+        residuals: list = [None] * max(len(g) for g in gradients)
+        left = due = 0.0
+        for step in gradients:
+            left = due = 0.0
+            for b, g in enumerate(step):
+                corrected = g + residuals[b] if residuals[b] is not None else g.clone()
+                residuals[b] = corrected - codec.roundtrip(corrected, Meta(numel=corrected.numel()))
+                left += float(residuals[b].norm()) ** 2
+                due += float(corrected.norm()) ** 2
+        out[name] = (left / due) ** 0.5 if due > 0 else 0.0
+    return out

@@ -44,8 +44,12 @@ class BucketRecorder:
     def __init__(self, param_index: dict[int, int]) -> None:
         self.param_index = param_index
         self.calls: list[tuple[float, int, int, list[int], list[list[int]]]] = []
+        self.keep_gradients = False
+        self.gradients: list = []  # with keep_gradients: each bucket's gradient, in the order reduced
 
     def hook(self, bucket):  # no annotations: DDP rejects string annotations
+        if self.keep_gradients:
+            self.gradients.append(bucket.buffer().detach().float().clone())
         params = bucket.parameters()
         self.calls.append((time.perf_counter(), bucket.index(), bucket.buffer().numel(),
                            [self.param_index[id(p)] for p in params], [list(p.shape) for p in params]))
@@ -101,6 +105,20 @@ class StepTimer:
         buckets = [BucketRecord(numel=c[2], ready_frac=r, params=c[3], shapes=c[4])
                    for c, r in zip(self.recorder.calls, ready)]
         return point, buckets
+
+
+def step_gradients(timer: StepTimer, batch: int, steps: int) -> list[list]:
+    """The flat bucket gradients of ``steps`` further training steps at ``batch`` (one list per step)."""
+    out = []
+    timer.recorder.keep_gradients = True
+    try:
+        for _ in range(steps):
+            timer.recorder.gradients = []
+            timer.step(batch)
+            out.append(timer.recorder.gradients)
+    finally:
+        timer.recorder.keep_gradients, timer.recorder.gradients = False, []
+    return out
 
 
 def robust_std(xs: list[float]) -> float:

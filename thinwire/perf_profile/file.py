@@ -18,7 +18,7 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
       - {numel: 443008, ready_frac: 1.0, params: [12, 11, ...], shapes: [[256, 128], ...]}
     corun_speed: {"2": 0.83}     # each of 2 busy cores runs the step at 0.83 of one core alone
     kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
-    codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}}, ...}
+    codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002}, ...}
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
 
 All costs are one core's (``threads``) on the machine in ``machine``.
@@ -53,6 +53,9 @@ class Cost:
 class CodecCost:
     encode: Cost
     decode: Cost
+    # relative compression error with error feedback on the workload's own gradients: ||r|| / ||g + r_prev||
+    # after a few steps in shadow (thinwire.perf_profile.codecs.ef_errors); None if not measured
+    ef_error: float | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

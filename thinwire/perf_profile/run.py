@@ -3,7 +3,8 @@
 Steps: (1) the training step at each per-rank batch size, in DDP on one rank, with the bucket
 layout and each bucket's readiness (:mod:`.compute`); (2) FLOPs and saved-activation bytes per
 sample; (3) how fast the step runs when all cores are busy at once (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
-bucket sizes (:mod:`.codecs`); (5) optionally the network's alpha and beta on a running emulated
+bucket sizes (:mod:`.codecs`), and each codec's relative error with error feedback on the workload's
+own gradients over a few steps (:func:`.codecs.ef_errors`, the planner's accuracy guard); (5) optionally the network's alpha and beta on a running emulated
 cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
 
 Example::
@@ -20,10 +21,11 @@ import platform
 import torch
 
 from thinwire.config import check
-from thinwire.perf_profile.codecs import measure_codecs, measure_kernels, sizes_for
-from thinwire.perf_profile.compute import StepTimer, activation_bytes, count_flops, single_process_group
+from thinwire.perf_profile.codecs import ef_errors, measure_codecs, measure_kernels, sizes_for
+from thinwire.perf_profile.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
 from thinwire.perf_profile.file import Profile
 
+EF_STEPS = 6  # training steps whose gradients each codec compresses in shadow (its error with error feedback)
 DEFAULT_CODECS = ("none", "fp16", "bf16", "int8", "bfp", "qsgd", "topk", "randomk", "sign", "powersgd")
 
 
@@ -57,6 +59,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             points.append(point)
             buckets = buckets or layout
         b0 = points[0].batch
+        grads = step_gradients(timer, b0, EF_STEPS) if codecs else []
         flops = count_flops(wl, b0) / b0
         acts = activation_bytes(wl, b0) / b0
     corun_speed = {}
@@ -75,4 +78,13 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         achieved_flops=flops * b0 / (points[0].forward_s + points[0].backward_s),
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
         kernels=measure_kernels(sizes, reps),
-        codecs=measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), network=network)
+        codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads),
+        network=network)
+
+
+def _with_errors(costs: dict, specs: list[str], grads: list) -> dict:
+    """Each codec's measured cost with its error-feedback error on the workload's own gradients."""
+    import dataclasses
+
+    errors = ef_errors(specs, grads) if grads else {}
+    return {name: dataclasses.replace(cost, ef_error=errors.get(name)) for name, cost in costs.items()}
