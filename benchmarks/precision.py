@@ -175,6 +175,7 @@ def targets(train: list[dict], linear: list[dict], memory: list[dict]) -> list[t
 
 def write_md(path: Path, res: dict) -> None:
     L = [f"# Low-precision training: fp32, bf16, int8\n", f"Command: `{res['command']}`\n",
+         *(f"Re-run and merged: `{c}`\n" for c in res.get("reruns", [])),
          "Machine: " + ", ".join(f"{k} {v}" for k, v in res["machine"].items()) + "\n", "## Targets (issue 7)\n",
          "| target | met | measured |", "|---|---|---|"]
     L += [f"| {t} | {'yes' if ok else 'NO'} | {m} |" for t, ok, m in res["targets"]]
@@ -238,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 for budget in budgets[:1] if a.quick else budgets:
                     for prec in ("fp32", "int8"):
                         res["memory"].append(bench_memory(wl, prec, budget, 5 if a.quick else 20, a.threads, Path(tmp)))
+    if parts != {"training", "linear", "memory"} and out.with_suffix(".json").exists():  # keep the other parts
+        old = json.loads(out.with_suffix(".json").read_text())
+        res = {**old, **{k: res[k] for k in parts}, "machine": res["machine"],
+               "reruns": old.get("reruns", []) + [res["command"]]}
     res["targets"] = targets(res["training"], res["linear"], res["memory"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))

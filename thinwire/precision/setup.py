@@ -112,7 +112,8 @@ def prepare_precision(model: nn.Module, mode: str, *, device: torch.device, batc
         setup.plan = _on_rank0(lambda: plan_memory(
             model, budget=parse_size(memory_budget), budget_text=memory_budget, batch=batch,
             sample=lambda n: sample(n, 0), loss_fn=loss_fn, optimizer_fn=optimizer_fn, device=device,
-            context=runner.context, extra_bytes=2 * buckets))  # + DDP's copy in backward: the plan runs without DDP
+            context=runner.context, extra_bytes=3 * buckets))  # + DDP's copy in backward and its one bucket
+            # rebuild: the plan runs without DDP (memory.gradient_bytes)
         if setup.plan.checkpointing:
             apply_checkpointing(model)  # no-op on rank 0, which planned on this very model
         setup.micro_sizes = setup.plan.micro_sizes
