@@ -77,6 +77,17 @@ def measure_codecs(specs: list[str], bucket_numels: list[int], reps: int = 5) ->
     return {spec_string(parse_codec_spec(s)): measure_codec(s, sizes, reps) for s in specs}
 
 
+def shadow_step(codec, g, residual=None):
+    """One step of error feedback in shadow: ``(r, ||r|| / ||g + r_prev||, ||g + r_prev||)`` with ``r = (g + r_prev) -
+    C(g + r_prev)`` for flat ``g`` (``residual``: ``r_prev`` or None). Nothing is sent anywhere."""
+    from thinwire.compress.codecs import Meta
+
+    corrected = g + residual if residual is not None and residual.numel() == g.numel() else g.clone()
+    r = corrected - codec.roundtrip(corrected, Meta(numel=corrected.numel()))
+    norm = float(corrected.norm())
+    return r, (float(r.norm()) / norm if norm > 0 else 0.0), norm
+
+
 def ef_errors(specs: list[str], gradients: list[list]) -> dict[str, float]:
     """Codec name -> its relative compression error with error feedback on real gradients.
 
@@ -87,10 +98,6 @@ def ef_errors(specs: list[str], gradients: list[list]) -> dict[str, float]:
     and the planner cap). Lossless codecs are 0. PowerSGD runs on each bucket's near-square view with
     a fresh Q, which overstates the error of its per-matrix, warm-started scheme.
     """
-    import torch
-
-    from thinwire.compress.codecs import Meta
-
     out = {}
     for s in specs:
         codec = parse_codec_spec(s)
@@ -103,9 +110,8 @@ def ef_errors(specs: list[str], gradients: list[list]) -> dict[str, float]:
         for step in gradients:
             left = due = 0.0
             for b, g in enumerate(step):
-                corrected = g + residuals[b] if residuals[b] is not None else g.clone()
-                residuals[b] = corrected - codec.roundtrip(corrected, Meta(numel=corrected.numel()))
-                left += float(residuals[b].norm()) ** 2
-                due += float(corrected.norm()) ** 2
+                residuals[b], error, norm = shadow_step(codec, g, residuals[b])
+                left += (error * norm) ** 2
+                due += norm ** 2
         out[name] = (left / due) ** 0.5 if due > 0 else 0.0
     return out

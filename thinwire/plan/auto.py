@@ -164,20 +164,15 @@ class AutoPolicy:
             if step >= self.config.warmup_steps:
                 self._shadow_residuals.clear()
             return
-        from thinwire.compress.codecs import Meta
+        from thinwire.perf_profile.codecs import shadow_step
 
         self.numels.setdefault(bucket, buf.numel())
         x = buf.detach().float().flatten()
         errors = {}
         for spec, codec in self.codecs.items():
-            if codec.lossless:
-                continue
-            prev = self._shadow_residuals.get((bucket, spec))
-            corrected = x + prev if prev is not None and prev.numel() == x.numel() else x.clone()
-            residual = corrected - codec.roundtrip(corrected, Meta(numel=x.numel()))
-            self._shadow_residuals[(bucket, spec)] = residual
-            norm = float(corrected.norm())
-            errors[spec] = float(residual.norm()) / norm if norm > 0 else 0.0
+            if not codec.lossless:
+                key = (bucket, spec)
+                self._shadow_residuals[key], errors[spec], _ = shadow_step(codec, x, self._shadow_residuals.get(key))
         self.shadow[bucket] = errors
 
     def describe(self) -> str:

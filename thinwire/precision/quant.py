@@ -82,7 +82,7 @@ class Dither:
     def add_(self, v: Tensor) -> Tensor:
         """``v += U[0, 1)`` elementwise, in place (``v`` contiguous)."""
         flat = v.view(-1)
-        buf = self._buffer(v.device, min(flat.numel(), self.cap))
+        buf = self._buffer(v.device)
         span = buf.numel() - self.slack
         for start in range(0, flat.numel(), span):
             chunk = flat[start : start + span]
@@ -90,7 +90,7 @@ class Dither:
             chunk.add_(buf[off : off + chunk.numel()])
         return v
 
-    def _buffer(self, device: torch.device, need: int) -> Tensor:
+    def _buffer(self, device: torch.device) -> Tensor:
         """The device's buffer: allocated once at its full size and redrawn in place, so the
         memory it holds is the same at every step (a buffer grown to the largest tensor so far, or
         a new one drawn while the old is still held, made the peak depend on the step: measured
