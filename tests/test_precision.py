@@ -19,7 +19,8 @@ from torch import nn
 
 from thinwire.errors import ThinwireError
 from thinwire.precision import (COUNTERS, Int8Config, Int8Conv2d, Int8Linear, PeakMemory, PrecisionRunner,
-                                conversion_report, convert, parse_size, plan_memory)
+                                autocast_context, conversion_report, convert, parse_size, plan_memory)
+from thinwire.precision import attention
 from thinwire.precision import int8 as int8_mod
 from thinwire.precision import quant
 from thinwire.precision.auto import Trial, _decide, choose_precision
@@ -179,6 +180,20 @@ def test_convert_bf16_runs_the_forward_under_autocast_and_returns_fp32():
     assert net(x).dtype == torch.float32 and not torch.equal(net(x), want)
     with pytest.raises(ValueError, match=r"convert: mode must be one of fp32, int8, bf16, got 'fp16'. fp16 needs a loss scaler"):
         convert(net, "fp16")
+
+
+@pytest.mark.skipif(not attention.bf16_attention_is_slow(), reason="this CPU has AMX: bf16 attention stays in bf16")
+def test_bf16_attention_runs_in_fp32_on_cpus_without_amx():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fp32 = nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).bfloat16()
+    bf16 = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # no autocast: the bf16 kernel
+    assert not torch.equal(bf16, fp32)  # the two kernels differ in the low bits, so equality below tells them apart
+    with autocast_context("bf16", "cpu"):
+        got = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, fp32)
+    got.sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad).all()
 
 
 def test_fp16_overflow_step_is_skipped_and_logged(caplog):

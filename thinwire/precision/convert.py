@@ -27,6 +27,7 @@ import logging
 import torch
 from torch import nn
 
+from thinwire.precision import attention
 from thinwire.precision.int8 import Int8Config, Int8Conv2d, Int8Linear, int8_conv_supported, to_float_, to_int8_
 from thinwire.precision.runner import Precision, parse_precision
 
@@ -101,7 +102,7 @@ class _AutocastHooks:
 
     def enter(self, module, args) -> None:
         device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
-        ctx = torch.autocast(device, dtype=self.dtype)
+        ctx = attention.autocast(device, self.dtype)
         ctx.__enter__()
         self._stack.append(ctx)
 
@@ -123,7 +124,7 @@ def _to_bf16(model: nn.Module, cfg: Int8Config, exclude: tuple[str, ...]) -> Con
     model._thinwire_autocast = (model.register_forward_pre_hook(hooks.enter),
                                 model.register_forward_hook(hooks.leave, always_call=True))
     layers = [name for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
-    return ConversionReport("bf16", swapped=layers)  # autocast also runs attention and matmul ops in bf16
+    return ConversionReport("bf16", swapped=layers)  # autocast also runs matmul ops in bf16 (attention: see precision.attention)
 
 
 def _to_fp32(model: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """Autocast modes (bf16, fp16) and the per-step helper the training loop calls.
 
 ``bf16`` and ``fp16`` keep fp32 master weights and run eligible ops (matmuls, convolutions) in
-16 bits under ``torch.autocast``. bf16 has fp32's exponent range, so it needs no loss scaling.
+16 bits under ``torch.autocast`` (on CPUs without AMX attention stays in fp32, where it is faster:
+:mod:`thinwire.precision.attention`). bf16 has fp32's exponent range, so it needs no loss scaling.
 fp16 does: small gradients underflow, so the loss is multiplied by a scale before backward
 (``torch.amp.GradScaler``) and gradients are divided by it before the optimizer step. When a
 scaled gradient overflows, the step is skipped and the scale halved; :class:`PrecisionRunner`
@@ -30,6 +31,8 @@ import math
 import torch
 from torch import Tensor
 
+from thinwire.precision import attention
+
 log = logging.getLogger("thinwire.precision")
 
 
@@ -56,7 +59,7 @@ def autocast_context(mode: str, device: torch.device | str):
     dtype = AUTOCAST_DTYPES.get(parse_precision(mode))
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    return attention.autocast(torch.device(device).type, dtype)
 
 
 class PrecisionRunner:
