@@ -174,9 +174,12 @@ def test_host_command_joins_cgroups_before_the_namespace():
 
 def test_cgroup_limit_files():
     v1cpu, v2cpu = Controller("cpu", 1, Path("/x")), Controller("cpu", 2, Path("/x"))
-    assert v1cpu.limit_files(0.25, None) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "25000"}
+    assert v1cpu.limit_files(0.25, None) == {"cpu.cfs_period_us": "10000", "cpu.cfs_quota_us": "2500"}
+    assert v1cpu.limit_files(0.05, None) == {"cpu.cfs_period_us": "20000", "cpu.cfs_quota_us": "1000"}  # 1 ms floor
     assert v1cpu.limit_files(None, None)["cpu.cfs_quota_us"] == "-1"
-    assert v2cpu.limit_files(1.5, None) == {"cpu.max": "150000 100000"}
+    assert v2cpu.limit_files(1.5, None) == {"cpu.max": "15000 10000"}
+    assert v2cpu.limit_files(None, None) == {"cpu.max": "max 10000"}
+    assert v2cpu.limit_files(1e-4, None) == {"cpu.max": "1000 1000000"}  # the longest period; the kernel's floor
     assert Controller("memory", 1, Path("/x")).limit_files(None, 2**30) == {"memory.limit_in_bytes": str(2**30)}
     assert Controller("memory", 2, Path("/x")).limit_files(None, None) == {"memory.max": "max"}
 
