@@ -49,7 +49,10 @@ def launch_cluster(cfg: TrainConfig, config_path: Path) -> None:
                 "--max-restarts", str(cfg.max_restarts), "--monitor-interval", "0.5",
                 "-m", "thinwire.train.worker", str(config_path)]
         out = None if i == 0 else open(logs / f"{h.name}.log", "w")
-        procs.append((h, out, h.spawn(argv, env={"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"},
+        # a fresh store per rendezvous round (hosted by rank 0's worker): agents count restarts on their
+        # own, so a prefix by restart count can differ between hosts after a membership change
+        env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        procs.append((h, out, h.spawn(argv, env=env,
                                       stdout=out, stderr=subprocess.STDOUT if out else None)))
     _wait(cluster, procs, logs)
 

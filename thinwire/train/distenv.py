@@ -70,6 +70,11 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     Workers share the elastic agent's TCPStore, and across restarts its keys survive: a restarted
     worker can read the dead workers' gloo addresses and fail with "connection refused". A prefix
     per attempt keeps each attempt's keys apart (the store and the rendezvous stay torchrun's).
+    The prefix is the agent's restart count, which agrees between workers under one agent
+    (``--nproc``). Agents on several nodes count restarts on their own (a restart caused by another
+    node joining is not counted), so ``--cluster`` runs its agents with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a fresh store each round, no prefix needed. Do the same
+    for a multi-node ``torchrun`` with ``--max-restarts``.
     """
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world, is_master=False,
                           timeout=timeout)
