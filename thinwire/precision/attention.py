@@ -4,11 +4,11 @@
 autocast attention runs in bf16. PyTorch's CPU flash-attention kernel is fast in bf16 only with
 AMX tiles (its bf16 path multiplies through brgemm on AMX); on CPUs without AMX it is the slower
 choice. Measured on an AVX-512-BF16 CPU without AMX (torch 2.13, one thread, causal, forward +
-backward)::
+backward; ``benchmarks/results/attention_cpu.md``)::
 
-    shape (batch, heads, seq, head_dim)   fp32 flash   bf16 flash   bf16 inputs run in fp32
-    (32, 4, 128, 32)                        19.2 ms      43.8 ms      18.0 ms
-    (32, 8, 128, 64)                        70.5 ms     119.8 ms      67.4 ms
+    shape (batch, heads, seq, head_dim)   fp32 kernel   bf16 kernel   bf16 inputs run in fp32
+    (32, 4, 128, 32)                        18.9 ms       42.0 ms       20.0 ms
+    (32, 8, 128, 64)                        67.9 ms      121.6 ms       84.5 ms
 
 On such a CPU, :func:`install` moves attention to autocast's fp32 list: inputs are cast up, the
 kernel runs in fp32 (which is also the more accurate choice) and the output is cast back to the
