@@ -13,7 +13,7 @@ the kernel's 1 ms minimum quota needs it): a host may use its quota in one burst
 each period, so with the kernel's default 100 ms period a quarter-core host that idles while it
 waits for the network runs the next 25 ms of work at full speed. Measured here, 48 ms of CPU work
 separated by 60 ms idle gaps took 138 ms per burst at a 100 ms period and 185 ms at 10 ms, where a
-quarter of a core takes 192 ms. Memory: ``memory.limit_in_bytes`` / ``memory.max``.
+quarter of a core takes 192 ms (``benchmarks/cpu_quota.py``). Memory: ``memory.limit_in_bytes`` / ``memory.max``.
 """
 
 from __future__ import annotations
