@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -52,20 +53,41 @@ def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
     return path
 
 
-def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int) -> dict:
-    args = [sys.executable, "-m", "thinwire", "train", "--cluster", str(spec), "--workload", "charlm",
+def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> list[str]:
+    return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm",
             "--compression", contender, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
             "--eval-every", str(max(1, steps // 10)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
-            "--out", str(out)] + [a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")]
+            "--seed", str(seed), "--out", str(out)] + [a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")]
+
+
+def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int, seed: int = 0) -> dict:
+    args = train_args(contender, out, steps, batch, seed) + ["--cluster", str(spec)]
     t0 = time.time()
     proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           timeout=1200)
     if proc.returncode != 0:
         return {"contender": contender, "error": (proc.stderr or proc.stdout)[-1500:], "elapsed_s": time.time() - t0}
     result = summarize(contender, read_metrics(out), time.time() - t0)
-    if contender == "auto":  # what it chose, per bucket
-        result["auto_choice"] = json.loads((out / "summary.json").read_text())["compression"]
+    if contender == "auto":  # what it chose, per bucket, and why
+        summary = json.loads((out / "summary.json").read_text())
+        result["auto_choice"] = summary["compression"]
+        result["auto_decisions"] = [{k: d[k] for k in ("step", "reason", "choices")} for d in summary.get("auto_decisions", [])]
     return result
+
+
+def local_curve(hosts: int, contender: str, seed: int, steps: int, batch: int, work: Path) -> list[list[float]]:
+    """[(step, val loss)] of ``contender`` on ``hosts`` local workers (loopback, no shaping).
+
+    For a fixed codec the numerics do not depend on the link (same ranks, same data, same collective
+    order): the loss after each step is the one the emulated cluster would reach, only sooner. The
+    benchmark checks this on every host count (``numerics_check``)."""
+    out = work / f"local-{hosts}-{contender.replace(':', '_').replace('=', '')}-s{seed}"
+    args = train_args(contender, out, steps, batch, seed) + ["--nproc", str(hosts)]
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"local run {contender} seed {seed} failed: {(proc.stderr or proc.stdout)[-1500:]}")
+    return [[r["step"], r["val_loss"]] for r in read_metrics(out) if "val_loss" in r]
 
 
 def summarize(contender: str, records: list[dict], elapsed: float) -> dict:
@@ -90,7 +112,55 @@ def time_to_target(run: dict, target: float) -> float | None:
     return None
 
 
-def bench_cluster(hosts: int, rate: str, contenders: list[str], steps: int, batch: int, work: Path) -> dict:
+def seed_curve(run: dict, seed: int) -> list[tuple[float, float]] | None:
+    """[(wall-clock s, val loss)] of ``run`` on ``seed``. Seed 0 is the emulated run itself; auto's other
+    seeds are emulated runs too (its choice depends on the link); a fixed contender's other seeds
+    are its local loss curve, each evaluation placed at the wall-clock time the emulated run
+    reached that step (a step's time does not depend on the seed; its loss does)."""
+    if seed == 0:
+        return [(w, loss) for w, loss, _ in run["val_curve"]]
+    if str(seed) in run.get("seed_runs", {}):
+        return [(w, loss) for w, loss, _ in run["seed_runs"][str(seed)]]
+    curve = run.get("seed_curves", {}).get(str(seed))
+    if curve is None:
+        return None
+    wall = {step: w for w, _, step in run["val_curve"]}
+    return [(wall[step], loss) for step, loss in curve if step in wall]
+
+
+def seed_targets(cluster: dict) -> dict[int, float]:
+    """Per seed, the target: PyTorch DDP fp32's final validation loss on that seed."""
+    base = next((r for r in cluster["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
+    out = {}
+    for seed in cluster.get("seeds", [0]):
+        curve = seed_curve(base, seed) if base else None
+        if curve:
+            out[seed] = curve[-1][1]
+    return out
+
+
+def score(cluster: dict) -> None:
+    """Each run's time to target per seed and its median over seeds (not reached counts as never)."""
+    targets = seed_targets(cluster)
+    cluster["target_val_loss"] = targets.get(0)
+    for r in cluster["runs"]:
+        if "error" in r:
+            continue
+        per_seed = {}
+        for seed, target in targets.items():
+            curve = seed_curve(r, seed)
+            per_seed[str(seed)] = None if curve is None else next(
+                (w for w, loss in curve if loss <= target * (1 + TOLERANCE)), None)
+        r["time_to_target_by_seed"] = per_seed
+        r["time_to_target_s"] = per_seed.get("0")
+        known = [math.inf if t is None else t for t in per_seed.values()]
+        med = statistics.median(known) if known else math.inf
+        r["median_time_to_target_s"] = None if math.isinf(med) else med
+        r["reached"] = sum(t is not None for t in per_seed.values())
+
+
+def bench_cluster(hosts: int, rate: str, contenders: list[str], steps: int, batch: int, work: Path,
+                  seeds: list[int], local: dict) -> dict:
     spec = cluster_spec(hosts, rate, work)
     cluster = EmulatedCluster(load_cluster_spec(spec))
     cluster.up()
@@ -103,13 +173,49 @@ def bench_cluster(hosts: int, rate: str, contenders: list[str], steps: int, batc
             r = runs[-1]
             print(f"    {r.get('median_step_s', float('nan')) * 1e3:.0f} ms/step, val {r.get('final_val_loss', 'ERROR')}"
                   if "error" not in r else f"    FAILED: {r['error'][-300:]}", flush=True)
+            if c == "auto" and "error" not in r:
+                for seed in seeds[1:]:
+                    print(f"[{hosts} hosts @ {rate}] auto, seed {seed} ...", flush=True)
+                    again = run_one(spec, c, Path(f"{out}-s{seed}"), steps, batch, seed)
+                    r.setdefault("seed_runs", {})[str(seed)] = again.get("val_curve", [])
+                    r.setdefault("seed_choices", {})[str(seed)] = again.get("auto_choice", again.get("error", "")[-200:])
     finally:
         cluster.down()
-    base = next((r for r in runs if r["contender"] == "torch:none" and "error" not in r), None)
-    target = base["final_val_loss"] if base else None
-    for r in runs:
-        r["time_to_target_s"] = time_to_target(r, target) if target is not None and "error" not in r else None
-    return {"hosts": hosts, "rate": rate, "target_val_loss": target, "runs": runs}
+    result = {"hosts": hosts, "rate": rate, "seeds": seeds, "runs": runs}
+    fill_seeds(result, steps, batch, work, local)
+    return result
+
+
+def fill_seeds(cluster: dict, steps: int, batch: int, work: Path, local: dict) -> None:
+    """Give every fixed contender a loss curve for each of the cluster's seeds (local workers, cached
+    in ``local`` and shared by every link rate), check the premise, and score."""
+    hosts = cluster["hosts"]
+    for r in cluster["runs"]:
+        if "error" in r or r["contender"] == "auto":
+            continue
+        for seed in cluster["seeds"]:
+            if seed == 0:
+                continue
+            key = f"{hosts}|{r['contender']}|{seed}"
+            if key not in local:
+                print(f"[{hosts} local workers] {r['contender']}, seed {seed} ...", flush=True)
+                local[key] = local_curve(hosts, r["contender"], seed, steps, batch, work)
+            r.setdefault("seed_curves", {})[str(seed)] = local[key]
+    check_numerics(cluster, steps, batch, work, local)
+    score(cluster)
+
+
+def check_numerics(cluster: dict, steps: int, batch: int, work: Path, local: dict) -> None:
+    """The premise of ``local_curve``, checked: DDP fp32's seed-0 losses on local workers equal the
+    emulated run's (``numerics_check``: the largest difference over the evaluations)."""
+    base = next((r for r in cluster["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
+    if base is None or len(cluster["seeds"]) < 2:
+        return
+    key = f"{cluster['hosts']}|torch:none|0"
+    if key not in local:
+        local[key] = local_curve(cluster["hosts"], "torch:none", 0, steps, batch, work)
+    emulated = {step: loss for _, loss, step in base["val_curve"]}
+    cluster["numerics_check"] = max(abs(emulated[step] - loss) for step, loss in local[key] if step in emulated)
 
 
 def merge(old: dict, new: dict) -> dict:
@@ -124,9 +230,8 @@ def merge(old: dict, new: dict) -> dict:
                 into["runs"] = [run if r["contender"] == run["contender"] else r for r in into["runs"]]
             else:
                 into["runs"].append(run)
-        target = into["target_val_loss"]
-        for r in into["runs"]:
-            r["time_to_target_s"] = time_to_target(r, target) if target is not None and "error" not in r else None
+        into["seeds"] = sorted(set(into.get("seeds", [0])) | set(c.get("seeds", [0])))
+    old["local_curves"] = {**old.get("local_curves", {}), **new.get("local_curves", {})}
     old["reruns"] = old.get("reruns", []) + [new["command"]]
     old["elapsed_s"] += new["elapsed_s"]
     return old
@@ -141,46 +246,58 @@ def markdown(results: dict) -> str:
              "(reached = within 0.5%; validation every steps/10). "
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
              "Bytes for `torch:*` peers are computed by formula (ring all-reduce), thinwire's are counted where sent.\n"]
+    if any(len(c.get("seeds", [0])) > 1 for c in results["clusters"]):
+        lines.append("Seeds: every contender runs seed 0 on the emulated cluster (its step times and the seed-0 "
+                     "columns). A fixed contender's other seeds are loss curves on local workers: with a fixed codec "
+                     "the loss after each step does not depend on the link (checked: the largest difference of DDP "
+                     "fp32's seed-0 losses between local workers and the emulated run is given per cluster), so each "
+                     "evaluation is placed at the wall-clock time the emulated run reached that step. `auto` runs "
+                     "every seed on the emulated cluster. Each seed's target is DDP fp32's final loss on that seed; "
+                     "the median time to target counts a seed that did not reach it as never.\n")
     for c in results["clusters"]:
-        lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (target val loss {c['target_val_loss']:.4f})\n" if c["target_val_loss"] else
-                  f"\n## {c['hosts']} hosts @ {c['rate']}\n",
-                  "| contender | median step (ms) | compute | comm wait | other | MB/step | val loss | time to target (s) | vs DDP fp32 |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        check = f"; numerics check {c['numerics_check']:.1e}" if "numerics_check" in c else ""
+        lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (seed-0 target val loss {c['target_val_loss']:.4f}{check})\n"
+                  if c["target_val_loss"] else f"\n## {c['hosts']} hosts @ {c['rate']}\n",
+                  "| contender | median step (ms) | compute | comm wait | other | MB/step | val loss (seed 0) | "
+                  "time to target by seed (s) | median (s) | vs DDP fp32 |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         base = next((r for r in c["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
         for r in c["runs"]:
             if "error" in r:
-                lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} |||||||| ")
+                lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} ||||||||| ")
                 continue
-            ttt = r["time_to_target_s"]
-            speed = f"{base['time_to_target_s'] / ttt:.2f}x" if ttt and base and base["time_to_target_s"] else "not reached" if ttt is None else ""
+            by_seed = " / ".join("-" if t is None else f"{t:.1f}" for t in r.get("time_to_target_by_seed", {}).values())
+            med, bmed = r.get("median_time_to_target_s"), base and base.get("median_time_to_target_s")
+            speed = f"{bmed / med:.2f}x" if med and bmed else "not reached" if med is None else ""
             lines.append(f"| {r['contender']} | {r['median_step_s'] * 1e3:.0f} | {r['compute_s'] * 1e3:.0f} | "
                          f"{r['comm_wait_s'] * 1e3:.0f} | {r['other_s'] * 1e3:.0f} | {r['bytes_per_step'] / 1e6:.3f} | "
-                         f"{r['final_val_loss']:.4f} | {'not reached' if ttt is None else f'{ttt:.1f}'} | {speed} |")
+                         f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} |")
     return "\n".join(lines + auto_section(results)) + "\n"
 
 
 def auto_section(results: dict) -> list[str]:
     """``auto`` against the best fixed contender of each cluster, and against the compute floor.
 
-    Best fixed contender: the shortest time to target among all other contenders (thinwire's codecs
-    and PyTorch's hooks). Compute floor: PyTorch DDP fp32 on the same hosts with unshaped links
-    (``FLOOR_RATE``): its time to reach the shaped cluster's target."""
+    Best fixed contender: the shortest median time to target among all other contenders (thinwire's
+    codecs and PyTorch's hooks). Compute floor: PyTorch DDP fp32 on the same hosts with unshaped
+    links (``FLOOR_RATE``): its median time to reach the same per-seed targets."""
     rows = []
     floors = {c["hosts"]: c for c in results["clusters"] if c["rate"] == FLOOR_RATE}
     for c in results["clusters"]:
         auto = next((r for r in c["runs"] if r["contender"] == "auto" and "error" not in r), None)
         if auto is None or c["rate"] == FLOOR_RATE:
             continue
-        fixed = [r for r in c["runs"] if r["contender"] != "auto" and "error" not in r and r["time_to_target_s"]]
-        best = min(fixed, key=lambda r: r["time_to_target_s"], default=None)
-        ttt = auto["time_to_target_s"]
+        fixed = [r for r in c["runs"] if r["contender"] != "auto" and "error" not in r and r.get("median_time_to_target_s")]
+        best = min(fixed, key=lambda r: r["median_time_to_target_s"], default=None)
+        ttt = auto.get("median_time_to_target_s")
         floor_run = next((r for r in floors.get(c["hosts"], {}).get("runs", []) if r["contender"] == "torch:none"
                           and "error" not in r), None)
-        floor = time_to_target(floor_run, c["target_val_loss"]) if floor_run and c["target_val_loss"] else None
-        rows.append(f"| {c['hosts']} @ {c['rate']} | {auto.get('auto_choice', '')} | "
+        floor = floor_run.get("median_time_to_target_s") if floor_run else None
+        choices = ", ".join(sorted({auto.get("auto_choice", ""), *auto.get("seed_choices", {}).values()}))
+        rows.append(f"| {c['hosts']} @ {c['rate']} | {choices} | {auto.get('reached', 0)}/{len(c.get('seeds', [0]))} | "
                     f"{'not reached' if ttt is None else f'{ttt:.1f}'} | "
-                    + (f"{best['contender']} ({best['time_to_target_s']:.1f}) | " if best else "none reached | ")
-                    + (f"{ttt / best['time_to_target_s']:.2f} | " if ttt and best else "| ")
+                    + (f"{best['contender']} ({best['median_time_to_target_s']:.1f}) | " if best else "none reached | ")
+                    + (f"{ttt / best['median_time_to_target_s']:.2f} | " if ttt and best else "| ")
                     + (f"{floor:.1f} | {ttt / floor:.2f} |" if ttt and floor else "| |"))
     if not rows:
         return []
@@ -188,8 +305,8 @@ def auto_section(results: dict) -> list[str]:
             "Time to target of `--compression auto` over the best fixed contender's (issue 5 asks <= 1.05) and over "
             f"the compute floor: PyTorch DDP fp32 on the same hosts at {FLOOR_RATE} (unshaped in effect), timed to the "
             "same target (issue 5 asks <= 1.15 at 4 hosts @ 100mbit).\n",
-            "| cluster | auto's choice | auto time to target (s) | best fixed (s) | auto / best | floor (s) | auto / floor |",
-            "|---|---|---:|---:|---:|---:|---:|", *rows]
+            "| cluster | auto's final choice (all seeds) | seeds reached | auto median time to target (s) | best fixed, median (s) | auto / best | floor, median (s) | auto / floor |",
+            "|---|---|---:|---:|---:|---:|---:|---:|", *rows]
 
 
 def plots(results: dict, folder: Path, stem: str) -> list[Path]:
@@ -246,6 +363,8 @@ def main() -> int:
     ap.add_argument("--clusters", help="comma-separated HOSTSxRATE, e.g. 4x100mbit,2x10gbit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
+                    "emulated cluster; the others give loss curves (see local_curve); default 0,1,2")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("compare.py needs root for network namespaces, tc and cgroups (the emulated cluster). Run it with sudo.")
@@ -258,13 +377,24 @@ def main() -> int:
     stem = "compare_quick" if args.quick else "compare"
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
                "steps": steps, "batch": args.batch, "model": MODEL, "clusters": []}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    if seeds[0] != 0:
+        ap.error("--seeds must start with 0 (the seed every contender runs on the emulated cluster)")
+    earlier = json.loads((Path(args.out) / f"{stem}.json").read_text()) if args.merge else None
+    local = dict(earlier.get("local_curves", {})) if earlier else {}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="thinwire-compare-") as tmp:
         for hosts, rate in clusters:
-            results["clusters"].append(bench_cluster(hosts, rate, contenders, steps, args.batch, Path(tmp)))
-    results["elapsed_s"] = time.time() - t0
-    if args.merge:  # re-measured contenders replace their rows in an earlier result
-        results = merge(json.loads((Path(args.out) / f"{stem}.json").read_text()), results)
+            results["clusters"].append(bench_cluster(hosts, rate, contenders, steps, args.batch, Path(tmp), seeds, local))
+        results["elapsed_s"] = time.time() - t0
+        results["local_curves"] = local
+        if earlier:  # re-measured contenders replace their rows in an earlier result
+            results = merge(earlier, results)
+            t1 = time.time()
+            for c in results["clusters"]:
+                fill_seeds(c, steps, args.batch, Path(tmp), local)
+            results["local_curves"] = local
+            results["elapsed_s"] += time.time() - t1
     results["load_average_at_end"] = os.getloadavg()
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -455,7 +455,9 @@ def test_auto_decides_identically_on_every_rank_and_logs_why():
     (decisions, described), (other, described_other) = results
     assert decisions == other and described == described_other
     assert decisions[0]["step"] == 2 and decisions[0]["reason"] == "warm-up done"
-    assert set(decisions[0]["choices"].values()) & {"topk:ratio=0.01", "powersgd:rank=4"}
+    assert set(decisions[0]["choices"].values()) & {"topk:ratio=0.01", "powersgd:rank=4"} and decisions[0]["trial"]
+    # the next check is the trial's verdict: the clock, not the (faked) link, decides whether it stays
+    assert decisions[1]["step"] == 5 and decisions[1]["reason"].split(":")[0] in ("kept", "reverted")
     assert described.startswith("auto[")
 
 
@@ -518,3 +520,34 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     fb.update("0", x, x * 0.75)
     assert meter.window_errors(["0", "1"]) == [pytest.approx(0.25), 0.0]
     assert meter.window_errors(["0"]) == [0.0]  # reset
+
+
+def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
+    from types import SimpleNamespace
+
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    def window(step_s, rate_bps=10e6):  # what _agree returns: every rank's measurements merged
+        return {"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04, "step_s": step_s,
+                "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}}
+
+    def policy_seeing(windows):
+        policy = AutoPolicy(AutoConfig(warmup_steps=1, check_every=1, candidates=("none", "bf16", "topk:ratio=0.01")))
+        policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
+        policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
+        seen = iter(windows)
+        policy._agree = lambda: next(seen)
+        for step in range(1, 1 + len(windows)):
+            policy._check(step)
+        return policy
+
+    # a slow link: the model switches to top-k; the clock says the step went from 400 to 100 ms: kept
+    kept = policy_seeing([window(0.4), window(0.1), window(0.1)])
+    assert [d["reason"].split(":")[0] for d in kept.decisions] == ["warm-up done", "kept"]
+    assert kept.choices == {0: "topk:ratio=0.01"} and kept.decided_bps == 10e6
+    # the same prediction, but the step did not get 5% faster: reverted, and top-k is not tried again
+    # at this link rate; a link that moves by more than 30% clears that, and the model decides again
+    back = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=5e6), window(0.1, 5e6)])
+    reasons = [d["reason"].split(":")[0] for d in back.decisions]
+    assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
+    assert back.decisions[1]["choices"] == {0: "none"} and back.choices == {0: "topk:ratio=0.01"}

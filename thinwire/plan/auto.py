@@ -31,6 +31,14 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    are good to a few percent (``benchmarks/results/validation.md``), so a candidate must be
    predicted ``min_gain`` (10%) faster than the lighter choice to replace it: on a fast link,
    where compression buys a few percent at best, ``auto`` stays with no compression or bf16.
+6. **Keep a switch only if the clock agrees.** The model's inputs are measured, but on a host whose
+   collectives are bound by its CPU rather than its link, the transfer time per byte it measured
+   under one codec does not carry over to another (seen: 4 emulated hosts on 2 cores at 10 Gbit/s,
+   where the model predicted int8 13% faster and int8 ran slower). So a change of plan is a trial:
+   the next window's median step time (first bucket to the next step's first bucket, less the time
+   ``auto`` itself spent on shadow runs and checks) must be at least ``keep_gain`` (5%) below the window's before it, or the plan is
+   reverted and the codecs it tried are left out of those buckets until the link moves. The link
+   rate a later "link moved" is measured against is the rate under the plan that was kept.
 
 Every decision is logged (``thinwire.plan`` logger) with its reason and kept in ``decisions``.
 
@@ -45,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -68,6 +78,7 @@ class AutoConfig:
     rebalance_change: float = 0.3
     max_error: float = 0.5
     min_gain: float = 0.10
+    keep_gain: float = 0.05
 
     def __post_init__(self) -> None:
         check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
@@ -77,6 +88,8 @@ class AutoConfig:
         check(self.check_every >= 1, "auto.check_every", self.check_every, "an integer >= 1")
         check(0 < self.rebalance_change < 10, "auto.rebalance_change", self.rebalance_change, "a fraction > 0")
         check(self.max_error > 0, "auto.max_error", self.max_error, "a relative error > 0")
+        check(0 <= self.min_gain < 1, "auto.min_gain", self.min_gain, "a fraction in [0, 1)")
+        check(-1 < self.keep_gain < 1, "auto.keep_gain", self.keep_gain, "a fraction in (-1, 1)")
 
 
 def parse_auto_spec(spec: str) -> AutoConfig:
@@ -125,12 +138,17 @@ class AutoPolicy:
         self.codecs: dict[str, Codec] = {c: parse_codec_spec(c) for c in self.config.candidates}
         self.choices: dict[int, str] = {}
         self.numels: dict[int, int] = {}
-        self.banned: dict[int, set[str]] = {}
+        self.banned: dict[int, set[str]] = {}   # by the accuracy guard, for good
+        self.tried: dict[int, set[str]] = {}    # trials the clock rejected, until the link moves
+        self.trial: dict | None = None          # the plan before the current trial, and its step time
         self.decisions: list[dict] = []
         self.costs: dict[str, Any] | None = None
         self.last_shadow: dict[int, dict[str, float]] = {}
         self.decided_bps: float | None = None
         self._last_step, self._state = -1, None
+        self.step_times: list[float] = []  # first bucket to first bucket of the next step, less auto's own work
+        self._step_t0: float | None = None
+        self._aside = 0.0
         self.link = LinkMeter()
         self.compute = ComputeMeter()
         self.errors = ErrorMeter()
@@ -150,9 +168,13 @@ class AutoPolicy:
     # -- the Policy protocol -------------------------------------------------------------------------
     def codec_for(self, bucket: int, numel: int, step: int) -> Codec:
         if step != self._last_step:
-            self._last_step = step
+            now = time.perf_counter()
+            if step == self._last_step + 1 and self._step_t0 is not None:  # one whole step since the last
+                self.step_times.append(now - self._step_t0 - self._aside)
+            self._last_step, self._step_t0, self._aside = step, now, 0.0
             if self._state is not None and self._due(step):
                 self._check(step)
+                self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
         self.numels[bucket] = numel
         return self.codecs[self.choices.get(bucket, "none")]
 
@@ -167,6 +189,7 @@ class AutoPolicy:
         from thinwire.perf_profile.codecs import shadow_step
 
         self.numels.setdefault(bucket, buf.numel())
+        t0 = time.perf_counter()
         x = buf.detach().float().flatten()
         errors = {}
         for spec, codec in self.codecs.items():
@@ -174,6 +197,7 @@ class AutoPolicy:
                 key = (bucket, spec)
                 self._shadow_residuals[key], errors[spec], _ = shadow_step(codec, x, self._shadow_residuals.get(key))
         self.shadow[bucket] = errors
+        self._aside += time.perf_counter() - t0  # not part of the plan's step time
 
     def describe(self) -> str:
         if not self.choices:
@@ -190,24 +214,56 @@ class AutoPolicy:
             self.costs = self._codec_costs()
         shared = self._agree()
         bps = 8 / shared["beta"]
-        reason = self._reason(shared, bps)
-        if reason:
-            self._decide(step, shared, bps, reason)
+        guard = self._guard(shared)
+        if guard:  # accuracy first: no trial, no clock
+            self.trial = None
+            self._decide(step, shared, bps, guard, trial=False)
+        elif self.trial is not None:
+            self._verify(step, shared, bps)
+        else:
+            reason = self._reason(bps)
+            if reason:
+                self._decide(step, shared, bps, reason, trial=True)
 
-    def _reason(self, shared: dict, bps: float) -> str | None:
+    def _guard(self, shared: dict) -> str | None:
         for i, err in shared["errors"].items():
             current = self.choices.get(i, "none")
             if err > self.config.max_error and current != "none":
                 self.banned.setdefault(i, set()).add(current)
                 return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
+        return None
+
+    def _reason(self, bps: float) -> str | None:
         if self.decided_bps is None:
             return "warm-up done"
         change = abs(bps - self.decided_bps) / self.decided_bps
         if change > self.config.rebalance_change:
+            self.tried.clear()  # a new link: what the clock rejected may pay now
             return f"link moved {change:.0%}: {self.decided_bps / 1e6:.1f} -> {bps / 1e6:.1f} Mbit/s"
         return None
 
-    def _decide(self, step: int, shared: dict, bps: float, reason: str) -> None:
+    def _verify(self, step: int, shared: dict, bps: float) -> None:
+        """The first window under a new plan: keep it if its measured step beat the old plan's."""
+        before, now = self.trial["step_s"], shared["step_s"]
+        old, self.trial = self.trial["choices"], None
+        if now <= before * (1 - self.config.keep_gain):
+            self.decided_bps = bps
+            reason = f"kept: measured step {now * 1e3:.1f} ms vs {before * 1e3:.1f} ms before"
+        else:
+            for i, c in self.choices.items():
+                if old.get(i, "none") != c:
+                    self.tried.setdefault(i, set()).add(c)
+            reason = (f"reverted: measured step {now * 1e3:.1f} ms vs {before * 1e3:.1f} ms before, "
+                      f"not {self.config.keep_gain:.0%} faster")
+            self.choices, old = {i: old.get(i, "none") for i in self.choices}, self.choices
+        entry = {"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
+                 "measured_step_s": now, "measured_before_s": before}
+        self.decisions.append(entry)
+        changed = {i: c for i, c in self.choices.items() if old.get(i) != c}
+        log.info("auto at step %d (%s)%s", step, reason,
+                 ": " + ", ".join(f"bucket {i} -> {c}" for i, c in sorted(changed.items())) if changed else "")
+
+    def _decide(self, step: int, shared: dict, bps: float, reason: str, trial: bool) -> None:
         from thinwire.sim.inputs import codec_model
 
         order = sorted(self.numels)
@@ -218,6 +274,9 @@ class AutoPolicy:
         models = {c: dataclasses.replace(m, **self.costs_for(c)) for c, m in models.items()}
         p = self._state.wire.world
         banned = {order.index(i): set(b) for i, b in self.banned.items() if i in order}
+        for i, b in self.tried.items():
+            if i in order:
+                banned.setdefault(order.index(i), set()).update(b)
         for i, errs in shared["shadow"].items():
             if i in order:
                 banned.setdefault(order.index(i), set()).update(c for c, e in errs.items() if e > self.config.max_error)
@@ -230,6 +289,8 @@ class AutoPolicy:
         old = dict(self.choices)
         self.choices = {i: c for i, c in zip(order, decision.choices)}
         self.decided_bps = bps
+        if trial and any(old.get(i, "none") != c for i, c in self.choices.items()):
+            self.trial = {"choices": old, "step_s": shared["step_s"]}
         self._log(step, reason, decision, bps, old)
 
     def costs_for(self, spec: str) -> dict:
@@ -243,6 +304,7 @@ class AutoPolicy:
     def _log(self, step: int, reason: str, decision, bps: float, old: dict) -> None:
         entry = {"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
                  "predicted_step_s": decision.step_s, "uncompressed_step_s": decision.baseline_s,
+                 "trial": self.trial is not None,
                  "shadow_errors": {i: {c: round(e, 4) for c, e in errs.items()} for i, errs in self.last_shadow.items()}}
         self.decisions.append(entry)
         changed = {i: c for i, c in self.choices.items() if old.get(i) != c}
@@ -267,22 +329,24 @@ class AutoPolicy:
         """Merge the ranks' measurements with one MAX all-reduce (negated entries give a MIN)."""
         alpha, beta = self.link.estimate(self._state.wire.world)
         pre, backward = self.compute.estimate()
+        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        self.step_times = []
         keys = sorted(self.numels)
         errs = self.errors.window_errors([str(i) for i in keys])
         specs = [s for s in self.config.candidates if s != "none"]
         lossy = [s for s in specs if not self.codecs[s].lossless]
         shadow = [self.shadow.get(i, {}).get(s, 0.0) for i in keys for s in lossy]
-        local = [alpha, -beta, pre, backward, *[v for s in specs for v in self.costs[s]], *errs, *shadow]
+        local = [alpha, -beta, pre, backward, step_s, *[v for s in specs for v in self.costs[s]], *errs, *shadow]
         t = torch.tensor(local, dtype=torch.float64)
         if self._state.wire.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._state.wire.group)
         v = t.tolist()
-        k = 4 + 2 * len(specs)
-        self.costs = {s: (v[4 + 2 * j], v[5 + 2 * j]) for j, s in enumerate(specs)}
+        k = 5 + 2 * len(specs)
+        self.costs = {s: (v[5 + 2 * j], v[6 + 2 * j]) for j, s in enumerate(specs)}
         errors = v[k:k + len(keys)]
         flat = v[k + len(keys):]
         shadow = {i: dict(zip(lossy, flat[j * len(lossy):(j + 1) * len(lossy)])) for j, i in enumerate(keys)}
-        return {"alpha": v[0], "beta": -v[1], "pre_s": v[2], "backward_s": v[3],
+        return {"alpha": v[0], "beta": -v[1], "pre_s": v[2], "backward_s": v[3], "step_s": v[4],
                 "errors": dict(zip(keys, errors)), "shadow": shadow}
 
 
