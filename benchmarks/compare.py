@@ -391,8 +391,11 @@ def main() -> int:
         if earlier:  # re-measured contenders replace their rows in an earlier result
             results = merge(earlier, results)
             t1 = time.time()
-            for c in results["clusters"]:
-                fill_seeds(c, steps, args.batch, Path(tmp), local)
+            for c in results["clusters"]:  # the clusters re-run now; the others keep their seeds
+                if (c["hosts"], c["rate"]) in clusters:
+                    fill_seeds(c, steps, args.batch, Path(tmp), local)
+                else:
+                    score(c)
             results["local_curves"] = local
             results["elapsed_s"] += time.time() - t1
     results["load_average_at_end"] = os.getloadavg()
