@@ -103,7 +103,7 @@ def run_grid(args, profile) -> list[dict]:
         (cmp,) = validate(spec, profile, opts, workload=args.workload, model=args.model, batch=args.batch_size,
                           steps=args.steps, out=args.out / spec.name, max_foreign=args.max_foreign,
                           retries=args.retries, calibrate_bandwidth=args.calibrate_bandwidth or None,
-                          colocation=colocation)
+                          colocation=colocation, calibrate_reps=args.calibrate_reps)
         rows.append({"config": label, "spec": spec.name, "load_before": os.getloadavg()[0], **cmp.to_dict(),
                      "wall_s": time.time() - t0})
         print(f"{label:28} {codec:10} predicted {cmp.predicted_s * 1e3:7.1f} ms  measured {cmp.measured_s * 1e3:7.1f} ms"
@@ -130,8 +130,9 @@ def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> N
              f"over {summary['points']} points ({summary['within_5pct']} within 5%, {summary['within_15pct']} within 15%).",
              f"Without the measured co-location cost (model alone): median |error| "
              f"{summary['model_alone_median_abs_error']:.1%}, worst {summary['model_alone_worst_abs_error']:.1%}.",
-             "Co-location: the emulation's cost of hosts sharing this machine's cores, measured once per host count "
-             f"and codec on the same cluster at {meta['calibrate_bandwidth']} and added to the model (see the "
+             "Co-location: the emulation's cost of hosts sharing this machine's cores, measured per host count "
+             f"and codec on the same cluster at {meta['calibrate_bandwidth']} (median of "
+             f"{meta.get('calibrate_reps', 1)} runs) and added to the model (see the "
              "benchmark's docstring). Other processes: the cores other users' processes took during the run (the "
              "hosts share this machine's cores, so any such load slows them beyond the spec).", "",
              "The last column is a diagnostic, not the prediction: the model again with the cores other "
@@ -186,6 +187,8 @@ def parse_args(argv=None):
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--calibrate-bandwidth", default="10gbit",
                    help="measure the co-location cost on the same cluster at this bandwidth ('' to skip)")
+    p.add_argument("--calibrate-reps", type=int, default=3,
+                   help="repeat each co-location calibration run this often and keep the median")
     p.add_argument("--profile", type=Path, help="reuse a calibration profile written by an earlier run")
     p.add_argument("--points", help="only these points, e.g. 4x200mbit:bf16,3x1gbit:powersgd (no hetero)")
     p.add_argument("--out", type=Path, default=Path("runs") / time.strftime("validate-%Y%m%d-%H%M%S"))
@@ -241,7 +244,7 @@ def main(argv=None) -> None:
 
     meta = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/validate.py", *sys.argv[1:]]),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "torch": str(torch.__version__), "steps": args.steps, "calibrate_bandwidth": args.calibrate_bandwidth, "network_probe": profile.network.__dict__}
+            "torch": str(torch.__version__), "steps": args.steps, "calibrate_bandwidth": args.calibrate_bandwidth, "calibrate_reps": args.calibrate_reps, "network_probe": profile.network.__dict__}
     (args.results / "validation.json").write_text(json.dumps({**meta, "summary": summary, "rows": rows}, indent=2))
     write_markdown(rows, summary, meta, args.results / "validation.md")
     plot(rows, args.results / "validation.png")

@@ -4,8 +4,10 @@ constructed cases, bytes priced exactly as the hook sends them, and the profile/
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -476,6 +478,28 @@ def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
                         out=tmp_path, max_foreign=0.3, retries=2)
     assert row.attempts == 3 and row.foreign_cores == 0.4 and row.out.endswith("hosts2-bf16-retry1")
     assert row.predicted_loaded_s > row.predicted_s  # fewer cores left: slower
+
+
+def test_colocation_calibration_keeps_the_median_of_its_repeats(tmp_path, monkeypatch):
+    import thinwire.sim.validate as v
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+    from thinwire.perf_profile.file import load_profile
+    from thinwire.sim.sweep import SimOptions
+
+    steps = {"hosts2-bf16-cal-10gbit": 0.30, "hosts2-bf16-cal-10gbit-1": 0.90, "hosts2-bf16-cal-10gbit-2": 0.40,
+             "hosts2-bf16": 0.5}  # one calibration run far off: the median ignores it
+    monkeypatch.setattr(v, "run_real", lambda real, where, **kw: (steps[where.name], 1000.0, 0.0))
+    spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="200mbit", cpu=1.0), hosts=[HostSpec(name="a"), HostSpec(name="b")])
+    prof = load_profile(_profile_file(tmp_path))
+    opts = SimOptions(codec="bf16")
+    (row,) = v.validate(spec, prof, opts, workload="charlm", model={}, batch=32, steps=30, out=tmp_path,
+                        calibrate_bandwidth="10gbit", calibrate_reps=3)
+    fast = v.simulate(v.at_bandwidth(v.scaled_spec(spec, 2), "10gbit"), prof,
+                      dataclasses.replace(opts, hosts=[2], batch_size=32, scaling="strong",
+                                          colocated_cores=float(os.cpu_count() or 1), threads=prof.threads),
+                      default_batch=32)[0].prediction.step_s
+    assert row.colocation_s == pytest.approx(0.40 - fast)
+    assert row.predicted_s == pytest.approx(row.model_s + row.colocation_s)
 
 
 def test_link_meter_ignores_waits_that_a_regression_would_turn_into_any_slope():

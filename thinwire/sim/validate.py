@@ -31,6 +31,7 @@ import yaml
 
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec, spec_to_dict
+from thinwire.config import check
 from thinwire.errors import ThinwireError
 from thinwire.perf_profile.file import Profile
 from thinwire.sim import inputs
@@ -165,7 +166,7 @@ def _run_quiet(real: ClusterSpec, base: Path, *, retries: int, max_foreign: floa
 def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload: str, model: dict, batch: int,
              steps: int, out: Path, skip: int = 5, timeout: float = 900.0, max_foreign: float | None = None,
              retries: int = 0, quiet_timeout_s: float = 300.0, calibrate_bandwidth: str | None = None,
-             colocation: dict | None = None) -> list[Comparison]:
+             colocation: dict | None = None, calibrate_reps: int = 1) -> list[Comparison]:
     """Predict, run and compare each host count of ``opts.hosts`` (see the module docstring).
 
     With ``max_foreign``, each run waits (up to ``quiet_timeout_s``) until other processes use at most
@@ -175,8 +176,12 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
     With ``calibrate_bandwidth`` (e.g. ``"10gbit"``), the co-location cost of the emulation is measured
     first: the same hosts, CPUs and codec on links of that bandwidth, measured step minus the model's
     prediction for it. It is added to the prediction (``model_s`` keeps the model alone). ``colocation``
-    caches these costs across calls, keyed by the spec's hosts and codec.
+    caches these costs across calls, keyed by the spec's hosts and codec. With ``calibrate_reps`` > 1
+    the calibration run is repeated and the median kept: one run of a few dozen steps on hosts that
+    share cores can land 30 ms off (seen: +70 ms for PowerSGD on 4 hosts, where the grid's runs
+    needed +32 to +43 ms).
     """
+    check(calibrate_reps >= 1, "calibrate_reps", calibrate_reps, "an integer >= 1")
     threads = opts.threads or profile.threads
     results = []
     quiet = dict(retries=retries, max_foreign=max_foreign, quiet_timeout_s=quiet_timeout_s)
@@ -195,9 +200,10 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
                               default=str), opts.codec, calibrate_bandwidth)
             cache = colocation if colocation is not None else {}
             if key not in cache:
-                (cal_s, _, _), _, _ = _run_quiet(fast, out / f"{tag}-cal-{calibrate_bandwidth}", **quiet, **run)
+                cal = [_run_quiet(fast, out / (f"{tag}-cal-{calibrate_bandwidth}" + (f"-{k}" if k else "")),
+                                  **quiet, **run)[0][0] for k in range(calibrate_reps)]
                 cal_pred = simulate(fast, profile, sim_opts, default_batch=batch)[0].prediction.step_s
-                cache[key] = cal_s - cal_pred
+                cache[key] = statistics.median(cal) - cal_pred
             overhead = cache[key]
         (step_s, sent, foreign), where, attempts = _run_quiet(real, out / tag, **quiet, **run)
         loaded = dataclasses.replace(sim_opts, colocated_cores=max(0.1, sim_opts.colocated_cores - foreign))
