@@ -372,7 +372,7 @@ def main() -> int:
     clusters = QUICK_CLUSTERS if args.quick else CLUSTERS
     if args.clusters:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
-    contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS
+    contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
     steps = args.steps or (40 if args.quick else 120)
     stem = "compare_quick" if args.quick else "compare"
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
