@@ -30,7 +30,7 @@ def grads_of(rank: int, step: int = 0):
     return torch.randn(N, generator=g) * scale, torch.randn(60, 100, generator=g)
 
 
-def _hook_average(rank, world, spec, steps, bucket_mb, nonfinite_rank=-1, policy="skip", ef=True):
+def _hook_average(rank, world, spec, steps, bucket_mb, nonfinite_rank=-1, policy="skip", ef=True, scale=1.0):
     import thinwire
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -40,7 +40,7 @@ def _hook_average(rank, world, spec, steps, bucket_mb, nonfinite_rank=-1, policy
     try:
         for step in range(steps):
             model.zero_grad()
-            c_a, c_m = grads_of(rank, step)
+            c_a, c_m = (g * scale for g in grads_of(rank, step))
             if rank == nonfinite_rank:
                 c_a[7] = float("nan")
             model(c_a, c_m).backward()
@@ -125,6 +125,18 @@ def test_powersgd_matches_reference_low_rank():
     got_a, got_m = results[0]["grads"][0]
     torch.testing.assert_close(got_m, expected_m, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_a, true_mean(world)[0], rtol=1e-6, atol=1e-6)  # vectors go uncompressed
+
+
+def test_powersgd_result_scales_with_the_gradient():
+    """Tiny gradients (deep layers, divided by the world size) get the same approximation, scaled:
+    an absolute epsilon in Gram-Schmidt, or a warm-start Q of the gradient's own scale, shrank it
+    (entries of 1e-5 delivered about half of the projection)."""
+    world, steps = 2, 3
+    unit = run_ranks(_hook_average, world, "powersgd:rank=2", steps, 100.0)
+    tiny = run_ranks(_hook_average, world, "powersgd:rank=2", steps, 100.0, -1, "skip", True, 1e-6)
+    for (a1, m1), (a2, m2) in zip(unit[0]["grads"], tiny[0]["grads"]):
+        torch.testing.assert_close(m2 / 1e-6, m1, rtol=1e-3, atol=1e-3 * float(m1.abs().max()))
+        torch.testing.assert_close(a2 / 1e-6, a1, rtol=1e-3, atol=1e-3 * float(a1.abs().max()))
 
 
 @pytest.mark.parametrize("spec", ["powersgd:rank=2", "int8", "topk:ratio=0.05"])

@@ -226,11 +226,18 @@ def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
 
 
 def _q_matrix(extra: dict, key: str, cols: int, rank: int, warm: bool, seed: int, like: Tensor) -> Tensor:
+    """This step's Q, orthonormal (as PyTorch's hook): last step's (warm start) or a random one.
+
+    Orthonormal keeps ``P = M Q`` at the scale of ``M``; last step's Q is ``M^T P``, of the scale of
+    the gradient, and ``M (M^T P)`` of its square: 1e-10 for entries of 1e-5, where fp32 Gram-Schmidt
+    on P loses precision."""
+    from thinwire.compress.codecs.powersgd import orthogonalize_
+
     q = extra.get(key)
     if warm and q is not None and q.shape == (cols, rank):
-        return q.to(like.device)
+        return orthogonalize_(q.to(like.device, copy=True))
     g = torch.Generator().manual_seed(seed)  # same seed on every rank: identical initial Q
-    return torch.randn(cols, rank, generator=g).to(like.device)
+    return orthogonalize_(torch.randn(cols, rank, generator=g).to(like.device))
 
 
 def _split_back(flat: Tensor, mats: list[Tensor], vecs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
