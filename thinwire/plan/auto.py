@@ -36,9 +36,10 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    under one codec does not carry over to another (seen: 4 emulated hosts on 2 cores at 10 Gbit/s,
    where the model predicted int8 13% faster and int8 ran slower). So a change of plan is a trial:
    the next window's median step time (first bucket to the next step's first bucket, less the time
-   ``auto`` itself spent on shadow runs and checks) must be at least ``keep_gain`` (5%) below the window's before it, or the plan is
-   reverted and the codecs it tried are left out of those buckets until the link moves. The link
-   rate a later "link moved" is measured against is the rate under the plan that was kept.
+   ``auto`` itself spent on shadow runs and checks) must be at least ``keep_gain`` (5%) below the
+   window's before it, or the plan is reverted and the codecs it tried are left out of those
+   buckets until the link moves. The link rate a later "link moved" is measured against is the
+   rate under the plan that was kept.
 
 Every decision is logged (``thinwire.plan`` logger) with its reason and kept in ``decisions``.
 
