@@ -546,6 +546,20 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     assert meter.window_errors(["0"]) == [0.0]  # reset
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("auto:keep_gain=abc", r"auto\.keep_gain: must be a number, got 'abc'\. E\.g\. auto:keep_gain=0\.05"),
+    ("auto:check_every=1.5", r"auto\.check_every: must be an integer, got '1\.5'"),
+    ("auto:keep_gain=2", r"auto\.keep_gain: must be a fraction in \(-1, 1\), got 2\.0"),
+    ("auto:nope=1", r"auto parameter: must be key=value with key one of"),
+])
+def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
+    from thinwire.errors import ConfigError
+    from thinwire.plan.auto import parse_auto_spec
+
+    with pytest.raises(ConfigError, match=message):
+        parse_auto_spec(spec)
+
+
 def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     from types import SimpleNamespace
 

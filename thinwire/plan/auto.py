@@ -110,8 +110,15 @@ def parse_auto_spec(spec: str) -> AutoConfig:
         key, eq, value = (t.strip() for t in item.partition("="))
         if not eq or key not in fields:
             raise ConfigError("auto parameter", item, f"key=value with key one of {', '.join(fields)}")
-        kwargs[key] = tuple(v.strip() for v in value.split("|")) if key == "candidates" else \
-            (int(value) if fields[key] in (int, "int") else float(value))
+        if key == "candidates":
+            kwargs[key] = tuple(v.strip() for v in value.split("|"))
+            continue
+        number = int if fields[key] in (int, "int") else float
+        try:
+            kwargs[key] = number(value)
+        except ValueError:
+            raise ConfigError(f"auto.{key}", value, "an integer" if number is int else "a number",
+                              f"E.g. auto:{key}={getattr(AutoConfig(), key)}.") from None
     return AutoConfig(**kwargs)
 
 
