@@ -527,6 +527,7 @@ def test_shadow_guard_keeps_out_codecs_that_leave_most_of_the_gradient_behind():
     errs = policy.shadow[0]
     assert errs["bf16"] < 0.01 and errs["int8"] < 0.05 and errs["topk:ratio=0.01"] > 0.8
     policy.observe(0, torch.randn(100_000, generator=g), 4)  # after the warm-up: no more shadow work
+    policy._keep_needed_shadows(4)  # a decision (here: none everywhere) drops what no bucket uses
     assert policy._shadow_residuals == {} and policy.shadow[0] == errs
 
 
@@ -589,3 +590,32 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     reasons = [d["reason"].split(":")[0] for d in back.decisions]
     assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
     assert back.decisions[1]["choices"] == {0: "none"} and back.choices == {0: "topk:ratio=0.01"}
+
+
+def test_powersgd_shadow_prices_the_per_matrix_scheme_and_runs_one_window_in_use():
+    import torch
+
+    from thinwire.compress.codecs.powersgd import PowerSGDConfig, local_approx
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 96), (96,), (96, 64)]
+    low = [torch.randn(64, 2, generator=g) @ torch.randn(2, 96, generator=g), torch.randn(96, generator=g),
+           torch.randn(96, 2, generator=g) @ torch.randn(2, 64, generator=g)]
+    x = torch.cat([t.reshape(-1) for t in low])
+    qs: dict = {}
+    out = local_approx(x, shapes, PowerSGDConfig(rank=2), qs)
+    assert torch.allclose(out, x, atol=1e-4)           # rank 2 matrices are exact, the vector passes
+    assert {i: q.shape for i, q in qs.items()} == {0: (96, 2), 2: (64, 2)}
+
+    policy = AutoPolicy(AutoConfig(warmup_steps=3, check_every=2, candidates=("none", "powersgd:rank=2")))
+    noise = lambda: torch.randn(x.numel(), generator=g)  # noqa: E731
+    for step in range(3):  # warm-up: low-rank gradients, the flat near-square view would not see it
+        policy.observe(0, x * (1 + step), step, shapes)
+    assert policy.shadow[0]["powersgd:rank=2"] < 1e-3
+    policy.choices = {0: "powersgd:rank=2"}
+    policy._keep_needed_shadows(3)
+    for step in range(3, 7):  # in use: full-rank gradients, measured for one window (2 steps), then not
+        policy.observe(0, noise(), step, shapes)
+    assert len(policy.lowrank_errors[0]) == 2 and min(policy.lowrank_errors[0]) > 0.5
+    assert (0, "powersgd:rank=2") not in policy._shadow_residuals

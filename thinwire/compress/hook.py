@@ -104,7 +104,7 @@ class CommState:
         buf.div_(self.wire.world)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:  # online policies (auto) may look at the gradient before it travels
-            observe(index, buf, step)
+            observe(index, buf, step, shapes)
         if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
             self.counts["fp32"] += 1
             return self.wire.all_reduce(buf)

@@ -22,11 +22,14 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    ``max_error`` (0.5) at the warm-up's last step is not considered for that bucket. Once used,
    the same quantity, averaged over the window (:class:`~thinwire.plan.meters.ErrorMeter`), is
    checked at every check: above ``max_error`` the codec is banned from the bucket and the plan
-   is re-decided. Measured on charlm (446k parameters, `benchmarks/compare.py` model): bf16 0.002,
-   int8 0.007, qsgd ~0.2, top-k 10% 0.1-0.6, top-k 1% and PowerSGD rank 4 above 0.8 within
-   three steps (the shadow runs PowerSGD on the flat near-square view with a fresh Q, which
-   overstates the error of its per-matrix, warm-started scheme); top-k 1% and PowerSGD rank 4 also
-   missed fp32's loss at equal samples in the head-to-head.
+   is re-decided. PowerSGD's shadow runs per matrix with a warm-started Q, as it is sent, and
+   goes on for its first window in use (its distributed residual cannot measure it; see
+   :meth:`AutoPolicy.observe`). Measured on charlm (446k parameters, `benchmarks/compare.py`
+   model, 4 ranks) at the warm-up's end: bf16 0.002, int8 0.008, qsgd ~0.2, top-k 10% 0.3-0.6,
+   PowerSGD rank 8 0.28-0.32, rank 4 0.42-0.48, top-k 1% 0.80-0.86. Over 5 seeds at equal
+   samples, PowerSGD rank 8 reached fp32 DDP's final loss on 3 (as often as bf16), rank 4 and
+   top-k 1% on none. Rank 4 passes the 0.5 cap, so the default candidates start PowerSGD at
+   rank 8 (lower ranks: ``auto:candidates=...``); candidates are listed light to strong.
 5. **Switch only for a real gain.** A codec changes the numerics and the model's predictions
    are good to a few percent (``benchmarks/results/validation.md``), so a candidate must be
    predicted ``min_gain`` (10%) faster than the lighter choice to replace it: on a fast link,
@@ -73,7 +76,7 @@ log = logging.getLogger("thinwire.plan")
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class AutoConfig:
-    candidates: tuple[str, ...] = ("none", "bf16", "int8", "topk:ratio=0.01", "powersgd:rank=4")
+    candidates: tuple[str, ...] = ("none", "bf16", "int8", "powersgd:rank=8", "topk:ratio=0.01")
     warmup_steps: int = 6
     check_every: int = 10
     rebalance_change: float = 0.3
@@ -162,6 +165,10 @@ class AutoPolicy:
         self.errors = ErrorMeter()
         self.shadow: dict[int, dict[str, float]] = {}  # bucket -> candidate -> its error with EF, in shadow
         self._shadow_residuals: dict[tuple[int, str], torch.Tensor] = {}
+        self._shadow_qs: dict[tuple[int, str], dict] = {}     # PowerSGD shadows' warm-start Q per matrix
+        self.shapes: dict[int, list[tuple]] = {}               # bucket -> its parameters' shapes
+        self.lowrank_errors: dict[int, list[float]] = {}       # in-use PowerSGD's error, in shadow, this window
+        self._lowrank_since: dict[int, tuple[str, int]] = {}   # bucket -> (PowerSGD spec, step it was chosen)
 
     # -- wiring ------------------------------------------------------------------------------------
     def bind(self, state, model: torch.nn.Module | None = None) -> None:
@@ -182,30 +189,81 @@ class AutoPolicy:
             self._last_step, self._step_t0, self._aside = step, now, 0.0
             if self._state is not None and self._due(step):
                 self._check(step)
+                self._keep_needed_shadows(step)
                 self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
         self.numels[bucket] = numel
         return self.codecs[self.choices.get(bucket, "none")]
 
-    def observe(self, bucket: int, buf: torch.Tensor, step: int) -> None:
-        """The hook shows each bucket's gradient before it travels. During the warm-up (every
-        bucket uncompressed), run every lossy candidate on it in shadow with an error feedback of
-        its own: ``shadow[bucket][candidate]`` is the last step's ``||r|| / ||g + r_prev||``."""
-        if step >= self.config.warmup_steps or buf.numel() * 4 < 4096:
-            if step >= self.config.warmup_steps:
-                self._shadow_residuals.clear()
-            return
-        from thinwire.perf_profile.codecs import shadow_step
+    def observe(self, bucket: int, buf: torch.Tensor, step: int, shapes: list[tuple] | None = None) -> None:
+        """The hook shows each bucket's gradient (and its parameters' shapes) before it travels.
 
+        During the warm-up (every bucket uncompressed), every lossy candidate runs on it in shadow
+        with an error feedback of its own: ``shadow[bucket][candidate]`` is the last step's
+        ``||r|| / ||g + r_prev||``. PowerSGD runs per matrix with its warm-started ``Q``, as it is
+        sent (:func:`~thinwire.compress.codecs.powersgd.local_approx`).
+
+        After the warm-up, a bucket newly sent with PowerSGD keeps its shadow running for one
+        window (``check_every`` steps), so the next check can ban it: the distributed scheme's
+        residual cannot measure its error, because each rank's residual also holds its gradient's
+        difference from the average (which the ranks' residuals cancel in the sum, as in PyTorch's
+        hook) and so reads near 1 whatever the rank. After that window the shadow stops (it costs
+        about as much as the codec itself); PowerSGD's error with a warm start falls as training
+        settles, so the first window is the one that decides.
+        """
+        if shapes is not None:
+            self.shapes[bucket] = [tuple(s) for s in shapes]
+        if buf.numel() * 4 < 4096:
+            return
+        warm = step < self.config.warmup_steps
+        current = self.choices.get(bucket, "none")
+        if not warm:
+            spec, since = self._lowrank_since.get(bucket, ("none", -1))
+            if spec != current or self.codecs[current].name != "powersgd" or bucket not in self.shapes:
+                return
+            if step >= since + self.config.check_every:
+                self._shadow_residuals.pop((bucket, current), None)
+                self._shadow_qs.pop((bucket, current), None)
+                return
         self.numels.setdefault(bucket, buf.numel())
         t0 = time.perf_counter()
         x = buf.detach().float().flatten()
         errors = {}
         for spec, codec in self.codecs.items():
-            if not codec.lossless:
-                key = (bucket, spec)
-                self._shadow_residuals[key], errors[spec], _ = shadow_step(codec, x, self._shadow_residuals.get(key))
-        self.shadow[bucket] = errors
+            if codec.lossless or (not warm and spec != current):
+                continue
+            errors[spec] = self._shadow_step(bucket, spec, codec, x)
+        if warm:
+            self.shadow[bucket] = errors
+        else:
+            self.lowrank_errors.setdefault(bucket, []).append(errors[current])
         self._aside += time.perf_counter() - t0  # not part of the plan's step time
+
+    def _keep_needed_shadows(self, step: int) -> None:
+        """After a decision only the shadows of buckets newly sent with PowerSGD go on (from their
+        warm-up state, or fresh), for one window."""
+        for bucket, spec in self.choices.items():
+            if self.codecs[spec].name == "powersgd" and self._lowrank_since.get(bucket, ("",))[0] != spec:
+                self._lowrank_since[bucket] = (spec, step)
+        for key in [k for k in self._shadow_residuals
+                    if self.choices.get(k[0]) != k[1] or self.codecs[k[1]].name != "powersgd"]:
+            del self._shadow_residuals[key]
+            self._shadow_qs.pop(key, None)
+
+    def _shadow_step(self, bucket: int, spec: str, codec: Codec, x: torch.Tensor) -> float:
+        from thinwire.compress.codecs.powersgd import local_approx
+        from thinwire.perf_profile.codecs import shadow_step
+
+        key = (bucket, spec)
+        previous = self._shadow_residuals.get(key)
+        shapes = self.shapes.get(bucket)
+        if codec.name != "powersgd" or shapes is None:
+            self._shadow_residuals[key], error, _ = shadow_step(codec, x, previous)
+            return error
+        corrected = x + previous if previous is not None and previous.numel() == x.numel() else x.clone()
+        residual = corrected - local_approx(corrected, shapes, codec.config, self._shadow_qs.setdefault(key, {}))
+        self._shadow_residuals[key] = residual
+        norm = float(corrected.norm())
+        return float(residual.norm()) / norm if norm > 0 else 0.0
 
     def describe(self) -> str:
         if not self.choices:
@@ -278,7 +336,9 @@ class AutoPolicy:
         numels = [self.numels[i] for i in order]
         total = sum(numels) or 1
         buckets = [Bucket(numel=n, ready_frac=sum(numels[: k + 1]) / total) for k, n in enumerate(numels)]
-        models = {c: codec_model(c, None, numels={k: n for k, n in enumerate(numels)}) for c in self.config.candidates}
+        shapes = [self.shapes[i] for i in order] if all(i in self.shapes for i in order) else None
+        models = {c: codec_model(c, None, numels={k: n for k, n in enumerate(numels)}, shapes=shapes)
+                  for c in self.config.candidates}
         models = {c: dataclasses.replace(m, **self.costs_for(c)) for c, m in models.items()}
         p = self._state.wire.world
         banned = {order.index(i): set(b) for i, b in self.banned.items() if i in order}
@@ -341,6 +401,10 @@ class AutoPolicy:
         self.step_times = []
         keys = sorted(self.numels)
         errs = self.errors.window_errors([str(i) for i in keys])
+        lowrank, self.lowrank_errors = self.lowrank_errors, {}
+        sent_lowrank = {i for i in keys if self.codecs[self.choices.get(i, "none")].name == "powersgd"}
+        errs = [statistics.fmean(lowrank[i]) if lowrank.get(i) else 0.0 if i in sent_lowrank else e
+                for i, e in zip(keys, errs)]  # PowerSGD's residual does not measure its error (observe)
         specs = [s for s in self.config.candidates if s != "none"]
         lossy = [s for s in specs if not self.codecs[s].lossless]
         shadow = [self.shadow.get(i, {}).get(s, 0.0) for i in keys for s in lossy]

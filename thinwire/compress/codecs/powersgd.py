@@ -105,6 +105,35 @@ def should_compress(m: int, n: int, rank: int, min_compression_rate: float) -> b
     return payload_bytes_matrix(m, n, rank) * min_compression_rate < m * n * 4
 
 
+def local_approx(x: Tensor, shapes: list[tuple[int, ...]], config: PowerSGDConfig, qs: dict[int, Tensor]) -> Tensor:
+    """What one rank's PowerSGD delivers for the flat gradient ``x`` of parameters of ``shapes``.
+
+    Each matrix worth compressing (:func:`matrix_view`, :func:`should_compress`) becomes ``P Q^T``
+    after one power iteration from ``qs[i]`` (last call's ``Q``, orthonormalised, when
+    ``config.warm_start``; a random one seeded by ``i`` otherwise), and ``qs`` is updated; 0-D and
+    1-D parameters and small matrices pass unchanged. The distributed scheme does the same on
+    the sum over ranks (:mod:`thinwire.compress.schemes`); ``auto`` runs this one in shadow on
+    each rank's own gradient to price PowerSGD's error per matrix, as it is sent.
+    """
+    out = x.to(torch.float32, copy=True)
+    offset = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        mn = matrix_view(size, shape)
+        r = min(config.rank, *mn) if mn else 0
+        if mn and should_compress(mn[0], mn[1], r, config.min_compression_rate):
+            m = out[offset : offset + size].view(mn)
+            q = qs.get(i) if config.warm_start else None
+            if q is None or q.shape != (mn[1], r):
+                q = torch.randn(mn[1], r, generator=torch.Generator().manual_seed(i)).to(x.device)
+            p = orthogonalize_(m @ orthogonalize_(q.clone()))
+            q = m.T @ p
+            qs[i] = q
+            m.copy_(p @ q.T)
+        offset += size
+    return out
+
+
 class PowerSGDCodec(Codec):
     """Local (single-rank) PowerSGD on the near-square view of a flat buffer (see module docstring).
 
