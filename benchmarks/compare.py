@@ -45,9 +45,10 @@ from thinwire.cluster.spec import load_cluster_spec  # noqa: E402
 from thinwire.train.metrics import read_metrics  # noqa: E402
 
 CLUSTERS = [(2, "100mbit"), (4, "100mbit"), (2, "1gbit"), (4, "1gbit"), (2, "10gbit"), (4, "10gbit")]
-PEERS = ["torch:none", "torch:fp16", "torch:bf16", "torch:powersgd:rank=1", "torch:powersgd:rank=4"]
+PEERS = ["torch:none", "torch:fp16", "torch:bf16", "torch:powersgd:rank=1", "torch:powersgd:rank=4",
+         "torch:powersgd:rank=8"]
 OURS = ["none", "fp16", "bf16", "int8", "bfp", "qsgd", "topk:ratio=0.01", "randomk:ratio=0.01", "sign",
-        "powersgd:rank=1", "powersgd:rank=4"]
+        "powersgd:rank=1", "powersgd:rank=4", "powersgd:rank=8"]
 QUICK_CLUSTERS = [(2, "100mbit"), (4, "100mbit")]
 QUICK = ["torch:none", "torch:powersgd:rank=4", "int8", "powersgd:rank=4"]
 FLOOR_RATE = "100gbit"  # far above what veth moves here: links that never shape
