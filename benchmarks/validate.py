@@ -18,10 +18,14 @@ the grid):
    every hand-over between a rank's threads and every collective round waits for a core (measured:
    3 local ranks on loopback, a step of thinwire ``none`` takes 102 ms and PyTorch DDP's own
    all-reduce 89 ms where the lock-stepped compute alone takes 79 ms). For each host count (CPU mix)
-   and codec, the same cluster with every link at that bandwidth is run once; its measured step
-   minus the model's prediction for it is that cost, added to the predictions at the grid's
-   bandwidths. The model's claim validated is thus how step time moves with the network and the
-   codec; the "model alone" column is the prediction without this term.
+   and codec, the same cluster with every link at that bandwidth is run (``--calibrate-reps`` times,
+   median); its measured step minus the model's prediction for it is that cost. It is CPU work of
+   hosts sharing cores while they communicate, so on a grid link that adds link time per step it
+   runs while the hosts wait on the link: the prediction adds ``max(0, cost - added link time)``
+   (:func:`thinwire.sim.validate.colocation_cost`; rule set after the grid of 2026-11-30 showed
+   the flat cost over-predicting 1 Gbit/s points by up to 25%, then checked on a fresh grid). The
+   model's claim validated is thus how step time moves with the network and the codec; the "model
+   alone" column is the prediction without this term.
 
 Each grid point then runs ``thinwire train --cluster`` for ``--steps`` steps (same threads) and
 compares the median ``step_time_s`` after the first 5 steps with the prediction, computed as for
@@ -132,18 +136,18 @@ def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> N
              f"{summary['model_alone_median_abs_error']:.1%}, worst {summary['model_alone_worst_abs_error']:.1%}.",
              "Co-location: the emulation's cost of hosts sharing this machine's cores, measured per host count "
              f"and codec on the same cluster at {meta['calibrate_bandwidth']} (median of "
-             f"{meta.get('calibrate_reps', 1)} runs) and added to the model (see the "
-             "benchmark's docstring). Other processes: the cores other users' processes took during the run (the "
+             f"{meta.get('calibrate_reps', 1)} runs); the model adds what of it the grid link's added link time "
+             "does not hide, max(0, measured - added link time) (see the benchmark's docstring). Other processes: the cores other users' processes took during the run (the "
              "hosts share this machine's cores, so any such load slows them beyond the spec).", "",
              "The last column is a diagnostic, not the prediction: the model again with the cores other "
              "processes used taken away.", "",
-             "| config | codec | predicted ms | measured ms | error | model alone ms | its error | co-location ms | "
+             "| config | codec | predicted ms | measured ms | error | model alone ms | its error | co-location ms measured / added | "
              "bytes/rank predicted | measured | other processes | predicted without their cores |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['codec']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
                      f"{r['error']:+.1%} | {r['model_s'] * 1e3:.1f} | {r['model_error']:+.1%} | "
-                     f"{r['colocation_s'] * 1e3:+.1f} | {r['predicted_bytes']:,} | {r['measured_bytes']:,.0f} | "
+                     f"{r.get('colocation_measured_s', r['colocation_s']) * 1e3:+.1f} / {r['colocation_s'] * 1e3:+.1f} | {r['predicted_bytes']:,} | {r['measured_bytes']:,.0f} | "
                      f"{r['foreign_cores']:.2f} cores | {r['predicted_loaded_s'] * 1e3:.1f} ms |")
     path.write_text("\n".join(lines) + "\n")
 
