@@ -622,3 +622,11 @@ def test_powersgd_shadow_prices_the_per_matrix_scheme_and_runs_one_window_in_use
         policy.observe(0, noise(), step, shapes)
     assert len(policy.lowrank_errors[0]) == 2 and min(policy.lowrank_errors[0]) > 0.5
     assert (0, "powersgd:rank=2") not in policy._shadow_residuals
+    # sent uncompressed for a while, then PowerSGD again: a new first window is measured
+    policy.choices = {0: "none"}
+    policy._keep_needed_shadows(7)
+    policy.lowrank_errors.clear()
+    policy.choices = {0: "powersgd:rank=2"}
+    policy._keep_needed_shadows(9)
+    policy.observe(0, noise(), 9, shapes)
+    assert len(policy.lowrank_errors[0]) == 1

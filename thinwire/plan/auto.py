@@ -242,7 +242,9 @@ class AutoPolicy:
         """After a decision only the shadows of buckets newly sent with PowerSGD go on (from their
         warm-up state, or fresh), for one window."""
         for bucket, spec in self.choices.items():
-            if self.codecs[spec].name == "powersgd" and self._lowrank_since.get(bucket, ("",))[0] != spec:
+            if self.codecs[spec].name != "powersgd":
+                self._lowrank_since.pop(bucket, None)  # sent with PowerSGD again later: a new first window
+            elif self._lowrank_since.get(bucket, ("",))[0] != spec:
                 self._lowrank_since[bucket] = (spec, step)
         for key in [k for k in self._shadow_residuals
                     if self.choices.get(k[0]) != k[1] or self.codecs[k[1]].name != "powersgd"]:
