@@ -53,6 +53,7 @@ QUICK_CLUSTERS = [(2, "100mbit"), (4, "100mbit")]
 QUICK = ["torch:none", "torch:powersgd:rank=4", "int8", "powersgd:rank=4"]
 FLOOR_RATE = "100gbit"  # far above what veth moves here: links that never shape
 MODEL = {"layers": 2, "width": 128, "heads": 4, "context": 64}
+EVALS = 10  # validations per run (``--evals``): time to target is known to steps / EVALS
 
 
 def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
@@ -67,7 +68,7 @@ def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
 def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> list[str]:
     return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm",
             "--compression", contender, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
-            "--eval-every", str(max(1, steps // 10)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
+            "--eval-every", str(max(1, steps // EVALS)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
             "--seed", str(seed), "--out", str(out)] + [a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")]
 
 
@@ -254,7 +255,7 @@ def markdown(results: dict) -> str:
              f"Workload: charlm {MODEL}, global batch {results['batch']}, {results['steps']} steps "
              f"(equal samples for every contender), gloo over tc-shaped links, the 2 cores split evenly across hosts.  ",
              "Target: the final validation loss of PyTorch DDP fp32 (`torch:none`) on the same cluster "
-             "(reached = within 0.5%; validation every steps/10). "
+             f"(reached = within 0.5%; validation every steps/{results.get('evals', 10)}). "
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
              "Bytes for `torch:*` peers are computed by formula (ring all-reduce), thinwire's are counted where sent.\n"]
     if any(len(c.get("seeds", [0])) > 1 for c in results["clusters"]):
@@ -373,6 +374,8 @@ def main() -> int:
     ap.add_argument("--contenders", help="comma-separated subset")
     ap.add_argument("--clusters", help="comma-separated HOSTSxRATE, e.g. 4x100mbit,2x10gbit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--evals", type=int, default=EVALS, help=f"validations per run (default {EVALS})")
+    ap.add_argument("--name", help="file stem of the results (default compare, or compare_quick with --quick)")
     ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
     ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
                     "emulated cluster; the others give loss curves (see local_curve); default 0,1,2")
@@ -385,9 +388,11 @@ def main() -> int:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
     contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
     steps = args.steps or (40 if args.quick else 120)
-    stem = "compare_quick" if args.quick else "compare"
+    global EVALS
+    EVALS = args.evals
+    stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
-               "steps": steps, "batch": args.batch, "model": MODEL, "clusters": []}
+               "steps": steps, "evals": args.evals, "batch": args.batch, "model": MODEL, "clusters": []}
     seeds = [int(x) for x in args.seeds.split(",")]
     if seeds[0] != 0:
         ap.error("--seeds must start with 0 (the seed every contender runs on the emulated cluster)")
