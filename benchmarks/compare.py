@@ -367,6 +367,7 @@ def plots(results: dict, folder: Path, stem: str) -> list[Path]:
 
 
 def main() -> int:
+    global EVALS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 clusters, 4 contenders, 40 steps (~5 min)")
     ap.add_argument("--steps", type=int)
@@ -388,7 +389,6 @@ def main() -> int:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
     contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
     steps = args.steps or (40 if args.quick else 120)
-    global EVALS
     EVALS = args.evals
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
