@@ -177,25 +177,16 @@ def _reduce_scatter_allgather(job: BucketJob) -> tuple[Tensor, bool]:
 
 
 def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
-    from thinwire.compress.codecs.powersgd import matrix_view, orthogonalize_
+    from thinwire.compress.codecs.powersgd import orthogonalize_, sent_matrices, start_q
 
     cfg, wire, extra = job.codec.config, job.state.wire, job.state.extra
     x = _corrected(job, job.key, job.buf)
-    views, offset = [], 0
-    for shape in job.shapes:
-        size = math.prod(shape)
-        views.append((x[offset : offset + size], shape))
-        offset += size
-    mats, rest = [], []
-    for i, (v, shape) in enumerate(views):
-        mn = matrix_view(v.numel(), shape)
-        r = min(cfg.rank, *mn) if mn else 0
-        if mn and (mn[0] + mn[1]) * r * cfg.min_compression_rate < mn[0] * mn[1]:
-            mats.append((i, v.view(mn), r))
-        else:
-            rest.append(v)
+    sent = sent_matrices(job.shapes, cfg)
+    mats = [(i, x[off : off + rows * cols].view(rows, cols), r) for i, off, (rows, cols), r in sent]
+    in_mats = {i for i, _, _ in mats}
+    rest = [v for i, v in enumerate(_views_like(x, job.shapes)) if i not in in_mats]
     t0 = time.perf_counter()
-    qs = [_q_matrix(extra, f"q{job.layout[i][0]}", m.shape[1], r, cfg.warm_start, job.layout[i][0], m)
+    qs = [start_q(extra.get(f"q{job.layout[i][0]}"), m.shape[1], r, cfg.warm_start, job.layout[i][0], m.device)
           for i, m, r in mats]
     ps = [m @ q for (_, m, _), q in zip(mats, qs)]
     job.state.compress_s += time.perf_counter() - t0
@@ -217,27 +208,12 @@ def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
         out_views[i].view(m.shape).copy_(p @ q.t())
         if cfg.warm_start:
             extra[f"q{job.layout[i][0]}"] = q.clone()
-    rest_idx = [i for i in range(len(views)) if i not in {i for i, _, _ in mats}]
+    rest_idx = [i for i in range(len(job.shapes)) if i not in in_mats]
     for i, r in zip(rest_idx, rest_sum):
         out_views[i].copy_(r)
     if finite:
         _remember(job, job.key, x, out / wire.world)
     return job.buf.copy_(out), finite
-
-
-def _q_matrix(extra: dict, key: str, cols: int, rank: int, warm: bool, seed: int, like: Tensor) -> Tensor:
-    """This step's Q, orthonormal (as PyTorch's hook): last step's (warm start) or a random one.
-
-    Orthonormal keeps ``P = M Q`` at the scale of ``M``; last step's Q is ``M^T P``, of the scale of
-    the gradient, and ``M (M^T P)`` of its square: 1e-10 for entries of 1e-5, where fp32 Gram-Schmidt
-    on P loses precision."""
-    from thinwire.compress.codecs.powersgd import orthogonalize_
-
-    q = extra.get(key)
-    if warm and q is not None and q.shape == (cols, rank):
-        return orthogonalize_(q.to(like.device, copy=True))
-    g = torch.Generator().manual_seed(seed)  # same seed on every rank: identical initial Q
-    return orthogonalize_(torch.randn(cols, rank, generator=g).to(like.device))
 
 
 def _split_back(flat: Tensor, mats: list[Tensor], vecs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

@@ -105,32 +105,48 @@ def should_compress(m: int, n: int, rank: int, min_compression_rate: float) -> b
     return payload_bytes_matrix(m, n, rank) * min_compression_rate < m * n * 4
 
 
-def local_approx(x: Tensor, shapes: list[tuple[int, ...]], config: PowerSGDConfig, qs: dict[int, Tensor]) -> Tensor:
-    """What one rank's PowerSGD delivers for the flat gradient ``x`` of parameters of ``shapes``.
-
-    Each matrix worth compressing (:func:`matrix_view`, :func:`should_compress`) becomes ``P Q^T``
-    after one power iteration from ``qs[i]`` (last call's ``Q``, orthonormalised, when
-    ``config.warm_start``; a random one seeded by ``i`` otherwise), and ``qs`` is updated; 0-D and
-    1-D parameters and small matrices pass unchanged. The distributed scheme does the same on
-    the sum over ranks (:mod:`thinwire.compress.schemes`); ``auto`` runs this one in shadow on
-    each rank's own gradient to price PowerSGD's error per matrix, as it is sent.
-    """
-    out = x.to(torch.float32, copy=True)
-    offset = 0
+def sent_matrices(shapes: list[tuple[int, ...]], config: PowerSGDConfig) -> list[tuple[int, int, tuple[int, int], int]]:
+    """``(index, offset, (rows, cols), rank)`` of each parameter of a flat buffer of ``shapes`` that
+    PowerSGD sends as ``P, Q``: a matrix (:func:`matrix_view`) worth compressing
+    (:func:`should_compress`). The others (0-D and 1-D parameters, small matrices) go uncompressed."""
+    out, offset = [], 0
     for i, shape in enumerate(shapes):
         size = math.prod(shape)
         mn = matrix_view(size, shape)
         r = min(config.rank, *mn) if mn else 0
         if mn and should_compress(mn[0], mn[1], r, config.min_compression_rate):
-            m = out[offset : offset + size].view(mn)
-            q = qs.get(i) if config.warm_start else None
-            if q is None or q.shape != (mn[1], r):
-                q = torch.randn(mn[1], r, generator=torch.Generator().manual_seed(i)).to(x.device)
-            p = orthogonalize_(m @ orthogonalize_(q.clone()))
-            q = m.T @ p
-            qs[i] = q
-            m.copy_(p @ q.T)
+            out.append((i, offset, mn, r))
         offset += size
+    return out
+
+
+def start_q(last: Tensor | None, cols: int, rank: int, warm: bool, seed: int, device: torch.device) -> Tensor:
+    """This step's ``Q``, orthonormal (as PyTorch's hook): last step's (warm start) or a random one
+    seeded by ``seed`` (the same on every rank, so all start from the same ``Q``).
+
+    Orthonormal keeps ``P = M Q`` at the scale of ``M``; last step's ``Q`` is ``M^T P``, of the scale
+    of the gradient, and ``M (M^T P)`` of its square: 1e-10 for entries of 1e-5, where fp32
+    Gram-Schmidt on ``P`` loses precision."""
+    if warm and last is not None and last.shape == (cols, rank):
+        return orthogonalize_(last.to(device, copy=True))
+    return orthogonalize_(torch.randn(cols, rank, generator=torch.Generator().manual_seed(seed)).to(device))
+
+
+def local_approx(x: Tensor, shapes: list[tuple[int, ...]], config: PowerSGDConfig, qs: dict[int, Tensor]) -> Tensor:
+    """What one rank's PowerSGD delivers for the flat gradient ``x`` of parameters of ``shapes``.
+
+    Each matrix it sends (:func:`sent_matrices`) becomes ``P Q^T`` after one power iteration from
+    :func:`start_q` (``qs[i]`` is last call's ``Q``, updated here); the other parameters pass
+    unchanged. The distributed scheme does the same on the sum over ranks
+    (:mod:`thinwire.compress.schemes`); ``auto`` runs this one in shadow on each rank's own gradient
+    to price PowerSGD's error per matrix, as it is sent.
+    """
+    out = x.to(torch.float32, copy=True)
+    for i, offset, (rows, cols), r in sent_matrices(shapes, config):
+        m = out[offset : offset + rows * cols].view(rows, cols)
+        p = orthogonalize_(m @ start_q(qs.get(i), cols, r, config.warm_start, i, x.device))
+        qs[i] = m.T @ p
+        m.copy_(p @ qs[i].T)
     return out
 
 
