@@ -54,6 +54,7 @@ QUICK = ["torch:none", "torch:powersgd:rank=4", "int8", "powersgd:rank=4"]
 FLOOR_RATE = "100gbit"  # far above what veth moves here: links that never shape
 MODEL = {"layers": 2, "width": 128, "heads": 4, "context": 64}
 EVALS = 10  # validations per run (``--evals``): time to target is known to steps / EVALS
+LR = None  # ``--lr``; None: the workload's default (charlm: 3e-3)
 
 
 def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
@@ -69,7 +70,7 @@ def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> 
     return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm",
             "--compression", contender, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
             "--eval-every", str(max(1, steps // EVALS)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
-            "--seed", str(seed), "--out", str(out)] + [a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")]
+            *(("--set", f"lr={LR}") if LR else ()), "--seed", str(seed), "--out", str(out)] + [a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")]
 
 
 def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int, seed: int = 0) -> dict:
@@ -252,7 +253,8 @@ def merge(old: dict, new: dict) -> dict:
 def markdown(results: dict) -> str:
     lines = [f"# Head-to-head on emulated clusters\n", f"Command: `{results['command']}`  ",
              *(f"Re-run and merged: `{c}`  " for c in results.get("reruns", [])),
-             f"Workload: charlm {MODEL}, global batch {results['batch']}, {results['steps']} steps "
+             f"Workload: charlm {MODEL}, global batch {results['batch']}, {results['steps']} steps, "
+             f"learning rate {results.get('lr') or '3e-3 (default)'} "
              f"(equal samples for every contender), gloo over tc-shaped links, the 2 cores split evenly across hosts.  ",
              "Target: the final validation loss of PyTorch DDP fp32 (`torch:none`) on the same cluster "
              f"(reached = within 0.5%; validation every steps/{results.get('evals', 10)}). "
@@ -367,7 +369,7 @@ def plots(results: dict, folder: Path, stem: str) -> list[Path]:
 
 
 def main() -> int:
-    global EVALS
+    global EVALS, LR
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 clusters, 4 contenders, 40 steps (~5 min)")
     ap.add_argument("--steps", type=int)
@@ -376,6 +378,7 @@ def main() -> int:
     ap.add_argument("--clusters", help="comma-separated HOSTSxRATE, e.g. 4x100mbit,2x10gbit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--evals", type=int, default=EVALS, help=f"validations per run (default {EVALS})")
+    ap.add_argument("--lr", type=float, help="learning rate of every contender (default: the workload's, 3e-3)")
     ap.add_argument("--name", help="file stem of the results (default compare, or compare_quick with --quick)")
     ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
     ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
@@ -389,10 +392,10 @@ def main() -> int:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
     contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
     steps = args.steps or (40 if args.quick else 120)
-    EVALS = args.evals
+    EVALS, LR = args.evals, args.lr
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
-               "steps": steps, "evals": args.evals, "batch": args.batch, "model": MODEL, "clusters": []}
+               "steps": steps, "evals": args.evals, "lr": args.lr, "batch": args.batch, "model": MODEL, "clusters": []}
     seeds = [int(x) for x in args.seeds.split(",")]
     if seeds[0] != 0:
         ap.error("--seeds must start with 0 (the seed every contender runs on the emulated cluster)")
