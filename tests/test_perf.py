@@ -574,7 +574,7 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
                 "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}}
 
     def policy_seeing(windows):
-        policy = AutoPolicy(AutoConfig(warmup_steps=1, check_every=1, candidates=("none", "bf16", "topk:ratio=0.01")))
+        policy = AutoPolicy(AutoConfig(warmup_steps=1, check_every=1, max_error=0.5, candidates=("none", "bf16", "topk:ratio=0.01")))
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
         seen = iter(windows)
