@@ -28,8 +28,8 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    model, 4 ranks) at the warm-up's end: bf16 0.002, int8 0.008, qsgd ~0.2, top-k 10% 0.3-0.6,
    PowerSGD rank 8 0.28-0.32, rank 4 0.42-0.48, top-k 1% 0.80-0.86. The cap (0.1) is set by what
    those errors cost at equal samples when the learning rate is stable (480 steps,
-   ``benchmarks/results/compare_long.md``): bf16 and int8 end at fp32 DDP's loss, QSGD 2.4%
-   and PowerSGD rank 8 3.3% above it. (At a learning rate on the edge of stability the ranking
+   3 seeds, ``benchmarks/results/compare_long.md``): bf16 and int8 end within 0.5% of fp32 DDP's
+   loss, QSGD 1.7-2.4% and PowerSGD rank 8 3.3-4.0% above it, on every seed. (At a learning rate on the edge of stability the ranking
    is noise, ``benchmarks/results/lr_sweep.md``; the cap was 0.5 when it was set from such runs.)
    A user who will trade loss for speed raises it: ``auto:max_error=0.5`` admits PowerSGD rank 8.
 5. **Switch only for a real gain.** A codec changes the numerics and the model's predictions
