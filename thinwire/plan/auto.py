@@ -29,8 +29,9 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    PowerSGD rank 8 0.28-0.32, rank 4 0.42-0.48, top-k 1% 0.80-0.86. The cap (0.1) is set by what
    those errors cost at equal samples when the learning rate is stable (480 steps,
    3 seeds, ``benchmarks/results/compare_long.md``): bf16 and int8 end within 0.5% of fp32 DDP's
-   loss, QSGD 1.7-2.4% and PowerSGD rank 8 3.3-4.0% above it, on every seed. (At a learning rate on the edge of stability the ranking
-   is noise, ``benchmarks/results/lr_sweep.md``; the cap was 0.5 when it was set from such runs.)
+   loss, QSGD 1.7-2.4% and PowerSGD rank 8 3.3-4.0% above it, on every seed. (At a learning
+   rate on the edge of stability the ranking is noise, ``benchmarks/results/lr_sweep.md``; the
+   cap was 0.5 when it was set from such runs.)
    A user who will trade loss for speed raises it: ``auto:max_error=0.5`` admits PowerSGD rank 8.
 5. **Switch only for a real gain.** A codec changes the numerics and the model's predictions
    are good to a few percent (``benchmarks/results/validation.md``), so a candidate must be
