@@ -70,7 +70,8 @@ def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> 
     return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm",
             "--compression", contender, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
             "--eval-every", str(max(1, steps // EVALS)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
-            *(("--set", f"lr={LR}") if LR else ()), "--seed", str(seed), "--out", str(out)] + [a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")]
+            *(("--set", f"lr={LR}") if LR else ()), "--seed", str(seed), "--out", str(out),
+            *(a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}"))]
 
 
 def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int, seed: int = 0) -> dict:
