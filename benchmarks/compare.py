@@ -393,6 +393,10 @@ def main() -> int:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
     contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
     steps = args.steps or (40 if args.quick else 120)
+    if args.evals < 1:
+        ap.error(f"--evals must be an integer >= 1 (validations per run), got {args.evals}")
+    if args.lr is not None and not args.lr > 0:
+        ap.error(f"--lr must be a learning rate > 0, got {args.lr}")
     EVALS, LR = args.evals, args.lr
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),

@@ -595,6 +595,29 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     assert back.decisions[1]["choices"] == {0: "none"} and back.choices == {0: "topk:ratio=0.01"}
 
 
+def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behind():
+    """The default cap (0.1): a codec whose shadow error is 0.3 (PowerSGD rank 8's level on charlm,
+    which ends 3-4% above fp32's loss at equal samples) is not chosen on a slow link, where the model
+    predicts it far faster; bf16 (0.002) is. ``max_error=0.5`` admits it."""
+    from types import SimpleNamespace
+
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    def first_choice(config):
+        policy = AutoPolicy(config)
+        policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
+        policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
+        policy._agree = lambda: {"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04, "step_s": 0.4,
+                                 "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}}
+        policy._check(1)
+        return policy.choices
+
+    candidates = ("none", "bf16", "topk:ratio=0.01")
+    assert first_choice(AutoConfig(warmup_steps=1, check_every=1, candidates=candidates)) == {0: "bf16"}
+    assert first_choice(AutoConfig(warmup_steps=1, check_every=1, candidates=candidates, max_error=0.5)) == {
+        0: "topk:ratio=0.01"}
+
+
 def test_powersgd_shadow_prices_the_per_matrix_scheme_and_runs_one_window_in_use():
     import torch
 
