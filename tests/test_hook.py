@@ -195,3 +195,15 @@ def test_error_feedback_invariant():
     other = ErrorFeedback()
     other.load_state_dict(sd)
     torch.testing.assert_close(other.corrected("b", torch.zeros(1000), layout), fb.residuals["b"][1])
+
+
+def test_all_finite_sees_nan_and_both_infinities_in_any_float_dtype():
+    from thinwire.compress.schemes import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(1000).to(dtype)
+        assert all_finite(x) and all_finite(x[:0])
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[517] = bad
+            assert not all_finite(y), (dtype, bad)

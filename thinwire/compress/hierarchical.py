@@ -105,7 +105,7 @@ class HierarchicalState(CommState):
         """The leaders' collective: fp32 during warm-up and for small buckets, else the bucket's codec."""
         if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
             self.counts["fp32"] += 1
-            return bool(torch.isfinite(self.inter.all_reduce(buf)).all())
+            return schemes.all_finite(self.inter.all_reduce(buf))
         codec = self.policy.codec_for(index, buf.numel(), step)
         self.counts[codec.name] += 1
         job = schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, layout=layout, codec=codec,
