@@ -133,6 +133,23 @@ def test_payload_does_not_alias_the_input(codec):
 
 
 @each_codec
+def test_decompress_into_writes_what_decompress_returns(codec):
+    x = randn(3000, seed=6)
+    meta = meta_of(x, seed=2)
+    payload = codec.compress(x, meta)
+    out = torch.full((3000,), 7.0)
+    assert codec.decompress_into(payload, meta, out) is out
+    assert torch.equal(out, codec.decompress(payload, meta))
+
+
+@pytest.mark.parametrize("codec", [Fp16Codec(Fp16Config()), Bf16Codec(Bf16Config())], ids=spec_string)
+def test_cast_clamps_infinities_and_keeps_nan(codec):
+    limit = torch.finfo(codec.wire_dtype).max
+    (payload,) = codec.compress(torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0]), Meta(numel=4))
+    assert payload[:2].float().tolist() == [limit, -limit] and payload[2].isnan() and payload[3] == 1
+
+
+@each_codec
 def test_same_meta_same_payload(codec):
     x = randn(5000, seed=1)
     a, b = codec.compress(x, meta_of(x, 11, 2)), codec.compress(x, meta_of(x, 11, 2))

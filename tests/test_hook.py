@@ -30,7 +30,8 @@ def grads_of(rank: int, step: int = 0):
     return torch.randn(N, generator=g) * scale, torch.randn(60, 100, generator=g)
 
 
-def _hook_average(rank, world, spec, steps, bucket_mb, nonfinite_rank=-1, policy="skip", ef=True, scale=1.0):
+def _hook_average(rank, world, spec, steps, bucket_mb, nonfinite_rank=-1, policy="skip", ef=True, scale=1.0,
+                  bad=float("nan")):
     import thinwire
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -42,7 +43,7 @@ def _hook_average(rank, world, spec, steps, bucket_mb, nonfinite_rank=-1, policy
             model.zero_grad()
             c_a, c_m = (g * scale for g in grads_of(rank, step))
             if rank == nonfinite_rank:
-                c_a[7] = float("nan")
+                c_a[7] = bad
             model(c_a, c_m).backward()
             out.append((model.module.a.grad.clone(), model.module.m.grad.clone()))
     except Exception as e:  # noqa: BLE001
@@ -158,8 +159,12 @@ def test_error_feedback_accumulates_what_was_dropped():
     torch.testing.assert_close(sent + residual, truth, rtol=1e-4, atol=1e-4)
 
 
-def test_nonfinite_gradient_skips_and_keeps_residuals():
-    results = run_ranks(_hook_average, 2, "int8", 2, 100.0, 1)
+@pytest.mark.parametrize("spec,bad", [("int8", float("nan")), ("bf16", float("inf")), ("bf16", float("nan")),
+                                     ("fp16", -float("inf")), ("randomk:ratio=0.1", float("nan"))])
+def test_nonfinite_gradient_skips_and_keeps_residuals(spec, bad):
+    """Every scheme: a summable payload carries the news in band (bf16 clamps an infinity to a finite
+    value, so the codec's output alone would not show it), the others in a flag."""
+    results = run_ranks(_hook_average, 2, spec, 2, 100.0, 1, "skip", True, 1.0, bad)
     for r in results:
         a, _ = r["grads"][0]
         assert torch.isnan(a).all(), "every rank must see the non-finite step"
@@ -187,8 +192,10 @@ def test_error_feedback_invariant():
         old = fb.residuals.get("b", ((), torch.zeros(1000)))[1].clone()
         corrected = fb.corrected("b", grad, layout)
         sent = codec.roundtrip(corrected, Meta(numel=1000))
+        kept = corrected - sent
         fb.update("b", corrected, sent, layout)
         new = fb.residuals["b"][1]
+        assert new is corrected and torch.equal(new, kept)  # in place: no new buffer per step
         torch.testing.assert_close(sent + new, grad + old, rtol=0, atol=1e-6)
         assert not torch.equal(new, torch.zeros(1000))
     sd = fb.state_dict()

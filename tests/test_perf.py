@@ -213,8 +213,8 @@ def test_predict_step_by_hand():
 def test_scheme_dispatch_and_bytes():
     net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
     n = 1_000_000
-    bf16 = CodecModel(name="bf16", scheme=Scheme.SUMMABLE, payload_bytes=lambda k: 2 * k, head_itemsize=2)
-    assert bucket_cost(bf16, 0, n, 4, net).bytes_sent == (2 * 3 * (2 * n + 2)) // 4
+    bf16 = CodecModel(name="bf16", scheme=Scheme.SUMMABLE, payload_bytes=lambda k: 2 * k)
+    assert bucket_cost(bf16, 0, n, 4, net).bytes_sent == (2 * 3 * (2 * n)) // 4  # the flag travels in band
     topk = CodecModel(name="topk", scheme=Scheme.SPARSE, payload_bytes=lambda k: 8 * math.ceil(0.01 * k))
     assert bucket_cost(topk, 0, n, 4, net).collectives == (("all-gather", 80_004),)
     assert bucket_cost(topk, 0, n, 400, net).scheme == "sparse-dense"  # p * density too large

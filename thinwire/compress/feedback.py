@@ -50,8 +50,10 @@ class ErrorFeedback:
         return flat + grad
 
     def update(self, key: str, corrected: Tensor, sent: Tensor, layout: Layout | None = None) -> None:
+        """Keep ``corrected - sent`` as the residual, computed in place: ``corrected`` (from
+        :meth:`corrected`, or any fp32 tensor the caller is done with) becomes the residual."""
         fresh = key not in self.residuals
-        self.residuals[key] = (layout or (), corrected - sent.to(corrected.dtype))
+        self.residuals[key] = (layout or (), corrected.sub_(sent))
         if fresh and not self._logged:
             self._logged = True
             log.info("error feedback: residuals of %.2f MB per rank (one fp32 copy of each compressed bucket)",

@@ -23,8 +23,9 @@ powersgd            all-reduce P (with the uncompressed vectors), then Q    2(p-
                     (Vogels et al. 2019)                                    + vector numel)
 ==================  ======================================================  ==========================
 
-Each payload carries a 4-byte flag that is non-zero when the rank's gradient was not finite, so
-every rank learns of it in the same collective and takes the same decision.
+Each payload says whether the rank's gradient was finite, so every rank learns of it in the same
+collective and takes the same decision: a summable float payload in band (a NaN in its first value
+makes the sum NaN everywhere), the others in an appended 4-byte flag.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.codecs.base import Codec, Meta
+from thinwire.compress.codecs.common import all_finite
 from thinwire.compress.collectives import allgather_bytes, pack, ring_allreduce_bytes, unpack
 
 
@@ -78,18 +80,10 @@ def _corrected(job: BucketJob, key: str, x: Tensor) -> Tensor:
 
 
 def _remember(job: BucketJob, key: str, corrected: Tensor, sent: Tensor) -> None:
+    """Error feedback keeps ``corrected - sent``, computed in ``corrected``'s memory (its owner is
+    done with it)."""
     if job.state.feedback is not None:
         job.state.feedback.update(key, corrected, sent, job.layout if key == job.key else None)
-
-
-def all_finite(t: Tensor) -> bool:
-    """Whether every element of ``t`` is finite: its min and max are (NaN propagates to both, an
-    infinity is one of them). One reduction pass; ``torch.isfinite(t).all()`` writes a bool tensor
-    of ``t``'s size first and took 0.8 ms against 0.06 ms for 446k fp32 values on one core."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _flag(x: Tensor) -> Tensor:
@@ -111,21 +105,43 @@ def _decode(job: BucketJob, payload: list[Tensor], meta: Meta) -> Tensor:
 
 
 def _summable(job: BucketJob) -> tuple[Tensor, bool]:
+    """Encode, all-reduce the payload, decode the sum once into the bucket.
+
+    A rank whose gradient is not finite says so inside the payload: a NaN in its first float tensor
+    makes the sum NaN on every rank (a 4-byte flag is appended only when that tensor is not a
+    float). What this rank sent is decoded before the all-reduce overwrites its payload."""
     n, wire = job.buf.numel(), job.state.wire
     x = _corrected(job, job.key, job.buf)
     meta = _meta(job, n)
+    finite_here = all_finite(x)
     payload = _encode(job, x, meta)
-    sent = _decode(job, [t.clone() for t in payload], meta)
-    flag = _flag(x)
-    head = torch.cat([payload[0].reshape(-1), flag.to(payload[0].dtype)])
+    sent = _decode(job, payload, meta) if job.state.feedback is not None else None
+    if sent is not None and any(_shares_memory(sent, t) for t in payload):
+        sent = sent.clone()  # the all-reduce below writes into the payload
+    head = payload[0]
+    in_band = head.is_floating_point()
+    if in_band:
+        if not finite_here:
+            head.view(-1)[0] = float("nan")
+    else:
+        flag = torch.tensor([0.0 if finite_here else 1.0], dtype=head.dtype, device=head.device)
+        head = torch.cat([head.reshape(-1), flag])
     wire.all_reduce(head)
     for t in payload[1:]:
         wire.all_reduce(t)
-    finite = float(head[-1]) == 0.0 and all_finite(head)
-    payload = [head[:-1].view(payload[0].shape), *payload[1:]]
-    if finite:
+    finite = all_finite(head) and (in_band or float(head[-1]) == 0.0)
+    if not in_band:
+        payload = [head[:-1].view(payload[0].shape), *payload[1:]]
+    if finite and sent is not None:
         _remember(job, job.key, x, sent)
-    return job.buf.copy_(_decode(job, payload, meta)), finite
+    t0 = time.perf_counter()
+    job.codec.decompress_into(payload, meta, job.buf)
+    job.state.compress_s += time.perf_counter() - t0
+    return job.buf, finite
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _allgather(job: BucketJob) -> tuple[Tensor, bool]:

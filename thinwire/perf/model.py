@@ -13,7 +13,8 @@ scheme         collectives (``s = payload_bytes(n)``)                     codec 
 =============  ==========================================================  ===========================
 fp32           all-reduce ``4n`` (lossless codec, or ``4n <                none
                min_compress_bytes``)
-summable       all-reduce ``s`` + one flag element                         encode + 2 decode + EF
+summable       all-reduce ``s`` (+ a flag element unless the payload is    encode + 2 decode + EF
+               float: then a NaN carries the flag in band)
 sparse         all-gather ``s + 4`` per rank, or all-reduce ``4n + 4`` when   encode + p (decode + add)
                ``(p-1) s > 2(p-1)/p 4n``                                   + EF (dense: encode +
                                                                            decode + EF)
@@ -84,8 +85,9 @@ class LinearCost:
 class CodecModel:
     """What the model needs to know about a codec (built above perf/ from a real codec).
 
-    ``payload_bytes(numel)``: the codec's own ``payload_bytes``; ``head_itemsize``: bytes of the
-    non-finite flag appended to a summable payload (one element of its dtype);
+    ``payload_bytes(numel)``: the codec's own ``payload_bytes``; ``flag_bytes``: bytes of the
+    non-finite flag appended to a summable payload (0 when its first tensor is float: the flag
+    travels in band, as a NaN; else one element of its dtype);
     ``lowrank_rounds(bucket)``: for PowerSGD, the fp32 elements of its two all-reduces for that
     bucket (P with the uncompressed parameters and the flag; Q).
     """
@@ -93,7 +95,7 @@ class CodecModel:
     name: str
     scheme: Scheme
     payload_bytes: Callable[[int], int]
-    head_itemsize: int = 4
+    flag_bytes: int = 0
     encode: LinearCost = LinearCost()
     decode: LinearCost = LinearCost()
     add: LinearCost = LinearCost()
@@ -195,7 +197,7 @@ def bucket_collectives(codec: CodecModel, index: int, numel: int, p: int) -> tup
         return "fp32", [("all-reduce", 4 * numel)]
     s = codec.payload_bytes(numel)
     if codec.scheme is Scheme.SUMMABLE:
-        return "summable", [("all-reduce", s + codec.head_itemsize)]
+        return "summable", [("all-reduce", s + codec.flag_bytes)]
     if codec.scheme is Scheme.LOWRANK:
         assert codec.lowrank_rounds is not None, "a lowrank codec needs lowrank_rounds"
         first, second = codec.lowrank_rounds(index)

@@ -103,8 +103,8 @@ class ErrorMeter:
         update = feedback.update
 
         def observed(key, corrected, sent, layout=None):
+            norm = float(corrected.norm())  # before: update turns ``corrected`` into the residual
             update(key, corrected, sent, layout)
-            norm = float(corrected.norm())
             if norm > 0:
                 self.errors.setdefault(key, []).append(float(feedback.residuals[key][1].norm()) / norm)
         feedback.update = observed

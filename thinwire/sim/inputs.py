@@ -181,9 +181,10 @@ def codec_model(spec: str, profile: Profile | None, *, min_compress_bytes: int =
                      **{k: _cost(profile.kernels[k]) for k in ("add", "feedback") if k in profile.kernels})
     if shapes is None:
         shapes = [b.shapes for b in profile.buckets] if profile is not None else []
-    head = codec.compress(torch.zeros(64), Meta(numel=64))[0].element_size()
+    head = codec.compress(torch.zeros(64), Meta(numel=64))[0]  # schemes._summable: a float head carries the flag
+    flag = 0 if head.is_floating_point() else head.element_size()
     rounds = lowrank_rounds(codec, shapes, numels) if codec.name == "powersgd" else None
-    return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes, head_itemsize=head,
+    return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes, flag_bytes=flag,
                       lowrank_rounds=rounds, min_compress_bytes=min_compress_bytes, **costs)
 
 

@@ -68,6 +68,11 @@ class Codec(ABC):
     def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Exact bytes of ``compress``'s output for a tensor of ``numel`` elements of ``dtype``."""
 
+    def decompress_into(self, payload: list[Tensor], meta: Meta, out: Tensor) -> Tensor:
+        """``out.copy_(self.decompress(payload, meta))``; codecs that can decode without the
+        temporary override it."""
+        return out.copy_(self.decompress(payload, meta).view(out.shape))
+
     def roundtrip(self, x: Tensor, meta: Meta) -> Tensor:
         """What the receiver reconstructs from this rank's payload alone (used by error feedback)."""
         return self.decompress(self.compress(x, meta), meta)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.codecs.base import Codec, Meta
-from thinwire.compress.codecs.common import check_input, to_dtype
+from thinwire.compress.codecs.common import all_finite, check_input, to_dtype
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -64,12 +64,18 @@ class _CastCodec(Codec):
             return [torch.empty(meta.numel, dtype=torch.float32, device=x.device).copy_(x)]
         # One rounding to the wire dtype, then overflow (inf) back to the largest finite value:
         # same result as clamping first, without an fp32 temporary. NaN stays NaN.
+        # The clamp pass runs only when the payload holds a NaN or an infinity (one reduction finds out).
         limit = torch.finfo(self.wire_dtype).max
         out = x.reshape(-1).to(self.wire_dtype, copy=True)  # copy: fp16 input must not alias
-        return [out.nan_to_num_(nan=math.nan, posinf=limit, neginf=-limit)]
+        if not all_finite(out):
+            out.nan_to_num_(nan=math.nan, posinf=limit, neginf=-limit)
+        return [out]
 
     def decompress(self, payload: list[Tensor], meta: Meta) -> Tensor:
         return to_dtype(payload[0], meta.dtype)
+
+    def decompress_into(self, payload: list[Tensor], meta: Meta, out: Tensor) -> Tensor:
+        return out.copy_(payload[0].view(out.shape))
 
     def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * self.wire_dtype.itemsize
