@@ -20,7 +20,10 @@ fp32's final loss on that seed) and contenders are ranked by their median time t
 that missed counting as never. Seed 0 runs every contender on the emulated cluster; the other
 seeds of a fixed codec only need its loss curve, which does not depend on the link (see
 ``local_curve``; checked per cluster), so they run on local workers; ``auto`` runs every seed on
-the emulated cluster.
+the emulated cluster. With ``--emulate-seeds`` every contender runs every seed on the emulated
+cluster: each one's times are then sampled as often as ``auto``'s, so the best of many fixed
+contenders is not favoured by being the luckiest of single runs (run-to-run spread of a step time
+here is 3-12%, ``results/validation_repeats.md``).
 Writes ``compare.json``, ``compare.md`` and PNG plots under ``benchmarks/results/``.
 """
 
@@ -55,6 +58,7 @@ FLOOR_RATE = "100gbit"  # far above what veth moves here: links that never shape
 MODEL = {"layers": 2, "width": 128, "heads": 4, "context": 64}
 EVALS = 10  # validations per run (``--evals``): time to target is known to steps / EVALS
 LR = None  # ``--lr``; None: the workload's default (charlm: 3e-3)
+EMULATE_SEEDS = False  # ``--emulate-seeds``: every contender, not only auto, runs every seed emulated
 
 
 def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
@@ -187,12 +191,14 @@ def bench_cluster(hosts: int, rate: str, contenders: list[str], steps: int, batc
             r = runs[-1]
             print(f"    {r.get('median_step_s', float('nan')) * 1e3:.0f} ms/step, val {r.get('final_val_loss', 'ERROR')}"
                   if "error" not in r else f"    FAILED: {r['error'][-300:]}", flush=True)
-            if c == "auto" and "error" not in r:
+            if (c == "auto" or EMULATE_SEEDS) and "error" not in r:
                 for seed in seeds[1:]:
-                    print(f"[{hosts} hosts @ {rate}] auto, seed {seed} ...", flush=True)
+                    print(f"[{hosts} hosts @ {rate}] {c}, seed {seed} ...", flush=True)
                     again = run_one(spec, c, Path(f"{out}-s{seed}"), steps, batch, seed)
                     r.setdefault("seed_runs", {})[str(seed)] = again.get("val_curve", [])
-                    r.setdefault("seed_choices", {})[str(seed)] = again.get("auto_choice", again.get("error", "")[-200:])
+                    r.setdefault("seed_step_s", {})[str(seed)] = again.get("median_step_s")
+                    if c == "auto":
+                        r.setdefault("seed_choices", {})[str(seed)] = again.get("auto_choice", again.get("error", "")[-200:])
     finally:
         cluster.down()
     result = {"hosts": hosts, "rate": rate, "seeds": seeds, "runs": runs}
@@ -205,7 +211,7 @@ def fill_seeds(cluster: dict, steps: int, batch: int, work: Path, local: dict) -
     in ``local`` and shared by every link rate), check the premise, and score."""
     hosts = cluster["hosts"]
     for r in cluster["runs"]:
-        if "error" in r or r["contender"] == "auto":
+        if "error" in r or r["contender"] == "auto" or r.get("seed_runs"):
             continue
         for seed in cluster["seeds"]:
             if seed == 0:
@@ -223,7 +229,7 @@ def check_numerics(cluster: dict, steps: int, batch: int, work: Path, local: dic
     """The premise of ``local_curve``, checked: DDP fp32's seed-0 losses on local workers equal the
     emulated run's (``numerics_check``: the largest difference over the evaluations)."""
     base = next((r for r in cluster["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
-    if base is None or len(cluster["seeds"]) < 2:
+    if base is None or len(cluster["seeds"]) < 2 or base.get("seed_runs"):
         return
     key = f"{cluster['hosts']}|torch:none|0"
     if key not in local:
@@ -261,7 +267,12 @@ def markdown(results: dict) -> str:
              f"(reached = within 0.5%; validation every steps/{results.get('evals', 10)}). "
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
              "Bytes for `torch:*` peers are computed by formula (ring all-reduce), thinwire's are counted where sent.\n"]
-    if any(len(c.get("seeds", [0])) > 1 for c in results["clusters"]):
+    if results.get("emulate_seeds"):
+        lines.append("Seeds: every contender runs every seed on the emulated cluster (`--emulate-seeds`); the step "
+                     "columns are seed 0's, `median step over seeds` the median of each seed's median step. Each "
+                     "seed's target is DDP fp32's final loss on that seed; the median time to target counts a seed "
+                     "that did not reach it as never.\n")
+    elif any(len(c.get("seeds", [0])) > 1 for c in results["clusters"]):
         lines.append("Seeds: every contender runs seed 0 on the emulated cluster (its step times and the seed-0 "
                      "columns). A fixed contender's other seeds are loss curves on local workers: with a fixed codec "
                      "the loss after each step does not depend on the link (checked: the largest difference of DDP "
@@ -274,8 +285,8 @@ def markdown(results: dict) -> str:
         lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (seed-0 target val loss {c['target_val_loss']:.4f}{check})\n"
                   if c["target_val_loss"] else f"\n## {c['hosts']} hosts @ {c['rate']}\n",
                   "| contender | median step (ms) | compute | comm wait | other | MB/step | val loss (seed 0) | "
-                  "time to target by seed (s) | median (s) | vs DDP fp32 |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "time to target by seed (s) | median (s) | vs DDP fp32 | median step over seeds (ms) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         base = next((r for r in c["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
         for r in c["runs"]:
             if "error" in r:
@@ -286,8 +297,15 @@ def markdown(results: dict) -> str:
             speed = f"{bmed / med:.2f}x" if med and bmed else "not reached" if med is None else ""
             lines.append(f"| {r['contender']} | {r['median_step_s'] * 1e3:.0f} | {r['compute_s'] * 1e3:.0f} | "
                          f"{r['comm_wait_s'] * 1e3:.0f} | {r['other_s'] * 1e3:.0f} | {r['bytes_per_step'] / 1e6:.3f} | "
-                         f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} |")
+                         f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} | "
+                         f"{_seed_steps_ms(r)} |")
     return "\n".join(lines + auto_section(results)) + "\n"
+
+
+def _seed_steps_ms(run: dict) -> str:
+    """The median over seeds of each emulated seed's median step time ("" with seed 0 alone)."""
+    steps = [run["median_step_s"], *(s for s in run.get("seed_step_s", {}).values() if s)]
+    return f"{statistics.median(steps) * 1e3:.0f}" if len(steps) > 1 else ""
 
 
 def auto_section(results: dict) -> list[str]:
@@ -370,7 +388,7 @@ def plots(results: dict, folder: Path, stem: str) -> list[Path]:
 
 
 def main() -> int:
-    global EVALS, LR
+    global EVALS, LR, EMULATE_SEEDS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 clusters, 4 contenders, 40 steps (~5 min)")
     ap.add_argument("--steps", type=int)
@@ -382,6 +400,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, help="learning rate of every contender (default: the workload's, 3e-3)")
     ap.add_argument("--name", help="file stem of the results (default compare, or compare_quick with --quick)")
     ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
+    ap.add_argument("--emulate-seeds", action="store_true", help="every contender runs every seed on the emulated "
+                    "cluster (default: only auto; fixed contenders' other seeds are local loss curves)")
     ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
                     "emulated cluster; the others give loss curves (see local_curve); default 0,1,2")
     args = ap.parse_args()
@@ -397,14 +417,17 @@ def main() -> int:
         ap.error(f"--evals must be an integer >= 1 (validations per run), got {args.evals}")
     if args.lr is not None and not args.lr > 0:
         ap.error(f"--lr must be a learning rate > 0, got {args.lr}")
-    EVALS, LR = args.evals, args.lr
+    EVALS, LR, EMULATE_SEEDS = args.evals, args.lr, args.emulate_seeds
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
-               "steps": steps, "evals": args.evals, "lr": args.lr, "batch": args.batch, "model": MODEL, "clusters": []}
+               "steps": steps, "evals": args.evals, "lr": args.lr, "emulate_seeds": args.emulate_seeds, "batch": args.batch, "model": MODEL, "clusters": []}
     seeds = [int(x) for x in args.seeds.split(",")]
     if seeds[0] != 0:
         ap.error("--seeds must start with 0 (the seed every contender runs on the emulated cluster)")
     earlier = json.loads((Path(args.out) / f"{stem}.json").read_text()) if args.merge else None
+    if earlier and bool(earlier.get("emulate_seeds")) != args.emulate_seeds:
+        ap.error(f"--merge: {stem}.json was measured {'with' if earlier.get('emulate_seeds') else 'without'} "
+                 "--emulate-seeds; merge runs measured the same way")
     local = dict(earlier.get("local_curves", {})) if earlier else {}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="thinwire-compare-") as tmp:
