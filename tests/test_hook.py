@@ -214,3 +214,49 @@ def test_all_finite_sees_nan_and_both_infinities_in_any_float_dtype():
             y = x.clone()
             y[517] = bad
             assert not all_finite(y), (dtype, bad)
+
+
+def test_bf16_sends_like_pytorchs_bf16_hook_and_keeps_no_residual():
+    """bf16 needs no error feedback (unbiased rounding, fp32's range): the hook's average is exactly
+    PyTorch's bf16 hook's (divide, cast, sum in bf16, cast back) and no residual memory is held."""
+    results = run_ranks(_hook_average, 2, "bf16", 2, 100.0)
+    for step in range(2):
+        (a0, m0), (a1, m1) = grads_of(0, step), grads_of(1, step)
+        for got, x, y in ((results[0]["grads"][step][0], a0, a1), (results[0]["grads"][step][1], m0, m1)):
+            want = ((x / 2).to(torch.bfloat16).float() + (y / 2).to(torch.bfloat16).float()).to(torch.bfloat16).float()
+            assert torch.equal(got, want)
+    for r in results:
+        assert r["stats"]["residual_bytes"] == 0 and not r["state"]["residuals"]["params"]
+
+
+class _Int8ThenBf16:
+    def codec_for(self, bucket, numel, step):
+        from thinwire.compress.spec import parse_codec_spec
+
+        return parse_codec_spec("int8" if step == 0 else "bf16")
+
+    def describe(self):
+        return "int8, then bf16"
+
+
+def _switch(rank, world):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(Probe(), bucket_cap_mb=100.0)
+    state = thinwire.attach(model, _Int8ThenBf16(), min_compress_bytes=0)
+    sent = []
+    for step in range(2):
+        model.zero_grad()
+        model(*grads_of(rank, step)).backward()
+        sent.append(model.module.a.grad.clone())
+    state.close()
+    return {"sent": sent, "residual_bytes": state.stats()["residual_bytes"]}
+
+
+def test_a_bucket_switched_to_bf16_sends_what_the_earlier_codec_held_back():
+    results = run_ranks(_switch, 2)
+    truth = [true_mean(2, s)[0] for s in range(2)]
+    int8_error = rel(results[0]["sent"][0], truth[0])
+    assert rel(results[0]["sent"][0] + results[0]["sent"][1], truth[0] + truth[1]) < int8_error / 2
+    assert all(r["residual_bytes"] == 0 for r in results)

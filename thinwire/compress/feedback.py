@@ -49,6 +49,14 @@ class ErrorFeedback:
                           for p, (_, n) in zip(pieces, layout)])
         return flat + grad
 
+    def holds(self, key: str, layout: Layout | None = None) -> bool:
+        """Whether a residual waits for this bucket (its own, or its parameters' after a re-bucketing)."""
+        return key in self.residuals or (layout is not None and any(i in self.pending for i, _ in layout))
+
+    def drop(self, key: str) -> None:
+        """Forget the bucket's residual (it was sent: the bucket's codec keeps none)."""
+        self.residuals.pop(key, None)
+
     def update(self, key: str, corrected: Tensor, sent: Tensor, layout: Layout | None = None) -> None:
         """Keep ``corrected - sent`` as the residual, computed in place: ``corrected`` (from
         :meth:`corrected`, or any fp32 tensor the caller is done with) becomes the residual."""

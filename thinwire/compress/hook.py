@@ -10,7 +10,8 @@ How a bucket travels (every rank decides identically, from sizes and the step nu
 1. The bucket is divided by the world size first (so fp16 sums cannot overflow).
 2. During ``warmup_steps``, or when the bucket is smaller than ``min_compress_bytes``, it is
    all-reduced in fp32.
-3. Otherwise error feedback adds the bucket's residual, the codec encodes it, and the scheme in
+3. Otherwise error feedback adds the bucket's residual (every codec but ``bf16``, whose unbiased
+   rounding needs none; see ``Codec.needs_feedback``), the codec encodes it, and the scheme in
    :mod:`thinwire.compress.schemes` moves the payload: all-reduce for summable payloads, all-gather
    (or a compressed reduce-scatter + all-gather) with local decoding for quantized ones, PowerSGD's
    two factor all-reduces for ``powersgd``.

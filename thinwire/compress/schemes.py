@@ -110,12 +110,15 @@ def _summable(job: BucketJob) -> tuple[Tensor, bool]:
     A rank whose gradient is not finite says so inside the payload: a NaN in its first float tensor
     makes the sum NaN on every rank (a 4-byte flag is appended only when that tensor is not a
     float). What this rank sent is decoded before the all-reduce overwrites its payload."""
-    n, wire = job.buf.numel(), job.state.wire
-    x = _corrected(job, job.key, job.buf)
+    n, wire, fb = job.buf.numel(), job.state.wire, job.state.feedback
+    feed = fb is not None and job.codec.needs_feedback
+    # A codec without feedback (bf16) still sends what an earlier codec of this bucket held back, once.
+    flush = fb is not None and not feed and fb.holds(job.key, job.layout)
+    x = _corrected(job, job.key, job.buf) if feed or flush else job.buf
     meta = _meta(job, n)
     finite_here = all_finite(x)
     payload = _encode(job, x, meta)
-    sent = _decode(job, payload, meta) if job.state.feedback is not None else None
+    sent = _decode(job, payload, meta) if feed else None
     if sent is not None and any(_shares_memory(sent, t) for t in payload):
         sent = sent.clone()  # the all-reduce below writes into the payload
     head = payload[0]
@@ -134,6 +137,8 @@ def _summable(job: BucketJob) -> tuple[Tensor, bool]:
         payload = [head[:-1].view(payload[0].shape), *payload[1:]]
     if finite and sent is not None:
         _remember(job, job.key, x, sent)
+    if finite and flush:
+        fb.drop(job.key)
     t0 = time.perf_counter()
     job.codec.decompress_into(payload, meta, job.buf)
     job.state.compress_s += time.perf_counter() - t0

@@ -14,6 +14,7 @@ scheme         collectives (``s = payload_bytes(n)``)                     codec 
 fp32           all-reduce ``4n`` (lossless codec, or ``4n <                none
                min_compress_bytes``)
 summable       all-reduce ``s`` (+ a flag element unless the payload is    encode + 2 decode + EF
+                                                                           (bf16: encode + decode)
                float: then a NaN carries the flag in band)
 sparse         all-gather ``s + 4`` per rank, or all-reduce ``4n + 4`` when   encode + p (decode + add)
                ``(p-1) s > 2(p-1)/p 4n``                                   + EF (dense: encode +
@@ -87,7 +88,8 @@ class CodecModel:
 
     ``payload_bytes(numel)``: the codec's own ``payload_bytes``; ``flag_bytes``: bytes of the
     non-finite flag appended to a summable payload (0 when its first tensor is float: the flag
-    travels in band, as a NaN; else one element of its dtype);
+    travels in band, as a NaN; else one element of its dtype); ``feedback_used``: whether the hook
+    keeps a residual for it (the codec's ``needs_feedback``; bf16 does not);
     ``lowrank_rounds(bucket)``: for PowerSGD, the fp32 elements of its two all-reduces for that
     bucket (P with the uncompressed parameters and the flag; Q).
     """
@@ -96,6 +98,7 @@ class CodecModel:
     scheme: Scheme
     payload_bytes: Callable[[int], int]
     flag_bytes: int = 0
+    feedback_used: bool = True
     encode: LinearCost = LinearCost()
     decode: LinearCost = LinearCost()
     add: LinearCost = LinearCost()
@@ -216,6 +219,8 @@ def codec_seconds(codec: CodecModel, scheme: str, numel: int, p: int) -> tuple[f
     enc, dec, add = codec.encode, codec.decode, codec.add
     if scheme == "fp32":
         return 0.0, 0.0
+    if scheme == "summable" and not codec.feedback_used:  # bf16: encode, decode the sum
+        return enc(nb), dec(nb)
     if scheme in ("summable", "sparse-dense"):
         return fb + enc(nb) + dec(nb), fb + (dec(nb) if scheme == "summable" else 0.0)
     if scheme == "lowrank":

@@ -184,7 +184,7 @@ def codec_model(spec: str, profile: Profile | None, *, min_compress_bytes: int =
     head = codec.compress(torch.zeros(64), Meta(numel=64))[0]  # schemes._summable: a float head carries the flag
     flag = 0 if head.is_floating_point() else head.element_size()
     rounds = lowrank_rounds(codec, shapes, numels) if codec.name == "powersgd" else None
-    return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes, flag_bytes=flag,
+    return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes, flag_bytes=flag, feedback_used=codec.needs_feedback,
                       lowrank_rounds=rounds, min_compress_bytes=min_compress_bytes, **costs)
 
 

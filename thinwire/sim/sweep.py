@@ -133,7 +133,7 @@ def _point(p, b, pred, compute_unit_s, reference_s, speeds, cores, hosts, device
                          idle_w=device.idle_w * units / p, bytes_sent=pred.bytes_per_rank * p,
                          j_per_bit=opts.j_per_bit)
     numels = [bk.numel for bk in pred.buckets]
-    compressed = [bk.numel for bk in pred.buckets if bk.scheme != "fp32"]
+    compressed = [bk.numel for bk in pred.buckets if bk.scheme != "fp32"] if codec.feedback_used else []
     resid = residual_values(compressed, compressed=bool(compressed), p=p,
                             reduced_chunk=codec.scheme is Scheme.QUANTIZED)
     mem = memory_per_rank(sum(numels), residual_values=resid,

@@ -10,6 +10,10 @@ communication (numel, dtype, a seed shared by all ranks for this bucket and step
   summing (int8, bfp, qsgd, sign, top-k), and the collective layer picks a scheme for that.
 * ``sparse``: the payload is a subset of entries (values + positions: top-k, random-k), so past a
   density the collective layer may rather all-reduce the decoded dense tensor.
+* ``needs_feedback``: whether error feedback helps. Every codec but ``bf16``: its only error is
+  round-to-nearest at <= 2**-8 relative, unbiased, with fp32's exponent range (nothing flushes to
+  zero), so the hook sends it without a residual, as PyTorch's bf16 hook does (``fp16`` keeps one:
+  values below 6e-8 flush to zero, a bias the residual repairs).
 * ``payload_bytes(numel, dtype)`` prices a codec without running it: it is exactly
   ``sum(t.numel() * t.element_size() for t in compress(x, meta))`` for any ``x`` of that size, so
   the performance model and the planner can use it.
@@ -50,6 +54,7 @@ class Codec(ABC):
     shared_randomness: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
+    needs_feedback: ClassVar[bool] = True
     sparse: ClassVar[bool] = False  # payload is (values, indices): may fall back to a dense all-reduce
 
     def __init__(self, config) -> None:

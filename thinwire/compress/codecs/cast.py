@@ -103,4 +103,5 @@ class Bf16Codec(_CastCodec):
 
     name = "bf16"
     config_cls = Bf16Config
+    needs_feedback = False  # unbiased rounding, fp32's range: see the base module's docstring
     wire_dtype = torch.bfloat16
