@@ -52,7 +52,6 @@ class Codec(ABC):
     name: ClassVar[str]
     summable: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
-    sparse: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
     needs_feedback: ClassVar[bool] = True
     sparse: ClassVar[bool] = False  # payload is (values, indices): may fall back to a dense all-reduce
