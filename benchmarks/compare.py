@@ -23,7 +23,8 @@ seeds of a fixed codec only need its loss curve, which does not depend on the li
 the emulated cluster. With ``--emulate-seeds`` every contender runs every seed on the emulated
 cluster: each one's times are then sampled as often as ``auto``'s, so the best of many fixed
 contenders is not favoured by being the luckiest of single runs (run-to-run spread of a step time
-here is 3-12%, ``results/validation_repeats.md``).
+here is 3-12%, ``results/validation_repeats.md``), and the runs go seed by seed, every contender
+once per seed, so a slow spell of the machine does not land on one contender (``_seed_major``).
 Writes ``compare.json``, ``compare.md`` and PNG plots under ``benchmarks/results/``.
 """
 
@@ -184,26 +185,58 @@ def bench_cluster(hosts: int, rate: str, contenders: list[str], steps: int, batc
     cluster.up()
     runs = []
     try:
-        for c in contenders:
+        if EMULATE_SEEDS:
+            runs = _seed_major(spec, hosts, rate, contenders, steps, batch, work, seeds)
+        for c in contenders if not EMULATE_SEEDS else ():
             out = work / f"{hosts}h-{rate}-{c.replace(':', '_').replace('=', '')}"
             print(f"[{hosts} hosts @ {rate}] {c} ...", flush=True)
             runs.append(run_one(spec, c, out, steps, batch))
             r = runs[-1]
-            print(f"    {r.get('median_step_s', float('nan')) * 1e3:.0f} ms/step, val {r.get('final_val_loss', 'ERROR')}"
-                  if "error" not in r else f"    FAILED: {r['error'][-300:]}", flush=True)
-            if (c == "auto" or EMULATE_SEEDS) and "error" not in r:
+            _report(r)
+            if c == "auto" and "error" not in r:
                 for seed in seeds[1:]:
                     print(f"[{hosts} hosts @ {rate}] {c}, seed {seed} ...", flush=True)
-                    again = run_one(spec, c, Path(f"{out}-s{seed}"), steps, batch, seed)
-                    r.setdefault("seed_runs", {})[str(seed)] = again.get("val_curve", [])
-                    r.setdefault("seed_step_s", {})[str(seed)] = again.get("median_step_s")
-                    if c == "auto":
-                        r.setdefault("seed_choices", {})[str(seed)] = again.get("auto_choice", again.get("error", "")[-200:])
+                    _add_seed(r, run_one(spec, c, Path(f"{out}-s{seed}"), steps, batch, seed), seed)
     finally:
         cluster.down()
-    result = {"hosts": hosts, "rate": rate, "seeds": seeds, "runs": runs}
+    result = {"hosts": hosts, "rate": rate, "seeds": seeds, "runs": runs, "interleaved": EMULATE_SEEDS}
     fill_seeds(result, steps, batch, work, local)
     return result
+
+
+def _report(r: dict) -> None:
+    print(f"    {r.get('median_step_s', float('nan')) * 1e3:.0f} ms/step, val {r.get('final_val_loss', 'ERROR')}"
+          if "error" not in r else f"    FAILED: {r['error'][-300:]}", flush=True)
+
+
+def _add_seed(r: dict, again: dict, seed: int) -> None:
+    r.setdefault("seed_runs", {})[str(seed)] = again.get("val_curve", [])
+    r.setdefault("seed_step_s", {})[str(seed)] = again.get("median_step_s")
+    if r["contender"] == "auto":
+        r.setdefault("seed_choices", {})[str(seed)] = again.get("auto_choice", again.get("error", "")[-200:])
+
+
+def _seed_major(spec: Path, hosts: int, rate: str, contenders: list[str], steps: int, batch: int, work: Path,
+                seeds: list[int]) -> list[dict]:
+    """Every contender on every seed, seed by seed: all contenders run seed 0, then seed 1, ..., each
+    seed starting one contender further along. The machine's speed drifts over minutes (other
+    tenants, thermal state); run contender by contender, a drift would land on one contender's seeds
+    and read as that contender's speed; interleaved, it spreads over all of them."""
+    runs: dict[str, dict] = {}
+    for k, seed in enumerate(seeds):
+        turn = k % len(contenders)
+        for c in contenders[turn:] + contenders[:turn]:
+            if k and "error" in runs[c]:
+                continue
+            out = work / f"{hosts}h-{rate}-{c.replace(':', '_').replace('=', '')}" / f"s{seed}"
+            print(f"[{hosts} hosts @ {rate}] {c}, seed {seed} ...", flush=True)
+            r = run_one(spec, c, out, steps, batch, seed)
+            _report(r)
+            if k == 0:
+                runs[c] = r
+            else:
+                _add_seed(runs[c], r, seed)
+    return [runs[c] for c in contenders]
 
 
 def fill_seeds(cluster: dict, steps: int, batch: int, work: Path, local: dict) -> None:
@@ -245,6 +278,9 @@ def merge(old: dict, new: dict) -> dict:
         if into is None:  # a cluster the earlier result did not have
             old["clusters"].append(c)
             continue
+        # interleaved only if this re-run covers every contender of the cluster (one session, one order)
+        into["interleaved"] = bool(c.get("interleaved")) and {r["contender"] for r in c["runs"]} >= {
+            r["contender"] for r in into["runs"]}
         for run in c["runs"]:
             if any(r["contender"] == run["contender"] for r in into["runs"]):
                 into["runs"] = [run if r["contender"] == run["contender"] else r for r in into["runs"]]
@@ -272,6 +308,11 @@ def markdown(results: dict) -> str:
                      "columns are seed 0's, `median step over seeds` the median of each seed's median step. Each "
                      "seed's target is DDP fp32's final loss on that seed; the median time to target counts a seed "
                      "that did not reach it as never.\n")
+        mixed = [f"{c['hosts']} @ {c['rate']}" for c in results["clusters"] if not c.get("interleaved")]
+        lines.append("Order: seed by seed, every contender once per seed, each seed starting one contender further "
+                     "along (a slow spell of the machine spreads over all contenders)"
+                     + (f"; except {', '.join(mixed)}, run contender by contender (all seeds of one, then the next)"
+                        if mixed else "") + ".\n")
     elif any(len(c.get("seeds", [0])) > 1 for c in results["clusters"]):
         lines.append("Seeds: every contender runs seed 0 on the emulated cluster (its step times and the seed-0 "
                      "columns). A fixed contender's other seeds are loss curves on local workers: with a fixed codec "

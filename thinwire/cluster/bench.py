@@ -77,8 +77,11 @@ def bench(cluster: EmulatedCluster, *, hosts: list[str] | None = None, sizes: li
 
 
 def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], reps: int,
-                 timeout: float) -> list[list[float]]:
-    """Start one worker per host, wait, return rank 0's times (seconds) per size and rep."""
+                 timeout: float, dtype: str = "float32") -> list[list[float]]:
+    """Start one worker per host, wait, return rank 0's times (seconds) per size and rep.
+
+    ``sizes`` are bytes; each all-reduce sums a tensor of ``dtype`` (a ``torch`` dtype name) of that
+    many bytes."""
     master = f"{cluster.host(hosts[0]).address}:{random.randint(20000, 60000)}"
     pythonpath = str(Path(__file__).resolve().parents[2])
     procs = []
@@ -86,7 +89,7 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
         for rank, name in enumerate(hosts):
             argv = [sys.executable, "-m", "thinwire.cluster.bench", "--worker", "--rank", str(rank),
                     "--world", str(len(hosts)), "--master", master, "--reps", str(reps),
-                    "--sizes", ",".join(map(str, sizes))]
+                    "--sizes", ",".join(map(str, sizes)), "--dtype", dtype]
             procs.append(cluster.host(name).spawn(argv, env={"PYTHONPATH": pythonpath}, stdout=subprocess.PIPE,
                                                   stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -114,8 +117,9 @@ def _worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=120))
     times = []
+    dtype = getattr(torch, args.dtype)
     for size in map(int, args.sizes.split(",")):
-        x = torch.ones(size // 4)
+        x = torch.ones(size // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
         dist.all_reduce(x)  # warm-up: connections, buffers
         per_rep = []
         for _ in range(args.reps):
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--master", required=True)
     p.add_argument("--sizes", required=True)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
     _worker(p.parse_args(argv))
 
 
