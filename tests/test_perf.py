@@ -139,6 +139,12 @@ def test_stragglers_and_cpu_shares():
     # busy cores run slower than one alone (measured co-run speed): only when more than one is busy
     assert colocated_speeds([1.0, 1.0], 2, {2: 0.8}) == pytest.approx([0.8, 0.8])
     assert corun_factor([0.5] * 4, 2, {2: 0.8}) == 0.8 and corun_factor([1.0], 2, {2: 0.8}) == 1.0
+    # more hosts than cores, filling them: they time-share, priced by the measurement for that many
+    measured = {2: 0.95, 3: 0.85, 4: 0.8}
+    assert corun_factor([0.5] * 4, 2, measured) == 0.8 and corun_factor([0.5] * 6, 3, measured) == 0.8
+    assert corun_factor([0.875, 0.25, 0.875], 2, measured) == 0.85
+    assert corun_factor([0.5, 0.5], 2, measured) == 1.0  # capped hosts leaving a core idle: nobody time-shares
+    assert corun_factor([1.0, 1.0], 2, measured) == 0.95 and corun_factor([0.4] * 5, 4, measured) == 0.95  # capped, 2 of 4 cores busy
     assert blom_z(1) == 0.0
     z = [blom_z(p) for p in (2, 8, 64, 1024)]
     assert z == sorted(z) and 3.0 < z[-1] < 3.3  # the expected max of 1024 normals is ~3.2 sigma
@@ -311,6 +317,19 @@ def test_profile_measures_ddp_layout_and_costs(tmp_path):
     assert [[order[j] for j in bk] for bk in expect] == [b.params for b in prof.buckets]
     back = load_profile(save_profile(prof, tmp_path / "p.yaml"))
     assert back.codecs["bf16"].encode.per_byte_s == prof.codecs["bf16"].encode.per_byte_s
+
+
+def test_profile_corun_is_relative_to_the_fair_share(monkeypatch):
+    """n copies on c cores: the profile keeps each copy's speed over its fair share min(1, c/n), for
+    n from c (every core busy) to 2c (time-sharing), so the model multiplies it onto the share."""
+    import thinwire.perf_profile.corun as corun
+    from thinwire.perf_profile.run import profile_workload
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr(corun, "corun_speed", lambda *, n, **_: {2: 0.9, 3: 0.5, 4: 0.4}[n])
+    prof = profile_workload(workload="digits", model={"channels": 4, "hidden": 64}, batch_sizes=[4],
+                            codecs=[], reps=2, warmup=1)
+    assert prof.corun_speed == pytest.approx({"2": 0.9, "3": 0.75, "4": 0.8})
 
 
 def _profile_file(tmp_path, **over) -> Path:

@@ -117,8 +117,9 @@ def _show(prof, path: Path) -> None:
         console.print(f"  {name:>12}: encode {c.encode.per_byte_s * 1e9:.3f} ns/B + {c.encode.fixed_s * 1e6:.0f} us, "
                       f"decode {c.decode.per_byte_s * 1e9:.3f} ns/B + {c.decode.fixed_s * 1e6:.0f} us")
     if prof.corun_speed:
-        console.print("with every core busy each runs the step at " +
-                      ", ".join(f"{v:.2f} ({k} cores)" for k, v in prof.corun_speed.items()) + " of its speed alone")
+        console.print("n copies of the step at once each run at " +
+                      ", ".join(f"{v:.2f} (n={k})" for k, v in prof.corun_speed.items()) +
+                      f" of their fair share min(1, {prof.machine.get('cores', '?')}/n) of one copy's speed alone")
     if prof.network:
         n = prof.network
         console.print(f"network: alpha {n.alpha_s * 1e6:.0f} us, {n.measured_bps / 1e6:.1f} of "

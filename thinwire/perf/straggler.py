@@ -16,7 +16,8 @@ Three sources of slowness are modelled:
 * **Busy cores run slower**: on a virtual machine whose vCPUs share a physical core (SMT) or
   caches and memory bandwidth, ``k`` busy cores each run at ``corun[k]`` of one core's speed alone
   (measured by ``thinwire profile``); co-located hosts get ``share * corun[k]`` with ``k`` the busy
-  cores (:func:`colocated_speeds`).
+  cores (:func:`colocated_speeds`); when hosts outnumber the cores and fill them, they time-share,
+  which costs more than the share (measured per number of processes, ``corun_speed``).
 * **Noise**: with per-host step times of mean ``mu`` and standard deviation ``sigma``, the expected
   slowest of ``p`` is ``mu + sigma * z_p``, ``z_p = Phi^-1((p - 0.375) / (p + 0.25))`` (Blom's
   approximation of the expected maximum of ``p`` normal samples, Blom 1958; Harter 1961 tables)
@@ -60,19 +61,33 @@ def cpu_shares(caps: Sequence[float | None], cores: float) -> list[float]:
 
 def colocated_speeds(shares: Sequence[float], cores: int, corun: dict[int, float] | None = None) -> list[float]:
     """Speed of hosts sharing ``cores`` cores with CPU ``shares`` (from :func:`cpu_shares`): each share
-    times the measured speed of one of ``k = min(cores, ceil(sum(shares)))`` busy cores.
+    times the measured co-run factor of the busy processes (:func:`corun_factor`).
 
     >>> colocated_speeds([1.0, 1.0], 2, {2: 0.8})
     [0.8, 0.8]
+    >>> colocated_speeds([0.5] * 4, 2, {2: 0.95, 4: 0.8})
+    [0.4, 0.4, 0.4, 0.4]
     """
     factor = corun_factor(shares, cores, corun)
     return [s * factor for s in shares]
 
 
+def busy_processes(shares: Sequence[float], cores: int) -> int:
+    """How many single-thread processes compete for the machine: the hosts themselves when they
+    fill every core between them and outnumber the cores (they time-share), else the busy cores,
+    ``min(cores, ceil(sum(shares)))``."""
+    if len(shares) > cores and sum(shares) >= cores - 1e-9:
+        return len(shares)
+    return min(cores, max(1, math.ceil(sum(shares) - 1e-9)))
+
+
 def corun_factor(shares: Sequence[float], cores: int, corun: dict[int, float] | None = None) -> float:
-    """The measured speed of a core while ``min(cores, ceil(sum(shares)))`` cores are busy (1.0 if unknown)."""
+    """The measured speed of each of ``n = busy_processes(shares, cores)`` concurrent processes,
+    relative to its fair share ``min(1, cores / n)`` of a core alone; the largest measured ``n`` not
+    above it (1.0 if none). Above ``cores`` this is the cost of time-sharing (switches, caches)
+    beyond the share itself."""
     corun = corun or {}
-    busy = min(cores, max(1, math.ceil(sum(shares) - 1e-9)))
+    busy = busy_processes(shares, cores)
     known = [k for k in corun if k <= busy]
     return corun[max(known)] if known else 1.0
 

@@ -16,7 +16,8 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     activation_bytes_per_sample: 1.5e6
     buckets:                     # DDP's layout after its rebuild, in the order buckets are reduced
       - {numel: 443008, ready_frac: 1.0, params: [12, 11, ...], shapes: [[256, 128], ...]}
-    corun_speed: {"2": 0.83}     # each of 2 busy cores runs the step at 0.83 of one core alone
+    corun_speed: {"2": 0.83, "3": 0.8, "4": 0.78}  # n copies at once: each one's speed over its fair
+                                 # share min(1, cores/n) of one copy alone (n > cores: time-sharing)
     kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
     codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002}, ...}
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
@@ -112,7 +113,7 @@ class Profile:
     achieved_flops: float = 0.0
     activation_bytes_per_sample: float = 0.0
     buckets: list[BucketRecord]
-    corun_speed: dict[str, float] = dataclasses.field(default_factory=dict)  # busy cores -> speed of each
+    corun_speed: dict[str, float] = dataclasses.field(default_factory=dict)  # copies -> speed of each / fair share
     kernels: dict[str, Cost] = dataclasses.field(default_factory=dict)
     codecs: dict[str, CodecCost] = dataclasses.field(default_factory=dict)
     network: NetworkRecord | None = None

@@ -2,7 +2,8 @@
 
 Steps: (1) the training step at each per-rank batch size, in DDP on one rank, with the bucket
 layout and each bucket's readiness (:mod:`.compute`); (2) FLOPs and saved-activation bytes per
-sample; (3) how fast the step runs when all cores are busy at once (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
+sample; (3) how fast the step runs when all cores are busy at once, and when up to twice as many
+single-thread copies as cores time-share them (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
 bucket sizes (:mod:`.codecs`), and each codec's relative error with error feedback on the workload's
 own gradients over a few steps (:func:`.codecs.ef_errors`, the planner's accuracy guard); (5) optionally the network's alpha and beta on a running emulated
 cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
@@ -64,11 +65,16 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         acts = activation_bytes(wl, b0) / b0
     corun_speed = {}
     cores = os.cpu_count() or 1
-    if corun and cores > 1:  # each of `cores` concurrent copies of the step, relative to one alone
+    if corun and cores > 1:
         from thinwire.perf_profile.corun import corun_speed as measure_corun
 
-        corun_speed[str(cores)] = measure_corun(workload=workload, model=dict(model or {}), data=data, batch=b0,
-                                                threads=threads, n=cores)
+        # n concurrent copies of the step, each relative to its fair share min(1, cores/n) of one alone:
+        # every core busy, and (one thread each) up to twice as many copies as cores, time-sharing them
+        # as the hosts of an emulated cluster with more hosts than cores do
+        for n in range(cores, 2 * cores + 1 if threads == 1 else cores + 1):
+            speed = measure_corun(workload=workload, model=dict(model or {}), data=data, batch=b0,
+                                  threads=threads, n=n)
+            corun_speed[str(n)] = speed / min(1.0, cores / n)
     numels = [bk.numel for bk in buckets]
     sizes = sizes_for(numels)
     return Profile(
