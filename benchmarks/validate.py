@@ -144,17 +144,28 @@ def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> N
              f"{meta.get('calibrate_reps', 1)} runs); the model adds what of it the grid link's added link time "
              "does not hide, max(0, measured - added link time) (see the benchmark's docstring). Other processes: the cores other users' processes took during the run (the "
              "hosts share this machine's cores, so any such load slows them beyond the spec).", "",
-             "The last column is a diagnostic, not the prediction: the model again with the cores other "
-             "processes used taken away.", "",
+             "The last two columns are diagnostics, not the prediction: the model again with the cores other "
+             "processes used taken away; and the slowest host's compute per step (data + forward + backward + "
+             "optimizer, no communication wait) as the model has it from the profile and as the run measured it. "
+             "Where the run's compute is far above the model's, the machine ran slower than when it was "
+             "profiled minutes before (this VM's speed drifts), and the step's error is mostly that, not the "
+             "network or codec model.", "",
              "| config | codec | predicted ms | measured ms | error | model alone ms | its error | co-location ms measured / added | "
-             "bytes/rank predicted | measured | other processes | predicted without their cores |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "bytes/rank predicted | measured | other processes | predicted without their cores | compute ms model / run |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['codec']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
                      f"{r['error']:+.1%} | {r['model_s'] * 1e3:.1f} | {r['model_error']:+.1%} | "
                      f"{r.get('colocation_measured_s', r['colocation_s']) * 1e3:+.1f} / {r['colocation_s'] * 1e3:+.1f} | {r['predicted_bytes']:,} | {r['measured_bytes']:,.0f} | "
-                     f"{r['foreign_cores']:.2f} cores | {r['predicted_loaded_s'] * 1e3:.1f} ms |")
+                     f"{r['foreign_cores']:.2f} cores | {r['predicted_loaded_s'] * 1e3:.1f} ms | {_compute(r)} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _compute(r: dict) -> str:
+    model, run = r.get("predicted_compute_s"), r.get("measured_compute_s")
+    if model is None:
+        return "-"
+    return f"{model * 1e3:.1f} / " + (f"{run * 1e3:.1f} ({run / model - 1:+.0%})" if run else "-")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -199,6 +210,9 @@ def parse_args(argv=None):
     p.add_argument("--calibrate-reps", type=int, default=3,
                    help="repeat each co-location calibration run this often and keep the median")
     p.add_argument("--profile", type=Path, help="reuse a calibration profile written by an earlier run")
+    p.add_argument("--rerender", action="store_true",
+                   help="run nothing: re-write validation.md/.png from --results' validation.json, filling the "
+                        "compute diagnostic of rows that lack it from their run folders (if still there)")
     p.add_argument("--points", help="only these points, e.g. 4x200mbit:bf16,3x1gbit:powersgd (no hetero)")
     p.add_argument("--out", type=Path, default=Path("runs") / time.strftime("validate-%Y%m%d-%H%M%S"))
     p.add_argument("--results", type=Path, default=RESULTS)
@@ -230,8 +244,41 @@ def check_profile(profile, args, batches: list[int]) -> None:
                             "without --profile.")
 
 
+def fill_compute(rows: list[dict], profile, args) -> None:
+    """Give rows from before the compute diagnostic existed its two numbers: the model's compute
+    for the point (simulated again from the profile) and the run's (from its metrics, if the run
+    folder is still there)."""
+    from thinwire.sim.validate import measured_compute, scaled_spec
+    from thinwire.sim.sweep import simulate
+
+    specs = {(label, codec): spec for label, spec, codec in configs(args)}
+    for r in rows:
+        if r.get("predicted_compute_s") is not None or (r["config"], r["codec"]) not in specs:
+            continue
+        real = scaled_spec(specs[(r["config"], r["codec"])], r["hosts"])
+        opts = SimOptions(codec=r["codec"], threads=args.threads, hosts=[r["hosts"]], batch_size=args.batch_size,
+                          scaling="strong", colocated_cores=float(os.cpu_count() or 1))
+        r["predicted_compute_s"] = simulate(real, profile, opts, default_batch=args.batch_size)[0].prediction.compute_s
+        run = Path(r["out"]) / "run"
+        r["measured_compute_s"] = measured_compute(run, 5) if (run / "metrics.jsonl").is_file() else None
+
+
+def rerender(args) -> None:
+    from thinwire.perf_profile.file import load_profile
+
+    data = json.loads((args.results / "validation.json").read_text())
+    profile = load_profile(args.profile or args.results / "validation-profile.yaml")
+    fill_compute(data["rows"], profile, args)
+    (args.results / "validation.json").write_text(json.dumps(data, indent=2))
+    meta = {k: v for k, v in data.items() if k not in ("summary", "rows")}
+    write_markdown(data["rows"], data["summary"], meta, args.results / "validation.md")
+    plot(data["rows"], args.results / "validation.png")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.rerender:
+        return rerender(args)
     if os.getloadavg()[0] > 0.5:
         print(f"warning: load average {os.getloadavg()[0]:.2f}: other processes will slow the hosts", flush=True)
     batches = sorted({args.batch_size // p for p in args.hosts} | ({args.batch_size // 3} if args.hetero else set()))

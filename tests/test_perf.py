@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -573,6 +574,7 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     ("auto:keep_gain=abc", r"auto\.keep_gain: must be a number, got 'abc'\. E\.g\. auto:keep_gain=0\.05"),
     ("auto:check_every=1.5", r"auto\.check_every: must be an integer, got '1\.5'"),
     ("auto:keep_gain=2", r"auto\.keep_gain: must be a fraction in \(-1, 1\), got 2\.0"),
+    ("auto:keep_p=0", r"auto\.keep_p: must be a probability in \(0, 1\], got 0\.0\. 1 keeps any trial"),
     ("auto:nope=1", r"auto parameter: must be key=value with key one of"),
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
@@ -588,9 +590,9 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
 
     from thinwire.plan.auto import AutoConfig, AutoPolicy
 
-    def window(step_s, rate_bps=10e6):  # what _agree returns: every rank's measurements merged
+    def window(step_s, rate_bps=10e6, steps=()):  # what _agree returns: every rank's measurements merged
         return {"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04, "step_s": step_s,
-                "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}}
+                "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}, "window": list(steps)}
 
     def policy_seeing(windows):
         policy = AutoPolicy(AutoConfig(warmup_steps=1, check_every=1, max_error=0.5, candidates=("none", "bf16", "topk:ratio=0.01")))
@@ -612,6 +614,17 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     reasons = [d["reason"].split(":")[0] for d in back.decisions]
     assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
     assert back.decisions[1]["choices"] == {0: "none"} and back.choices == {0: "topk:ratio=0.01"}
+    # a noisy host: the trial's median is 7% lower, but half its steps are slower than most before it
+    # (p ~ 0.24): reverted; every step of the trial below every step before it: kept
+    before = [0.40, 0.43, 0.38, 0.45, 0.41, 0.39, 0.44, 0.40, 0.42, 0.37]
+    noisy = [0.31, 0.46, 0.33, 0.37, 0.45, 0.30, 0.38, 0.47, 0.32, 0.44]
+    assert statistics.median(noisy) <= 0.95 * statistics.median(before)
+    doubt = policy_seeing([window(statistics.median(before), steps=before), window(statistics.median(noisy), steps=noisy)])
+    assert [d["reason"].split(":")[0] for d in doubt.decisions] == ["warm-up done", "reverted"]
+    assert "not surely faster" in doubt.decisions[1]["reason"] and doubt.choices == {0: "none"}
+    clear = [t / 3 for t in before]
+    sure = policy_seeing([window(statistics.median(before), steps=before), window(statistics.median(clear), steps=clear)])
+    assert [d["reason"].split(":")[0] for d in sure.decisions] == ["warm-up done", "kept"]
 
 
 def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behind():

@@ -57,6 +57,11 @@ class Comparison:
     model_s: float | None = None     # the model alone, without the measured co-location cost
     colocation_s: float = 0.0        # co-location cost added to the model: what of the measured one the link does not hide
     colocation_measured_s: float = 0.0  # co-location cost measured at calibrate_bandwidth
+    # diagnostic: the slowest host's compute per step (data + forward + backward + optimizer) as the
+    # model has it from the profile, and as the run measured it (median of data_s + compute_s): a gap
+    # here is the machine running slower or faster than when it was profiled, not the network model
+    predicted_compute_s: float | None = None
+    measured_compute_s: float | None = None
 
     @property
     def model_error(self) -> float | None:
@@ -100,6 +105,13 @@ def measured(out: Path, skip: int) -> tuple[float, float]:
     if not steps:
         raise ThinwireError(f"validation run {out} wrote no step records after step {skip}; see its output.")
     return (statistics.median(r["step_time_s"] for r in steps), statistics.median(r["bytes_sent"] for r in steps))
+
+
+def measured_compute(out: Path, skip: int) -> float | None:
+    """Median of ``data_s + compute_s`` (the step without its exposed communication wait) after the
+    first ``skip`` steps; None if the run did not record them."""
+    steps = [r for r in read_metrics(out) if "compute_s" in r and "data_s" in r and r["step"] > skip]
+    return statistics.median(r["data_s"] + r["compute_s"] for r in steps) if steps else None
 
 
 def run_real(spec: ClusterSpec, out: Path, *, skip: int, timeout: float, **train) -> tuple[float, float, float]:
@@ -233,5 +245,7 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
                                   measured_s=step_s, predicted_bytes=point.prediction.bytes_per_rank,
                                   measured_bytes=sent, out=str(where), foreign_cores=foreign, attempts=attempts,
                                   predicted_loaded_s=loaded_s, model_s=point.prediction.step_s,
-                                  colocation_s=overhead, colocation_measured_s=measured_cost))
+                                  colocation_s=overhead, colocation_measured_s=measured_cost,
+                                  predicted_compute_s=point.prediction.compute_s,
+                                  measured_compute_s=measured_compute(Path(where) / "run", skip)))
     return results
