@@ -36,6 +36,13 @@ Needs root and a quiet machine (other processes slow the hosts beyond their CPU 
 
     sudo .venv/bin/python benchmarks/validate.py                       # the whole grid, ~35 min
     sudo .venv/bin/python benchmarks/validate.py --hosts 2 --bandwidths 50mbit --codecs none   # one point
+    .venv/bin/python benchmarks/validate.py --rerender             # re-write the .md/.png from the .json
+    .venv/bin/python benchmarks/validate.py --without-timesharing  # same runs, model without time-sharing
+
+Each row also carries a diagnostic that is not part of the prediction: a host's compute per step as
+the model has it from the profile and as the run measured it (hosts of equal CPU). On this VM the
+machine's speed drifts by tens of percent within one grid: a point whose run computed far slower
+than the profile did minutes earlier is off for that reason, not for the network or codec model.
 """
 
 from __future__ import annotations
@@ -146,7 +153,8 @@ def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> N
              "hosts share this machine's cores, so any such load slows them beyond the spec).", "",
              "The last two columns are diagnostics, not the prediction: the model again with the cores other "
              "processes used taken away; and the slowest host's compute per step (data + forward + backward + "
-             "optimizer, no communication wait) as the model has it from the profile and as the run measured it. "
+             "optimizer, no communication wait; rank 0's, so only where every host has the same CPU) as the model "
+             "has it from the profile and as the run measured it. "
              "Where the run's compute is far above the model's, the machine ran slower than when it was "
              "profiled minutes before (this VM's speed drifts), and the step's error is mostly that, not the "
              "network or codec model.", "",
@@ -210,6 +218,10 @@ def parse_args(argv=None):
     p.add_argument("--calibrate-reps", type=int, default=3,
                    help="repeat each co-location calibration run this often and keep the median")
     p.add_argument("--profile", type=Path, help="reuse a calibration profile written by an earlier run")
+    p.add_argument("--without-timesharing", action="store_true",
+                   help="run nothing: predict --results' runs again without the profile's co-run speeds for more "
+                        "processes than cores (the time-sharing factor), co-location cost re-derived from the same "
+                        "calibration runs; print both summaries")
     p.add_argument("--rerender", action="store_true",
                    help="run nothing: re-write validation.md/.png from --results' validation.json, filling the "
                         "compute diagnostic of rows that lack it from their run folders (if still there)")
@@ -248,7 +260,7 @@ def fill_compute(rows: list[dict], profile, args) -> None:
     """Give rows from before the compute diagnostic existed its two numbers: the model's compute
     for the point (simulated again from the profile) and the run's (from its metrics, if the run
     folder is still there)."""
-    from thinwire.sim.validate import measured_compute, scaled_spec
+    from thinwire.sim.validate import compute_diagnostic, scaled_spec
     from thinwire.sim.sweep import simulate
 
     specs = {(label, codec): spec for label, spec, codec in configs(args)}
@@ -258,9 +270,8 @@ def fill_compute(rows: list[dict], profile, args) -> None:
         real = scaled_spec(specs[(r["config"], r["codec"])], r["hosts"])
         opts = SimOptions(codec=r["codec"], threads=args.threads, hosts=[r["hosts"]], batch_size=args.batch_size,
                           scaling="strong", colocated_cores=float(os.cpu_count() or 1))
-        r["predicted_compute_s"] = simulate(real, profile, opts, default_batch=args.batch_size)[0].prediction.compute_s
-        run = Path(r["out"]) / "run"
-        r["measured_compute_s"] = measured_compute(run, 5) if (run / "metrics.jsonl").is_file() else None
+        model = simulate(real, profile, opts, default_batch=args.batch_size)[0].prediction.compute_s
+        r.update(compute_diagnostic(real, model, Path(r["out"]) / "run", 5))
 
 
 def rerender(args) -> None:
@@ -275,8 +286,58 @@ def rerender(args) -> None:
     plot(data["rows"], args.results / "validation.png")
 
 
+def without_timesharing(args) -> dict:
+    """The same runs, predicted by the model without the time-sharing factor (the profile's co-run
+    speeds above the core count dropped). Each point's co-location cost is re-derived from its own
+    calibration runs: their measured median is the recorded cost plus the recorded model's
+    calibration prediction, and the cost is that median less the other model's calibration
+    prediction. Nothing is run; the summary is ``summarize``'s."""
+    import copy
+
+    from thinwire.perf_profile.file import load_profile
+    from thinwire.sim.sweep import simulate
+    from thinwire.sim.validate import at_bandwidth, colocation_cost, scaled_spec
+
+    data = json.loads((args.results / "validation.json").read_text())
+    profile = load_profile(args.profile or args.results / "validation-profile.yaml")
+    alt = copy.deepcopy(profile)
+    alt.corun_speed = {k: v for k, v in profile.corun_speed.items() if int(k) <= int(profile.machine.get("cores", 1))}
+    specs = {(label, codec): spec for label, spec, codec in configs(args)}
+    bandwidth = data.get("calibrate_bandwidth") or None
+
+    def predict(prof, real, codec):
+        opts = SimOptions(codec=codec, threads=args.threads, hosts=[len(real.hosts)], batch_size=args.batch_size,
+                          scaling="strong", colocated_cores=float(os.cpu_count() or 1))
+        point = simulate(real, prof, opts, default_batch=args.batch_size)[0].prediction
+        cal = simulate(at_bandwidth(real, bandwidth), prof, opts, default_batch=args.batch_size)[0].prediction if bandwidth else None
+        return point, cal
+
+    rows = []
+    for r in data["rows"]:
+        real = scaled_spec(specs[(r["config"], r["codec"])], r["hosts"])
+        point, cal = predict(profile, real, r["codec"])
+        if abs(point.step_s - r["model_s"]) > 1e-6:
+            raise SystemExit(f"{r['config']} {r['codec']}: the profile does not give the recorded prediction; "
+                             "pass the grid's own --profile")
+        point_alt, cal_alt = predict(alt, real, r["codec"])
+        over = cost = 0.0
+        if cal is not None:
+            cost = r["colocation_measured_s"] + cal.step_s - cal_alt.step_s
+            over = colocation_cost(cost, point_alt.comm_s - cal_alt.comm_s)
+        predicted = point_alt.step_s + over
+        rows.append({**r, "predicted_s": predicted, "model_s": point_alt.step_s, "colocation_s": over,
+                     "colocation_measured_s": cost,
+                     "error": predicted / r["measured_s"] - 1, "model_error": point_alt.step_s / r["measured_s"] - 1})
+    summary = {"with": data["summary"], "without_timesharing": summarize(rows), "corun_speed": profile.corun_speed}
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.without_timesharing:
+        without_timesharing(args)
+        return None
     if args.rerender:
         return rerender(args)
     if os.getloadavg()[0] > 0.5:

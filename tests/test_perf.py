@@ -500,6 +500,23 @@ def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
     assert row.predicted_loaded_s > row.predicted_s  # fewer cores left: slower
 
 
+def test_validation_compute_diagnostic_reads_the_run_and_skips_mixed_cpus(tmp_path):
+    import thinwire.sim.validate as v
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": k, "data_s": 0.01, "compute_s": 0.05 + (0.5 if k <= 2 else 0.001 * k), "step_time_s": 0.1}
+               for k in range(1, 8)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    same = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="1gbit", cpu=1.0), hosts=[HostSpec(name="a"), HostSpec(name="b")])
+    got = v.compute_diagnostic(same, 0.07, run, skip=2)  # steps 3..7: 0.063 .. 0.067, median 0.065
+    assert got["predicted_compute_s"] == 0.07 and got["measured_compute_s"] == pytest.approx(0.065)
+    mixed = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="1gbit", cpu=1.0),
+                        hosts=[HostSpec(name="a"), HostSpec(name="b", cpu=0.25)])
+    assert v.compute_diagnostic(mixed, 0.07, run, skip=2) == {}  # rank 0's compute is not the slowest host's
+
+
 def test_colocation_calibration_keeps_the_median_of_its_repeats(tmp_path, monkeypatch):
     import thinwire.sim.validate as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
@@ -640,7 +657,8 @@ def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behin
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
         policy._agree = lambda: {"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04, "step_s": 0.4,
-                                 "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}}
+                                 "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}},
+                                 "window": []}
         policy._check(1)
         return policy.choices
 

@@ -57,8 +57,8 @@ class Comparison:
     model_s: float | None = None     # the model alone, without the measured co-location cost
     colocation_s: float = 0.0        # co-location cost added to the model: what of the measured one the link does not hide
     colocation_measured_s: float = 0.0  # co-location cost measured at calibrate_bandwidth
-    # diagnostic: the slowest host's compute per step (data + forward + backward + optimizer) as the
-    # model has it from the profile, and as the run measured it (median of data_s + compute_s): a gap
+    # diagnostic (hosts of equal CPU): a host's compute per step (data + forward + backward + optimizer)
+    # as the model has it from the profile, and as the run measured it (median of data_s + compute_s): a gap
     # here is the machine running slower or faster than when it was profiled, not the network model
     predicted_compute_s: float | None = None
     measured_compute_s: float | None = None
@@ -112,6 +112,14 @@ def measured_compute(out: Path, skip: int) -> float | None:
     first ``skip`` steps; None if the run did not record them."""
     steps = [r for r in read_metrics(out) if "compute_s" in r and "data_s" in r and r["step"] > skip]
     return statistics.median(r["data_s"] + r["compute_s"] for r in steps) if steps else None
+
+
+def compute_diagnostic(real: ClusterSpec, predicted_compute_s: float, run: Path, skip: int) -> dict:
+    """The two compute numbers of :class:`Comparison`, for hosts of equal CPU only: the run records
+    rank 0's compute, which on a mixed spec is not the slowest host's that the model gives."""
+    if len({h.cpu for h in real.hosts}) != 1 or not (run / "metrics.jsonl").is_file():
+        return {}
+    return {"predicted_compute_s": predicted_compute_s, "measured_compute_s": measured_compute(run, skip)}
 
 
 def run_real(spec: ClusterSpec, out: Path, *, skip: int, timeout: float, **train) -> tuple[float, float, float]:
@@ -246,6 +254,5 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
                                   measured_bytes=sent, out=str(where), foreign_cores=foreign, attempts=attempts,
                                   predicted_loaded_s=loaded_s, model_s=point.prediction.step_s,
                                   colocation_s=overhead, colocation_measured_s=measured_cost,
-                                  predicted_compute_s=point.prediction.compute_s,
-                                  measured_compute_s=measured_compute(Path(where) / "run", skip)))
+                                  **compute_diagnostic(real, point.prediction.compute_s, Path(where) / "run", skip)))
     return results
