@@ -152,9 +152,9 @@ def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> N
              "does not hide, max(0, measured - added link time) (see the benchmark's docstring). Other processes: the cores other users' processes took during the run (the "
              "hosts share this machine's cores, so any such load slows them beyond the spec).", "",
              "The last two columns are diagnostics, not the prediction: the model again with the cores other "
-             "processes used taken away; and the slowest host's compute per step (data + forward + backward + "
-             "optimizer, no communication wait; rank 0's, so only where every host has the same CPU) as the model "
-             "has it from the profile and as the run measured it. "
+             "processes used taken away; and a host's compute per step (data + forward + backward + optimizer, "
+             "no communication wait; the run records rank 0's, so only where every host has the same CPU) as the "
+             "model has it from the profile and as the run measured it. "
              "Where the run's compute is far above the model's, the machine ran slower than when it was "
              "profiled minutes before (this VM's speed drifts), and the step's error is mostly that, not the "
              "network or codec model.", "",
@@ -256,6 +256,12 @@ def check_profile(profile, args, batches: list[int]) -> None:
                             "without --profile.")
 
 
+def _sim_options(args, codec: str, hosts: int) -> SimOptions:
+    """The simulation of one grid point, as ``thinwire.sim.validate.validate`` sets it up."""
+    return SimOptions(codec=codec, threads=args.threads, hosts=[hosts], batch_size=args.batch_size,
+                      scaling="strong", colocated_cores=float(os.cpu_count() or 1))
+
+
 def fill_compute(rows: list[dict], profile, args) -> None:
     """Give rows from before the compute diagnostic existed its two numbers: the model's compute
     for the point (simulated again from the profile) and the run's (from its metrics, if the run
@@ -268,8 +274,7 @@ def fill_compute(rows: list[dict], profile, args) -> None:
         if r.get("predicted_compute_s") is not None or (r["config"], r["codec"]) not in specs:
             continue
         real = scaled_spec(specs[(r["config"], r["codec"])], r["hosts"])
-        opts = SimOptions(codec=r["codec"], threads=args.threads, hosts=[r["hosts"]], batch_size=args.batch_size,
-                          scaling="strong", colocated_cores=float(os.cpu_count() or 1))
+        opts = _sim_options(args, r["codec"], r["hosts"])
         model = simulate(real, profile, opts, default_batch=args.batch_size)[0].prediction.compute_s
         r.update(compute_diagnostic(real, model, Path(r["out"]) / "run", 5))
 
@@ -306,8 +311,7 @@ def without_timesharing(args) -> dict:
     bandwidth = data.get("calibrate_bandwidth") or None
 
     def predict(prof, real, codec):
-        opts = SimOptions(codec=codec, threads=args.threads, hosts=[len(real.hosts)], batch_size=args.batch_size,
-                          scaling="strong", colocated_cores=float(os.cpu_count() or 1))
+        opts = _sim_options(args, codec, len(real.hosts))
         point = simulate(real, prof, opts, default_batch=args.batch_size)[0].prediction
         cal = simulate(at_bandwidth(real, bandwidth), prof, opts, default_batch=args.batch_size)[0].prediction if bandwidth else None
         return point, cal
