@@ -555,6 +555,55 @@ def test_link_meter_ignores_waits_that_a_regression_would_turn_into_any_slope():
     assert alpha == DEFAULT_ALPHA_S and est == pytest.approx(beta, rel=1e-6)
 
 
+def test_link_meter_times_a_queued_collective_from_when_the_one_before_it_completed():
+    """An async all-reduce issued while the previous bucket's was still on the wire waited for it:
+    its transfer counts from that completion, not from its issue (else a fast link reads slow)."""
+    import time
+
+    from thinwire.plan.meters import LinkMeter
+
+    meter = LinkMeter()
+    now = time.perf_counter()
+    meter._last_done = now - 0.010           # the earlier collective completed 10 ms ago
+    meter._record(1000, issued=now - 0.500)  # this one was issued 500 ms ago, behind it
+    meter._last_done = time.perf_counter() - 0.500           # idle link: the last one completed long ago
+    meter._record(1000, issued=time.perf_counter() - 0.020)  # so this one's own time counts
+    (_, queued), (_, alone) = meter.samples
+    assert 0.010 <= queued < 0.100
+    assert 0.020 <= alone < 0.100
+
+
+def test_significance_test_agrees_with_scipys_mann_whitney_u():
+    import random
+
+    from scipy.stats import mannwhitneyu
+
+    from thinwire.plan.auto import _p_faster
+
+    rng = random.Random(0)
+    cases = [([0.070 + 0.01 * rng.random() for _ in range(10)], [0.074 + 0.01 * rng.random() for _ in range(10)])
+             for _ in range(20)]
+    cases += [([1, 2, 2, 3, 5], [2, 3, 3, 4, 6, 6]), ([3, 3, 3], [3, 3, 3, 3]), ([0.137] * 10, [0.3] * 10)]
+    for now, before in cases:
+        want = mannwhitneyu(now, before, alternative="less", method="asymptotic").pvalue
+        got = _p_faster(now, before)
+        assert got == pytest.approx(float(want), rel=1e-9, abs=1e-12) or (want != want and got == 1.0), (now, before)
+    assert _p_faster([1, 2], [3, 4, 5]) == 0.0
+
+
+def test_auto_keeps_its_heavy_steps_on_the_communication_thread():
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    policy = AutoPolicy(AutoConfig(warmup_steps=2, check_every=3))
+    assert policy.busy(0, 0) and policy.busy(1, 1)           # warm-up: shadow runs
+    policy._last_step = 1
+    assert policy.busy(0, 2)                                 # the check at the step's first bucket
+    policy._last_step = 2
+    assert not policy.busy(1, 2) and not policy.busy(0, 3)   # in between: nothing heavy
+    policy.choices, policy._lowrank_since = {1: "powersgd:rank=8"}, {1: ("powersgd:rank=8", 2)}
+    assert policy.busy(1, 3) and not policy.busy(1, 6)       # PowerSGD's first window keeps its shadow
+
+
 def test_shadow_guard_keeps_out_codecs_that_leave_most_of_the_gradient_behind():
     import torch
 

@@ -8,6 +8,11 @@ with a size mismatch. Here each bucket's whole job runs, in submission order, on
 DDP hands buckets to the hook in the same order on every rank, so every rank issues the same
 sequence of collectives, while the main thread goes on with backward (communication still
 overlaps computation).
+
+:meth:`CommThread.idle` says whether every job submitted so far has returned (so has issued all its
+collectives): then the submitting thread may issue a collective itself without changing the order,
+which is how the hook sends a bucket that needs a single all-reduce (see
+:meth:`thinwire.compress.hook.CommState.hook`).
 """
 
 from __future__ import annotations
@@ -22,14 +27,21 @@ import torch
 class CommThread:
     def __init__(self, name: str = "thinwire-comm") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._submitted = 0  # written by the submitting thread only
+        self._returned = 0   # written by this thread only
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable, *args) -> torch.futures.Future:
         """Run ``fn(*args)`` after every job submitted before it; its result completes the future."""
         fut: torch.futures.Future = torch.futures.Future()
+        self._submitted += 1
         self._jobs.put((fut, fn, args))
         return fut
+
+    def idle(self) -> bool:
+        """Every submitted job has returned. Call it from the (single) submitting thread."""
+        return self._returned == self._submitted
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -44,6 +56,8 @@ class CommThread:
             try:
                 result = fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting DDP reducer
+                self._returned += 1
                 fut.set_exception(e)
             else:
+                self._returned += 1
                 fut.set_result(result)

@@ -71,6 +71,8 @@ class HierarchicalState(CommState):
     """A :class:`~thinwire.compress.hook.CommState` whose buckets travel in two levels (see the module
     docstring). ``wire`` counts every byte this rank sends, both levels together."""
 
+    issues_inline = False  # every bucket takes two levels of collectives, on the communication thread
+
     def __init__(self, policy, *, groups: list[list[int]], timeout=None, **kwargs) -> None:
         super().__init__(policy, **kwargs)
         rank, backend = dist.get_rank(), dist.get_backend()

@@ -19,8 +19,10 @@ How a bucket travels (every rank decides identically, from sizes and the step nu
    default) makes the bucket's result NaN on every rank, so the optimizer step is skipped as with
    uncompressed DDP under a GradScaler, and logs a warning; ``"raise"`` raises ``FloatingPointError``.
 
-All bucket jobs run in order on one communication thread (:mod:`thinwire.compress.engine`), so any
-DDP bucket layout works on gloo and NCCL alike.
+Bucket jobs run in order on one communication thread (:mod:`thinwire.compress.engine`), so any
+DDP bucket layout works on gloo and NCCL alike. A bucket that needs only all-reduces (fp32, and the
+summable codecs but PowerSGD) is issued asynchronously from DDP's own thread when the communication
+thread has nothing left to issue, as PyTorch's hooks do; the order of collectives is the same.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from collections import Counter
 from typing import Literal, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -49,6 +52,9 @@ class Policy(Protocol):
 
     def codec_for(self, bucket: int, numel: int, step: int) -> Codec: ...
     def describe(self) -> str: ...
+    # Optional: ``observe(bucket, buf, step, shapes)`` sees each gradient before it travels;
+    # ``busy(bucket, step) -> bool`` says that observe or codec_for will do heavy work for this bucket
+    # (then it runs on the communication thread, off the backward pass).
 
 
 class StaticPolicy:
@@ -91,6 +97,11 @@ class CommState:
 
     # -- the hook ------------------------------------------------------------------------------
     def hook(self, bucket):  # no annotations: DDP rejects the string ones `from __future__` makes
+        """Hand the bucket to the communication thread, or, when that thread has nothing left to
+        issue and the bucket needs only all-reduces (fp32, bf16, fp16, random-k), issue them here,
+        asynchronously, as PyTorch's own hooks do: no thread hand-over on the step's critical path
+        (which costs a scheduler slice on a host with more busy threads than cores). The order of
+        collectives is the same either way: every earlier bucket's were issued before this one's."""
         step, index = self.step, bucket.index()
         if bucket.is_last():
             self.step += 1
@@ -98,9 +109,36 @@ class CommState:
         params = bucket.parameters()
         shapes = [tuple(p.shape) for p in params]
         layout = tuple((self.param_index.get(id(p), -1), p.numel()) for p in params)
-        return self._thread.submit(self._reduce, bucket.buffer(), index, step, shapes, layout)
+        args = (bucket.buffer(), index, step, shapes, layout)
+        busy = getattr(self.policy, "busy", None)  # a policy with heavy work at this bucket keeps it off the caller
+        if not (self.issues_inline and self._thread.idle()) or (busy is not None and busy(index, step)):
+            return self._thread.submit(self._reduce, *args)
+        job = self._prepare(*args)
+        if job is None:
+            return self.wire.all_reduce_async(args[0]).then(lambda fut: fut.value()[0])
+        pending = schemes.start(job)
+        if pending is None:  # later collectives depend on earlier results: the thread runs the job
+            return self._thread.submit(self._run, job)
+        futures = [self.wire.all_reduce_async(t) for t in pending.tensors]
+        done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+        # The callback runs on the process group's worker thread, and the group may free it there
+        # later: had it kept this state (so the group) alive, the group's destructor would run on
+        # its own worker and join itself (seen: "terminate ... Resource deadlock avoided" at exit).
+        # So the callback holds it only until it has run.
+        box = [self, job, pending]
 
-    def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> Tensor:
+        def finish(_):
+            state, job, pending = box
+            box.clear()
+            return state._finish(job, *pending.finish())
+
+        return done.then(finish)
+
+    issues_inline: bool = True  # False where _reduce is overridden (hierarchical)
+
+    def _prepare(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> schemes.BucketJob | None:
+        """Average-scale the bucket, show it to the policy, pick its codec: the job, or None when it
+        goes uncompressed (warm-up, small bucket) as a plain fp32 all-reduce."""
         self.bytes_raw += buf.numel() * buf.element_size()
         buf.div_(self.wire.world)
         observe = getattr(self.policy, "observe", None)
@@ -108,14 +146,22 @@ class CommState:
             observe(index, buf, step, shapes)
         if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
             self.counts["fp32"] += 1
-            return self.wire.all_reduce(buf)
+            return None
         codec = self.policy.codec_for(index, buf.numel(), step)
         self.counts[codec.name] += 1
-        job = schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, layout=layout, codec=codec, state=self)
-        out, finite = schemes.run(job)
-        if not finite:
-            return self._on_nonfinite(buf, index, step)
-        return out
+        return schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, layout=layout, codec=codec, state=self)
+
+    def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> Tensor:
+        job = self._prepare(buf, index, step, shapes, layout)
+        if job is None:
+            return self.wire.all_reduce(buf)
+        return self._run(job)
+
+    def _run(self, job: schemes.BucketJob) -> Tensor:
+        return self._finish(job, *schemes.run(job))
+
+    def _finish(self, job: schemes.BucketJob, out: Tensor, finite: bool) -> Tensor:
+        return out if finite else self._on_nonfinite(job.buf, int(job.key), job.step)
 
     def _on_nonfinite(self, buf: Tensor, index: int, step: int) -> Tensor:
         self.skipped_nonfinite += 1

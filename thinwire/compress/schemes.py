@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -53,16 +54,35 @@ class BucketJob:
     state: object        # CommState: wire, feedback, compress_s, extra
 
 
+@dataclasses.dataclass
+class Pending:
+    """A job whose only collectives are all-reduces (sums) of ``tensors``, in this order, after which
+    ``finish()`` gives (result, all ranks finite). The hook may issue them asynchronously."""
+
+    tensors: list[Tensor]
+    finish: Callable[[], tuple[Tensor, bool]]
+
+
+def start(job: BucketJob) -> Pending | None:
+    """The first half of a lossless or summable job (everything before its all-reduces), or None
+    for the schemes whose later collectives depend on earlier results."""
+    if job.codec.lossless:
+        return Pending([job.buf], lambda: (job.buf, all_finite(job.buf)))
+    if job.codec.summable and job.codec.name != "powersgd":
+        return _summable(job)
+    return None
+
+
 def run(job: BucketJob) -> tuple[Tensor, bool]:
     """Average the bucket across ranks with the job's codec; returns (result, all ranks finite)."""
     codec, p = job.codec, job.state.wire.world
-    if codec.lossless:
-        out = job.state.wire.all_reduce(job.buf)
-        return out, all_finite(out)
+    pending = start(job)
+    if pending is not None:
+        for t in pending.tensors:
+            job.state.wire.all_reduce(t)
+        return pending.finish()
     if codec.name == "powersgd":
         return _powersgd(job)
-    if codec.summable:
-        return _summable(job)
     if codec.sparse or p <= 2:
         return _allgather(job)
     return _reduce_scatter_allgather(job)
@@ -104,13 +124,14 @@ def _decode(job: BucketJob, payload: list[Tensor], meta: Meta) -> Tensor:
     return out
 
 
-def _summable(job: BucketJob) -> tuple[Tensor, bool]:
-    """Encode, all-reduce the payload, decode the sum once into the bucket.
+def _summable(job: BucketJob) -> Pending:
+    """Encode; the payload's all-reduce is left to the caller; ``finish`` decodes the sum once into
+    the bucket.
 
     A rank whose gradient is not finite says so inside the payload: a NaN in its first float tensor
     makes the sum NaN on every rank (a 4-byte flag is appended only when that tensor is not a
     float). What this rank sent is decoded before the all-reduce overwrites its payload."""
-    n, wire, fb = job.buf.numel(), job.state.wire, job.state.feedback
+    n, fb = job.buf.numel(), job.state.feedback
     feed = fb is not None and job.codec.needs_feedback
     # A codec without feedback (bf16) still sends what an earlier codec of this bucket held back, once.
     flush = fb is not None and not feed and fb.holds(job.key, job.layout)
@@ -120,7 +141,7 @@ def _summable(job: BucketJob) -> tuple[Tensor, bool]:
     payload = _encode(job, x, meta)
     sent = _decode(job, payload, meta) if feed else None
     if sent is not None and any(_shares_memory(sent, t) for t in payload):
-        sent = sent.clone()  # the all-reduce below writes into the payload
+        sent = sent.clone()  # the all-reduce writes into the payload
     head = payload[0]
     in_band = head.is_floating_point()
     if in_band:
@@ -129,20 +150,20 @@ def _summable(job: BucketJob) -> tuple[Tensor, bool]:
     else:
         flag = torch.tensor([0.0 if finite_here else 1.0], dtype=head.dtype, device=head.device)
         head = torch.cat([head.reshape(-1), flag])
-    wire.all_reduce(head)
-    for t in payload[1:]:
-        wire.all_reduce(t)
-    finite = all_finite(head) and (in_band or float(head[-1]) == 0.0)
-    if not in_band:
-        payload = [head[:-1].view(payload[0].shape), *payload[1:]]
-    if finite and sent is not None:
-        _remember(job, job.key, x, sent)
-    if finite and flush:
-        fb.drop(job.key)
-    t0 = time.perf_counter()
-    job.codec.decompress_into(payload, meta, job.buf)
-    job.state.compress_s += time.perf_counter() - t0
-    return job.buf, finite
+
+    def finish() -> tuple[Tensor, bool]:
+        finite = all_finite(head) and (in_band or float(head[-1]) == 0.0)
+        summed = payload if in_band else [head[:-1].view(payload[0].shape), *payload[1:]]
+        if finite and sent is not None:
+            _remember(job, job.key, x, sent)
+        if finite and flush:
+            fb.drop(job.key)
+        t0 = time.perf_counter()
+        job.codec.decompress_into(summed, meta, job.buf)
+        job.state.compress_s += time.perf_counter() - t0
+        return job.buf, finite
+
+    return Pending([head, *payload[1:]], finish)
 
 
 def _shares_memory(a: Tensor, b: Tensor) -> bool:

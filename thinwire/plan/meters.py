@@ -21,19 +21,40 @@ class LinkMeter:
 
     def __init__(self, keep: int = 64) -> None:
         self.samples: collections.deque = collections.deque(maxlen=keep)
+        self._last_done = 0.0  # when the last timed collective completed
 
     def wrap(self, wire) -> None:
         for name in ("all_reduce", "all_gather", "all_to_all"):
             setattr(wire, name, self._timed(wire, getattr(wire, name)))
+        wire.all_reduce_async = self._timed_async(wire, wire.all_reduce_async)
+
+    def _record(self, sent: int, issued: float) -> None:
+        """A collective issued at ``issued`` just completed. One issued while an earlier one was
+        still running waited for it (a process group runs its collectives in order), so its time
+        counts from the later of its issue and the earlier one's completion."""
+        now = time.perf_counter()
+        if sent > 0:
+            self.samples.append((sent, now - max(issued, self._last_done)))
+        self._last_done = now
 
     def _timed(self, wire, fn):
         def timed(t):
             before, t0 = wire.bytes_sent, time.perf_counter()
             out = fn(t)
-            sent = wire.bytes_sent - before
-            if sent > 0:
-                self.samples.append((sent, time.perf_counter() - t0))
+            self._record(wire.bytes_sent - before, t0)
             return out
+        return timed
+
+    def _timed_async(self, wire, fn):
+        def timed(t):
+            before, t0 = wire.bytes_sent, time.perf_counter()
+            fut = fn(t)
+            sent = wire.bytes_sent - before
+
+            def done(f):
+                self._record(sent, t0)
+                return f.value()
+            return fut.then(done)
         return timed
 
     def estimate(self, p: int) -> tuple[float, float]:
