@@ -6,8 +6,10 @@ One process, a gloo group of one rank (the all-reduce moves nothing), one thread
 the CPU work each hook does around its collective, which on a CPU-bound host is added to the step.
 PyTorch's bodies are those of ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``
 (``allreduce_hook``: divide, all-reduce; ``bf16_compress_hook`` / ``fp16_compress_hook``: divide,
-cast, all-reduce, copy back), on the calling thread. thinwire's is ``CommState._reduce`` with error
-feedback, on its communication thread, as ``thinwire.attach`` runs it (the time includes the hand-over), and ``auto`` settled on each codec (its meters attached). Each call
+cast, all-reduce, copy back), on the calling thread. thinwire's is the path its hook takes with error
+feedback, as ``thinwire.attach`` runs it (``CommState._send``): buckets that need only all-reduces
+(none, fp16, bf16) go out async from the calling thread, int8 is handed over to the communication
+thread (the time includes the hand-over); and ``auto`` settled on each codec (its meters attached). Each call
 starts from a fresh gradient copy (not timed). Median of ``--reps`` calls, in microseconds.
 """
 
@@ -55,9 +57,9 @@ def thinwire_body(spec: str, auto: bool = False):
         policy.config = type(policy.config)(candidates=policy.config.candidates, warmup_steps=1, check_every=10**9)
     step = [1]  # auto: past its warm-up (step 1) and not due to check again
 
-    def body(buf: torch.Tensor) -> torch.Tensor:  # on the hook's communication thread, as in training
+    def body(buf: torch.Tensor) -> torch.Tensor:  # the path the hook takes in training
         step[0] += 1
-        return state._thread.submit(state._reduce, buf, 0, step[0], [tuple(buf.shape)], ((0, buf.numel()),)).wait()
+        return state._send(buf, 0, step[0], [tuple(buf.shape)], ((0, buf.numel()),)).wait()
     return body
 
 

@@ -97,11 +97,6 @@ class CommState:
 
     # -- the hook ------------------------------------------------------------------------------
     def hook(self, bucket):  # no annotations: DDP rejects the string ones `from __future__` makes
-        """Hand the bucket to the communication thread, or, when that thread has nothing left to
-        issue and the bucket needs only all-reduces (fp32, bf16, fp16, random-k), issue them here,
-        asynchronously, as PyTorch's own hooks do: no thread hand-over on the step's critical path
-        (which costs a scheduler slice on a host with more busy threads than cores). The order of
-        collectives is the same either way: every earlier bucket's were issued before this one's."""
         step, index = self.step, bucket.index()
         if bucket.is_last():
             self.step += 1
@@ -109,7 +104,16 @@ class CommState:
         params = bucket.parameters()
         shapes = [tuple(p.shape) for p in params]
         layout = tuple((self.param_index.get(id(p), -1), p.numel()) for p in params)
-        args = (bucket.buffer(), index, step, shapes, layout)
+        return self._send(bucket.buffer(), index, step, shapes, layout)
+
+    def _send(self, *args) -> torch.futures.Future:
+        """Hand the bucket to the communication thread, or, when that thread has nothing left to
+        issue and the bucket needs only all-reduces (fp32, bf16, fp16, random-k), issue them here,
+        asynchronously, as PyTorch's own hooks do: no thread hand-over on the step's critical path
+        (which costs a scheduler slice on a host with more busy threads than cores). The order of
+        collectives is the same either way: every earlier bucket's were issued before this one's.
+        ``args``: the bucket's flat buffer, index, step, parameter shapes and layout."""
+        index, step = args[1], args[2]
         busy = getattr(self.policy, "busy", None)  # a policy with heavy work at this bucket keeps it off the caller
         if not (self.issues_inline and self._thread.idle()) or (busy is not None and busy(index, step)):
             return self._thread.submit(self._reduce, *args)
