@@ -11,8 +11,8 @@ overlaps computation).
 
 :meth:`CommThread.idle` says whether every job submitted so far has returned (so has issued all its
 collectives): then the submitting thread may issue a collective itself without changing the order,
-which is how the hook sends a bucket that needs a single all-reduce (see
-:meth:`thinwire.compress.hook.CommState.hook`).
+which is how the hook sends a bucket that needs only all-reduces (see
+:meth:`thinwire.compress.hook.CommState._send`).
 """
 
 from __future__ import annotations

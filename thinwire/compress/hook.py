@@ -75,6 +75,8 @@ class StaticPolicy:
 class CommState:
     """State of an attached hook: policy, error feedback, counters. Checkpoint it with ``state_dict``."""
 
+    issues_inline = True  # buckets of one all-reduce may go out from DDP's thread (not where _reduce is overridden)
+
     def __init__(self, policy: Policy, *, error_feedback: bool, warmup_steps: int, min_compress_bytes: int,
                  nonfinite: Literal["skip", "raise"], group=None) -> None:
         if nonfinite not in ("skip", "raise"):
@@ -137,8 +139,6 @@ class CommState:
             return state._finish(job, *pending.finish())
 
         return done.then(finish)
-
-    issues_inline: bool = True  # False where _reduce is overridden (hierarchical)
 
     def _prepare(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> schemes.BucketJob | None:
         """Average-scale the bucket, show it to the policy, pick its codec: the job, or None when it
