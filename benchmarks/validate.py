@@ -36,13 +36,16 @@ Needs root and a quiet machine (other processes slow the hosts beyond their CPU 
 
     sudo .venv/bin/python benchmarks/validate.py                       # the whole grid, ~35 min
     sudo .venv/bin/python benchmarks/validate.py --hosts 2 --bandwidths 50mbit --codecs none   # one point
+    sudo .venv/bin/python benchmarks/validate.py --recompute           # re-measure the step before each point
     .venv/bin/python benchmarks/validate.py --rerender             # re-write the .md/.png from the .json
     .venv/bin/python benchmarks/validate.py --without-timesharing  # same runs, model without time-sharing
 
 Each row also carries a diagnostic that is not part of the prediction: a host's compute per step as
 the model has it from the profile and as the run measured it (hosts of equal CPU). On this VM the
 machine's speed drifts by tens of percent within one grid: a point whose run computed far slower
-than the profile did minutes earlier is off for that reason, not for the network or codec model.
+than the profile did minutes earlier is off for that reason, not for the network or codec model. With
+``--recompute`` the step is measured again right before each calibration and each point (a few seconds),
+and the prediction uses that measurement, as a profile taken then would have it.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from thinwire.perf_profile.file import save_profile
 from thinwire.perf_profile.network import probe_network
 from thinwire.perf_profile.run import profile_workload
 from thinwire.sim.sweep import SimOptions
-from thinwire.sim.validate import validate
+from thinwire.sim.validate import remeasure, validate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -114,7 +117,8 @@ def run_grid(args, profile) -> list[dict]:
         (cmp,) = validate(spec, profile, opts, workload=args.workload, model=args.model, batch=args.batch_size,
                           steps=args.steps, out=args.out / spec.name, max_foreign=args.max_foreign,
                           retries=args.retries, calibrate_bandwidth=args.calibrate_bandwidth or None,
-                          colocation=colocation, calibrate_reps=args.calibrate_reps)
+                          colocation=colocation, calibrate_reps=args.calibrate_reps,
+                          recompute=remeasure(profile, args.reps) if args.recompute else None)
         rows.append({"config": label, "spec": spec.name, "load_before": os.getloadavg()[0], **cmp.to_dict(),
                      "wall_s": time.time() - t0})
         print(f"{label:28} {codec:10} predicted {cmp.predicted_s * 1e3:7.1f} ms  measured {cmp.measured_s * 1e3:7.1f} ms"
@@ -170,10 +174,11 @@ def write_markdown(rows: list[dict], summary: dict, meta: dict, path: Path) -> N
 
 
 def _compute(r: dict) -> str:
-    model, run = r.get("predicted_compute_s"), r.get("measured_compute_s")
+    model, run, drift = r.get("predicted_compute_s"), r.get("measured_compute_s"), r.get("compute_drift")
+    moved = f" (re-measured: {drift - 1:+.0%} vs profile)" if drift is not None else ""
     if model is None:
-        return "-"
-    return f"{model * 1e3:.1f} / " + (f"{run * 1e3:.1f} ({run / model - 1:+.0%})" if run else "-")
+        return "-" + moved
+    return f"{model * 1e3:.1f} / " + (f"{run * 1e3:.1f} ({run / model - 1:+.0%})" if run else "-") + moved
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -218,6 +223,9 @@ def parse_args(argv=None):
     p.add_argument("--calibrate-reps", type=int, default=3,
                    help="repeat each co-location calibration run this often and keep the median")
     p.add_argument("--profile", type=Path, help="reuse a calibration profile written by an earlier run")
+    p.add_argument("--recompute", action="store_true",
+                   help="measure the workload's step again right before each calibration and each point (a few "
+                        "seconds each) and predict with it: this VM's speed drifts within a grid")
     p.add_argument("--without-timesharing", action="store_true",
                    help="run nothing: predict --results' runs again without the profile's co-run speeds for more "
                         "processes than cores (the time-sharing factor), co-location cost re-derived from the same "
@@ -365,7 +373,7 @@ def main(argv=None) -> None:
 
     meta = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/validate.py", *sys.argv[1:]]),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "torch": str(torch.__version__), "steps": args.steps, "calibrate_bandwidth": args.calibrate_bandwidth, "calibrate_reps": args.calibrate_reps, "network_probe": profile.network.__dict__}
+            "torch": str(torch.__version__), "steps": args.steps, "recompute": args.recompute, "calibrate_bandwidth": args.calibrate_bandwidth, "calibrate_reps": args.calibrate_reps, "network_probe": profile.network.__dict__}
     (args.results / "validation.json").write_text(json.dumps({**meta, "summary": summary, "rows": rows}, indent=2))
     write_markdown(rows, summary, meta, args.results / "validation.md")
     plot(rows, args.results / "validation.png")

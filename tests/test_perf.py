@@ -320,6 +320,14 @@ def test_profile_measures_ddp_layout_and_costs(tmp_path):
     assert back.codecs["bf16"].encode.per_byte_s == prof.codecs["bf16"].encode.per_byte_s
 
 
+def test_measure_compute_is_the_profiles_step_at_one_batch():
+    from thinwire.perf_profile.run import measure_compute
+
+    point = measure_compute(workload="digits", model={"channels": 4, "hidden": 64}, batch=4, bucket_mb=0.01,
+                            reps=2, warmup=1)
+    assert point.batch == 4 and point.pre_s > 0 and point.backward_s > 0 and point.post_s > 0
+
+
 def test_profile_corun_is_relative_to_the_fair_share(monkeypatch):
     """n copies on c cores: the profile keeps each copy's speed over its fair share min(1, c/n), for
     n from c (every core busy) to 2c (time-sharing), so the model multiplies it onto the share."""
@@ -379,6 +387,7 @@ def test_simulate_cli_smoke(tmp_path, capsys):
     (["--device", "pi9"], r"--device: must be one of .*raspberry-pi-4"),
     (["--scaling", "strong", "--batch-size", "4", "--hosts", "8"], r"--batch-size: must be at least one sample per host"),
     (["--model-opt", "width=64"], r"profile: measured workload 'charlm' with model options \{\}"),
+    (["--recompute"], r"--recompute: must be used with --validate.*Add --validate"),
 ])
 def test_simulate_bad_input_says_what_and_how(tmp_path, capsys, args, message):
     import re
@@ -498,6 +507,35 @@ def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
                         out=tmp_path, max_foreign=0.3, retries=2)
     assert row.attempts == 3 and row.foreign_cores == 0.4 and row.out.endswith("hosts2-bf16-retry1")
     assert row.predicted_loaded_s > row.predicted_s  # fewer cores left: slower
+
+
+def test_validation_predicts_with_the_step_measured_again_before_each_run(tmp_path, monkeypatch):
+    """A machine that got slower since it was profiled: with ``recompute`` the prediction uses the
+    step measured just before the run (here twice the profile's) and records the drift."""
+    import dataclasses
+
+    import thinwire.sim.validate as v
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+    from thinwire.perf_profile.file import load_profile
+    from thinwire.sim.sweep import SimOptions
+
+    monkeypatch.setattr(v, "run_real", lambda real, where, **kw: (0.2, 1000.0, 0.0))
+    spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="10gbit", cpu=1.0), hosts=[HostSpec(name="a"), HostSpec(name="b")])
+    prof = load_profile(_profile_file(tmp_path))
+    asked = []
+
+    def slower(batch):
+        asked.append(batch)
+        c = next(c for c in prof.compute if c.batch == batch)
+        return dataclasses.replace(c, pre_s=2 * c.pre_s, forward_s=2 * c.forward_s, backward_s=2 * c.backward_s,
+                                   post_s=2 * c.post_s)
+
+    kw = dict(workload="charlm", model={}, batch=32, steps=30, out=tmp_path)
+    (plain,) = v.validate(spec, prof, SimOptions(codec="none"), **kw)
+    (fresh,) = v.validate(spec, prof, SimOptions(codec="none"), **kw, recompute=slower)
+    assert asked == [16] and plain.compute_drift is None and fresh.compute_drift == pytest.approx(2.0)
+    assert fresh.predicted_s > 1.5 * plain.predicted_s  # compute-bound on a fast link
+    assert [c.batch for c in prof.compute] == [c.batch for c in v.with_fresh_compute(prof, slower, 16)[0].compute]
 
 
 def test_validation_compute_diagnostic_reads_the_run_and_skips_mixed_cpus(tmp_path):

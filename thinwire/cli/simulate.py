@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                    help="with --validate: wait until other processes use at most CORES, and repeat a run "
                         "during which they used more (up to --retries times)")
     p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--recompute", action="store_true",
+                   help="with --validate: measure the workload's step again (as the profile did, a few seconds) "
+                        "right before each run and predict with it, for a machine whose speed drifts")
     p.set_defaults(func=run)
 
 
@@ -87,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     parse_codec_spec(args.compression)
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
+    check(args.validate or not args.recompute, "--recompute", True, "used with --validate",
+          "Add --validate, or drop --recompute (it re-measures the step before each real run).")
     hosts = parse_hosts(args.hosts) if args.hosts else None
     opts = SimOptions(codec=args.compression, hosts=hosts, batch_size=args.batch_size, scaling=args.scaling,
                       threads=args.threads, colocated_cores=args.colocated, device=args.device, mfu=args.mfu,
@@ -144,21 +149,23 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
 
 
 def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: Path) -> int:
-    from thinwire.sim.validate import validate
+    from thinwire.sim.validate import remeasure, validate
 
     steps = args.steps or 30
     check(steps > 10, "--steps", steps, "more than 10 with --validate (the first 5 steps are skipped)")
     rows = validate(spec, profile, opts, workload=args.workload, model=model,
                     batch=args.batch_size or default_batch, steps=steps, out=out, max_foreign=args.max_foreign,
-                    retries=args.retries if args.max_foreign is not None else 0)
+                    retries=args.retries if args.max_foreign is not None else 0,
+                    recompute=remeasure(profile) if args.recompute else None)
     t = Table(title=f"predicted vs measured median step time ({args.workload}, {opts.codec})")
+    drift = args.recompute
     for col in ("hosts", "predicted ms", "measured ms", "error", "bytes/rank predicted", "measured", "other procs",
-                "predicted w/o their cores"):
+                "predicted w/o their cores", *(["step re-measured vs profile"] if drift else [])):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r.hosts), f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}", f"{r.error:+.1%}",
                   f"{r.predicted_bytes:,}", f"{r.measured_bytes:,.0f}", f"{r.foreign_cores:.2f} cores",
-                  f"{r.predicted_loaded_s * 1e3:.1f}")
+                  f"{r.predicted_loaded_s * 1e3:.1f}", *([f"{r.compute_drift - 1:+.0%}"] if drift else []))
     Console().print(t)
     if any(r.foreign_cores > 0.1 for r in rows):
         Console().print("[yellow]other processes used CPU during a run: its hosts computed slower than the spec "

@@ -24,7 +24,7 @@ import torch
 from thinwire.config import check
 from thinwire.perf_profile.codecs import ef_errors, measure_codecs, measure_kernels, sizes_for
 from thinwire.perf_profile.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
-from thinwire.perf_profile.file import Profile
+from thinwire.perf_profile.file import ComputePoint, Profile
 
 EF_STEPS = 6  # training steps whose gradients each codec compresses in shadow (its error with error feedback)
 DEFAULT_CODECS = ("none", "fp16", "bf16", "int8", "bfp", "qsgd", "topk", "randomk", "sign", "powersgd")
@@ -86,6 +86,22 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         kernels=measure_kernels(sizes, reps),
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads),
         network=network)
+
+
+def measure_compute(*, workload: str, model: dict | None = None, data: str | None = None, batch: int,
+                    bucket_mb: float = 25.0, threads: int = 1, reps: int = 10, warmup: int = 3,
+                    seed: int = 0) -> ComputePoint:
+    """Step (1) of :func:`profile_workload` alone, at one per-rank batch: the training step's phases
+    measured now (a few seconds), e.g. to follow a machine whose speed drifts between runs."""
+    from thinwire.workloads.registry import build_workload
+
+    check(batch >= 1, "batch", batch, "a positive integer")
+    torch.set_num_threads(threads)
+    with single_process_group():
+        torch.manual_seed(seed)
+        wl = build_workload(workload, dict(model or {}), data)
+        point, _ = StepTimer(wl, bucket_mb=bucket_mb, lr=wl.lr, seed=seed).measure(batch, warmup=warmup, reps=reps)
+    return point
 
 
 def _with_errors(costs: dict, specs: list[str], grads: list) -> dict:

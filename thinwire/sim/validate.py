@@ -9,7 +9,9 @@ DDP's bucket rebuild). The prediction for the comparison is made as for an emula
 scaling (``train`` splits the global batch) and hosts sharing this machine's cores.
 
 Nothing of the measured runs feeds the prediction: it comes from the profile alone (one host's
-compute, codec costs and, when probed, the network's alpha and efficiency). Because this machine
+compute, codec costs and, when probed, the network's alpha and efficiency). With ``recompute``, the
+profile's compute at the point's per-rank batch is measured again just before the run (still one
+process alone, not the run). Because this machine
 may be shared, the CPU other processes used during each run is measured too
 (:class:`~thinwire.perf_profile.foreign.ForeignCpu`) and reported with a *diagnostic* second
 prediction that takes those cores away; it explains an error, it is not the prediction.
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -33,7 +36,7 @@ from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec, spec_to_dict
 from thinwire.config import check
 from thinwire.errors import ThinwireError
-from thinwire.perf_profile.file import Profile
+from thinwire.perf_profile.file import ComputePoint, Profile
 from thinwire.sim import inputs
 from thinwire.perf_profile.foreign import ForeignCpu, wait_quiet
 from thinwire.sim.sweep import SimOptions, simulate
@@ -62,6 +65,9 @@ class Comparison:
     # here is the machine running slower or faster than when it was profiled, not the network model
     predicted_compute_s: float | None = None
     measured_compute_s: float | None = None
+    # with a re-measured compute before the run: its step over the profile's at the same batch (1.2: the
+    # machine computed 20% slower than when profiled); the prediction used the re-measured step
+    compute_drift: float | None = None
 
     @property
     def model_error(self) -> float | None:
@@ -201,7 +207,8 @@ def colocation_cost(measured_s: float, added_link_s: float) -> float:
 def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload: str, model: dict, batch: int,
              steps: int, out: Path, skip: int = 5, timeout: float = 900.0, max_foreign: float | None = None,
              retries: int = 0, quiet_timeout_s: float = 300.0, calibrate_bandwidth: str | None = None,
-             colocation: dict | None = None, calibrate_reps: int = 1) -> list[Comparison]:
+             colocation: dict | None = None, calibrate_reps: int = 1,
+             recompute: Callable[[int], ComputePoint] | None = None) -> list[Comparison]:
     """Predict, run and compare each host count of ``opts.hosts`` (see the module docstring).
 
     With ``max_foreign``, each run waits (up to ``quiet_timeout_s``) until other processes use at most
@@ -220,6 +227,13 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
     the calibration run is repeated and the median kept: one run of a few dozen steps on hosts that
     share cores can land 30 ms off (seen: +70 ms for PowerSGD on 4 hosts, where the grid's runs
     needed +32 to +43 ms).
+
+    With ``recompute`` (per-rank batch -> a :class:`ComputePoint` measured now, e.g.
+    :func:`thinwire.perf_profile.run.measure_compute`), the profile's step at the point's per-rank
+    batch is measured again right before each calibration and each point, and that prediction uses
+    it (:func:`with_fresh_compute`; ``compute_drift`` records how far it moved): on a machine whose
+    speed drifts within the hour, a profile taken at the start of a long grid no longer describes
+    the machine its later runs meet.
     """
     check(calibrate_reps >= 1, "calibrate_reps", calibrate_reps, "an integer >= 1")
     threads = opts.threads or profile.threads
@@ -229,30 +243,58 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
         real = scaled_spec(spec, p)
         sim_opts = dataclasses.replace(opts, hosts=[p], batch_size=batch, scaling="strong",
                                        colocated_cores=float(os.cpu_count() or 1), threads=threads)
-        point = simulate(real, profile, sim_opts, default_batch=batch)[0]
         run = dict(skip=skip, timeout=timeout, workload=workload, model=model, batch=batch, codec=opts.codec,
                    steps=steps, threads=threads, bucket_mb=profile.bucket_mb)
         tag = f"hosts{p}-{opts.codec.replace(':', '_')}"
+        per_rank = batch // p  # train splits the global batch evenly
         overhead = measured_cost = 0.0
         if calibrate_bandwidth:
             fast = at_bandwidth(real, calibrate_bandwidth)
             key = (json.dumps([dataclasses.asdict(h) | {"name": "", "bandwidth": ""} for h in fast.hosts], sort_keys=True,
                               default=str), opts.codec, calibrate_bandwidth)
             cache = colocation if colocation is not None else {}
-            cal_pred = simulate(fast, profile, sim_opts, default_batch=batch)[0].prediction
             if key not in cache:
+                cal_profile, _ = with_fresh_compute(profile, recompute, per_rank)
+                cal_pred = simulate(fast, cal_profile, sim_opts, default_batch=batch)[0].prediction
                 cal = [_run_quiet(fast, out / (f"{tag}-cal-{calibrate_bandwidth}" + (f"-{k}" if k else "")),
                                   **quiet, **run)[0][0] for k in range(calibrate_reps)]
                 cache[key] = statistics.median(cal) - cal_pred.step_s
             measured_cost = cache[key]
+        here, speed = with_fresh_compute(profile, recompute, per_rank)
+        point = simulate(real, here, sim_opts, default_batch=batch)[0]
+        if calibrate_bandwidth:
+            cal_pred = simulate(fast, here, sim_opts, default_batch=batch)[0].prediction
             overhead = colocation_cost(measured_cost, point.prediction.comm_s - cal_pred.comm_s)
         (step_s, sent, foreign), where, attempts = _run_quiet(real, out / tag, **quiet, **run)
         loaded = dataclasses.replace(sim_opts, colocated_cores=max(0.1, sim_opts.colocated_cores - foreign))
-        loaded_s = simulate(real, profile, loaded, default_batch=batch)[0].prediction.step_s + overhead
+        loaded_s = simulate(real, here, loaded, default_batch=batch)[0].prediction.step_s + overhead
         results.append(Comparison(hosts=p, codec=opts.codec, predicted_s=point.prediction.step_s + overhead,
                                   measured_s=step_s, predicted_bytes=point.prediction.bytes_per_rank,
                                   measured_bytes=sent, out=str(where), foreign_cores=foreign, attempts=attempts,
                                   predicted_loaded_s=loaded_s, model_s=point.prediction.step_s,
-                                  colocation_s=overhead, colocation_measured_s=measured_cost,
+                                  colocation_s=overhead, colocation_measured_s=measured_cost, compute_drift=speed,
                                   **compute_diagnostic(real, point.prediction.compute_s, Path(where) / "run", skip)))
     return results
+
+
+def remeasure(profile: Profile, reps: int = 10) -> Callable[[int], ComputePoint]:
+    """Per-rank batch -> the profile's workload step measured now, as the profile measured it
+    (same workload, options, data, bucket cap and threads)."""
+    from thinwire.perf_profile.run import measure_compute
+
+    return lambda batch: measure_compute(workload=profile.workload, model=profile.model, data=profile.data,
+                                         batch=batch, bucket_mb=profile.bucket_mb, threads=profile.threads, reps=reps)
+
+
+def with_fresh_compute(profile: Profile, recompute: Callable[[int], ComputePoint] | None,
+                       batch: int) -> tuple[Profile, float | None]:
+    """``profile`` with its step at per-rank ``batch`` measured again now by ``recompute``, and that
+    step's time over the profile's (1.2: this machine computes 20% slower than when it was profiled).
+    Without ``recompute``: the profile as it is, and None."""
+    if recompute is None:
+        return profile, None
+    before = inputs.compute_at(profile, batch)
+    fresh = recompute(batch)
+    drift = (fresh.pre_s + fresh.backward_s + fresh.post_s) / (before.pre_s + before.backward_s + before.post_s)
+    compute = sorted([c for c in profile.compute if c.batch != batch] + [fresh], key=lambda c: -c.batch)
+    return dataclasses.replace(profile, compute=compute), drift
