@@ -54,7 +54,8 @@ def thinwire_body(spec: str, auto: bool = False):
     state = CommState(policy, error_feedback=True, warmup_steps=0, min_compress_bytes=4096, nonfinite="skip")
     if auto:
         policy.bind(state)
-        policy.config = type(policy.config)(candidates=policy.config.candidates, warmup_steps=1, check_every=10**9)
+        policy.config = type(policy.config)(candidates=policy.config.candidates, warmup_steps=1, baseline_steps=0,
+                                            check_every=10**9)
     step = [1]  # auto: past its warm-up (step 1) and not due to check again
 
     def body(buf: torch.Tensor) -> torch.Tensor:  # the path the hook takes in training

@@ -465,14 +465,14 @@ def _auto_run(rank, world, slow_link_bps):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     model = DDP(net, bucket_cap_mb=0.25)
-    policy = AutoPolicy(AutoConfig(warmup_steps=2, check_every=3, max_error=10.0,
+    policy = AutoPolicy(AutoConfig(warmup_steps=2, baseline_steps=1, check_every=3, max_error=10.0,
                                    candidates=("none", "bf16", "topk:ratio=0.01", "powersgd:rank=4")))
     state = thinwire.attach(model, policy)
     policy.bind(state, net)  # what attach will do for a policy with bind()
     if slow_link_bps:  # every rank "measures" the same slow link
         policy.link.estimate = lambda p: (1e-4, 8 / slow_link_bps)
     g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
+    for _ in range(7):
         nn.functional.cross_entropy(model(torch.randn(16, 64, generator=g)), torch.randint(0, 10, (16,), generator=g)).backward()
         model.zero_grad()
     state.close()
@@ -485,10 +485,10 @@ def test_auto_decides_identically_on_every_rank_and_logs_why():
     results = run_ranks(_auto_run, 2, 1e6)
     (decisions, described), (other, described_other) = results
     assert decisions == other and described == described_other
-    assert decisions[0]["step"] == 2 and decisions[0]["reason"] == "warm-up done"
+    assert decisions[0]["step"] == 3 and decisions[0]["reason"] == "warm-up done"  # warm-up 2 + baseline 1
     assert set(decisions[0]["choices"].values()) & {"topk:ratio=0.01", "powersgd:rank=4"} and decisions[0]["trial"]
     # the next check is the trial's verdict: the clock, not the (faked) link, decides whether it stays
-    assert decisions[1]["step"] == 5 and decisions[1]["reason"].split(":")[0] in ("kept", "reverted")
+    assert decisions[1]["step"] == 6 and decisions[1]["reason"].split(":")[0] in ("kept", "reverted")
     assert described.startswith("auto[")
 
 
@@ -680,6 +680,7 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     ("auto:keep_gain=2", r"auto\.keep_gain: must be a fraction in \(-1, 1\), got 2\.0"),
     ("auto:keep_p=0", r"auto\.keep_p: must be a probability in \(0, 1\], got 0\.0\. 1 keeps any trial"),
     ("auto:nope=1", r"auto parameter: must be key=value with key one of"),
+    ("auto:baseline_steps=-1", r"auto\.baseline_steps: must be an integer >= 0, got -1\. 0 decides at the warm-up's end"),
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
     from thinwire.errors import ConfigError
@@ -699,7 +700,8 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
                 "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}, "window": list(steps)}
 
     def policy_seeing(windows):
-        policy = AutoPolicy(AutoConfig(warmup_steps=1, check_every=1, max_error=0.5, candidates=("none", "bf16", "topk:ratio=0.01")))
+        policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1, max_error=0.5,
+                                       candidates=("none", "bf16", "topk:ratio=0.01")))
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
         seen = iter(windows)
@@ -731,6 +733,24 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     assert [d["reason"].split(":")[0] for d in sure.decisions] == ["warm-up done", "kept"]
 
 
+def test_auto_times_its_first_trial_against_a_baseline_window_not_the_warm_up():
+    """The warm-up's steps (start-up, shadow runs) are dropped at its end; the first decision comes
+    ``baseline_steps`` later, and its trial is judged against those steps alone."""
+    from types import SimpleNamespace
+
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    config = AutoConfig(warmup_steps=3, baseline_steps=2, check_every=4)
+    policy = AutoPolicy(config)
+    assert [s for s in range(20) if policy._due(s)] == [3, 5, 9, 13, 17]
+    policy.costs = {}
+    policy._state = SimpleNamespace(wire=SimpleNamespace(world=2))
+    policy.step_times = [0.9, 0.5, 0.4]  # the warm-up's
+    policy._check(3)
+    assert policy.step_times == [] and policy.decisions == [] and policy.choices == {}
+    assert AutoPolicy(AutoConfig(warmup_steps=3, baseline_steps=0, check_every=4))._due(3)
+
+
 def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behind():
     """The default cap (0.1): a codec whose shadow error is 0.3 (PowerSGD rank 8's level on charlm,
     which ends 3-4% above fp32's loss at equal samples) is not chosen on a slow link, where the model
@@ -750,8 +770,10 @@ def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behin
         return policy.choices
 
     candidates = ("none", "bf16", "topk:ratio=0.01")
-    assert first_choice(AutoConfig(warmup_steps=1, check_every=1, candidates=candidates)) == {0: "bf16"}
-    assert first_choice(AutoConfig(warmup_steps=1, check_every=1, candidates=candidates, max_error=0.5)) == {
+    assert first_choice(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1, candidates=candidates)) == {
+        0: "bf16"}
+    assert first_choice(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1, candidates=candidates,
+                                   max_error=0.5)) == {
         0: "topk:ratio=0.01"}
 
 
