@@ -680,6 +680,7 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     ("auto:keep_gain=2", r"auto\.keep_gain: must be a fraction in \(-1, 1\), got 2\.0"),
     ("auto:keep_p=0", r"auto\.keep_p: must be a probability in \(0, 1\], got 0\.0\. 1 keeps any trial"),
     ("auto:nope=1", r"auto parameter: must be key=value with key one of"),
+    ("auto:trial_windows=0", r"auto\.trial_windows: must be an integer >= 1, got 0\. 1 judges a trial on its first window alone"),
     ("auto:baseline_steps=-1", r"auto\.baseline_steps: must be an integer >= 0, got -1\. 0 decides at the warm-up's end"),
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
@@ -721,15 +722,24 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
     assert back.decisions[1]["choices"] == {0: "none"} and back.choices == {0: "topk:ratio=0.01"}
     # a noisy host: the trial's median is 7% lower, but half its steps are slower than most before it
-    # (p ~ 0.24): reverted; every step of the trial below every step before it: kept
+    # (p ~ 0.24): not sure yet, so the old plan is timed again for a window, then the new one; after
+    # trial_windows (3) windows the medians of all the steps decide
     before = [0.40, 0.43, 0.38, 0.45, 0.41, 0.39, 0.44, 0.40, 0.42, 0.37]
     noisy = [0.31, 0.46, 0.33, 0.37, 0.45, 0.30, 0.38, 0.47, 0.32, 0.44]
     assert statistics.median(noisy) <= 0.95 * statistics.median(before)
-    doubt = policy_seeing([window(statistics.median(before), steps=before), window(statistics.median(noisy), steps=noisy)])
-    assert [d["reason"].split(":")[0] for d in doubt.decisions] == ["warm-up done", "reverted"]
-    assert "not surely faster" in doubt.decisions[1]["reason"] and doubt.choices == {0: "none"}
+    w = lambda steps: window(statistics.median(steps), steps=steps)  # noqa: E731
+    doubt = policy_seeing([w(before), w(noisy), w(before), w(noisy)])
+    assert [d["reason"].split(":")[0] for d in doubt.decisions] == ["warm-up done", "trial", "trial", "kept"]
+    assert "not surely faster yet" in doubt.decisions[1]["reason"] and doubt.decisions[1]["choices"] == {0: "none"}
+    assert doubt.decisions[2]["choices"] == {0: "topk:ratio=0.01"}
+    assert "3 alternating windows" in doubt.decisions[3]["reason"] and doubt.choices == {0: "topk:ratio=0.01"}
+    # the old plan, timed again, turns out as fast as the trial: reverted, top-k left out
+    lucky = policy_seeing([w(before), w(noisy), w([t * 0.85 for t in before])])
+    assert [d["reason"].split(":")[0] for d in lucky.decisions] == ["warm-up done", "trial", "reverted"]
+    assert lucky.choices == {0: "none"} and lucky.tried == {0: {"topk:ratio=0.01"}} and lucky.trial is None
+    # every step of the trial below every step before it: kept at once
     clear = [t / 3 for t in before]
-    sure = policy_seeing([window(statistics.median(before), steps=before), window(statistics.median(clear), steps=clear)])
+    sure = policy_seeing([w(before), w(clear)])
     assert [d["reason"].split(":")[0] for d in sure.decisions] == ["warm-up done", "kept"]
 
 

@@ -47,8 +47,11 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    ``auto`` itself spent on shadow runs and checks) must be at least ``keep_gain`` (5%) below the
    window's before it, and the window's step times must be faster than the window's before by a
    one-sided Mann-Whitney U test at ``keep_p`` (0.05; each rank's slowest-rank step times, the
-   same on every rank). Otherwise the plan is reverted and the codecs it tried are left out of those
-   buckets until the link moves. The test is there because a window's median moves by 5-10% between
+   same on every rank). Not 5% faster: the plan is reverted and the codecs it tried are left out of
+   those buckets until the link moves. Faster by the median but not surely: the old plan is timed
+   again for a window, then the new one, testing all steps so far after each (the windows
+   alternate, so a slow spell of the host falls on both plans); after ``trial_windows`` (3) windows
+   the medians decide. The test is there because a window's median moves by 5-10% between
    windows on a noisy host (seen: 4 emulated hosts on 2 cores at 10 Gbit/s kept int8 on a 6%
    faster window and ran 9% slower over the run); a real gain of a codec on a slow link (100 Mbit/s:
    137 against 300 ms) passes it with every step of one window below every step of the other. The
@@ -100,6 +103,7 @@ class AutoConfig:
     min_gain: float = 0.10
     keep_gain: float = 0.05
     keep_p: float = 0.05
+    trial_windows: int = 3
 
     def __post_init__(self) -> None:
         check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
@@ -113,6 +117,8 @@ class AutoConfig:
         check(self.max_error > 0, "auto.max_error", self.max_error, "a relative error > 0")
         check(0 <= self.min_gain < 1, "auto.min_gain", self.min_gain, "a fraction in [0, 1)")
         check(-1 < self.keep_gain < 1, "auto.keep_gain", self.keep_gain, "a fraction in (-1, 1)")
+        check(self.trial_windows >= 1, "auto.trial_windows", self.trial_windows, "an integer >= 1",
+              "1 judges a trial on its first window alone.")
         check(0 < self.keep_p <= 1, "auto.keep_p", self.keep_p, "a probability in (0, 1]",
               "1 keeps any trial whose median step is keep_gain faster, however noisy.")
 
@@ -172,7 +178,7 @@ class AutoPolicy:
         self.numels: dict[int, int] = {}
         self.banned: dict[int, set[str]] = {}   # by the accuracy guard, for good
         self.tried: dict[int, set[str]] = {}    # trials the clock rejected, until the link moves
-        self.trial: dict | None = None          # the plan before the current trial, and its step time
+        self.trial: dict | None = None          # the plans of the current trial and their timed steps
         self.decisions: list[dict] = []
         self.costs: dict[str, Any] | None = None
         self.last_shadow: dict[int, dict[str, float]] = {}
@@ -349,25 +355,44 @@ class AutoPolicy:
         return None
 
     def _verify(self, step: int, shared: dict, bps: float) -> None:
-        """The first window under a new plan: keep it if its measured step beat the old plan's."""
-        before, now = self.trial["step_s"], shared["step_s"]
-        p_value = _p_faster(shared["window"], self.trial["window"])
-        old, self.trial = self.trial["choices"], None
-        if now <= before * (1 - self.config.keep_gain) and p_value <= self.config.keep_p:
-            self.decided_bps = bps
-            reason = f"kept: measured step {now * 1e3:.1f} ms vs {before * 1e3:.1f} ms before"
+        """A window of a trial has ended: keep the new plan if its steps are surely faster than the
+        old plan's, revert if they are not faster by ``keep_gain``, else time the other plan for a
+        window and test again on all the steps so far (windows alternate, so a slow spell of the
+        host falls on both); after ``trial_windows`` windows the medians decide."""
+        c, t = self.config, self.trial
+        t["steps"][t["arm"]] += shared["window"] or [shared["step_s"]]
+        t["windows"] += 1
+        new, old = t["steps"]["new"], t["steps"]["old"]
+        now, before = statistics.median(new), statistics.median(old)
+        p_value = _p_faster(new, old)
+        faster = now <= before * (1 - c.keep_gain)
+        measured = f"measured step {now * 1e3:.1f} ms vs {before * 1e3:.1f} ms before"
+        if faster and p_value <= c.keep_p:
+            keep, reason = True, f"kept: {measured}"
+        elif not faster:
+            keep, reason = False, f"reverted: {measured}, not {c.keep_gain:.0%} faster"
+        elif t["windows"] >= c.trial_windows:
+            keep, reason = True, f"kept: {measured} over {t['windows']} alternating windows (p = {p_value:.2f})"
         else:
-            for i, c in self.choices.items():
-                if old.get(i, "none") != c:
-                    self.tried.setdefault(i, set()).add(c)
-            reason = (f"reverted: measured step {now * 1e3:.1f} ms vs {before * 1e3:.1f} ms before, "
-                      + (f"not {self.config.keep_gain:.0%} faster" if now > before * (1 - self.config.keep_gain) else
-                         f"not surely faster (p = {p_value:.2f} > {self.config.keep_p})"))
-            self.choices, old = {i: old.get(i, "none") for i in self.choices}, self.choices
-        entry = {"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
-                 "measured_step_s": now, "measured_before_s": before}
-        self.decisions.append(entry)
-        changed = {i: c for i, c in self.choices.items() if old.get(i) != c}
+            t["arm"] = "old" if t["arm"] == "new" else "new"
+            previous, self.choices = self.choices, dict(t[t["arm"]])
+            self._log_verdict(step, f"trial: {measured}, not surely faster yet (p = {p_value:.2f} > {c.keep_p}): "
+                                    f"timing the {t['arm']} plan again", bps, now, before, previous)
+            return
+        self.trial = None
+        previous, self.choices = self.choices, dict(t["new"] if keep else t["old"])
+        if keep:
+            self.decided_bps = bps
+        else:
+            for i, codec in t["new"].items():
+                if t["old"].get(i, "none") != codec:
+                    self.tried.setdefault(i, set()).add(codec)
+        self._log_verdict(step, reason, bps, now, before, previous)
+
+    def _log_verdict(self, step: int, reason: str, bps: float, now: float, before: float, previous: dict) -> None:
+        self.decisions.append({"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
+                               "measured_step_s": now, "measured_before_s": before})
+        changed = {i: c for i, c in self.choices.items() if previous.get(i, "none") != c}
         log.info("auto at step %d (%s)%s", step, reason,
                  ": " + ", ".join(f"bucket {i} -> {c}" for i, c in sorted(changed.items())) if changed else "")
 
@@ -400,7 +425,9 @@ class AutoPolicy:
         self.choices = {i: c for i, c in zip(order, decision.choices)}
         self.decided_bps = bps
         if trial and any(old.get(i, "none") != c for i, c in self.choices.items()):
-            self.trial = {"choices": old, "step_s": shared["step_s"], "window": shared["window"]}
+            self.trial = {"old": {i: old.get(i, "none") for i in self.choices}, "new": dict(self.choices),
+                          "steps": {"old": list(shared["window"] or [shared["step_s"]]), "new": []}, "arm": "new",
+                          "windows": 0}
         self._log(step, reason, decision, bps, old)
 
     def costs_for(self, spec: str) -> dict:
