@@ -108,20 +108,19 @@ class CommState:
         layout = tuple((self.param_index.get(id(p), -1), p.numel()) for p in params)
         return self._send(bucket.buffer(), index, step, shapes, layout)
 
-    def _send(self, *args) -> torch.futures.Future:
+    def _send(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> torch.futures.Future:
         """Hand the bucket to the communication thread, or, when that thread has nothing left to
         issue and the bucket needs only all-reduces (fp32, bf16, fp16, random-k), issue them here,
         asynchronously, as PyTorch's own hooks do: no thread hand-over on the step's critical path
         (which costs a scheduler slice on a host with more busy threads than cores). The order of
-        collectives is the same either way: every earlier bucket's were issued before this one's.
-        ``args``: the bucket's flat buffer, index, step, parameter shapes and layout."""
-        index, step = args[1], args[2]
+        collectives is the same either way: every earlier bucket's were issued before this one's."""
+        args = (buf, index, step, shapes, layout)
         busy = getattr(self.policy, "busy", None)  # a policy with heavy work at this bucket keeps it off the caller
         if not (self.issues_inline and self._thread.idle()) or (busy is not None and busy(index, step)):
             return self._thread.submit(self._reduce, *args)
         job = self._prepare(*args)
         if job is None:
-            return self.wire.all_reduce_async(args[0]).then(lambda fut: fut.value()[0])
+            return self.wire.all_reduce_async(buf).then(lambda fut: fut.value()[0])
         pending = schemes.start(job)
         if pending is None:  # later collectives depend on earlier results: the thread runs the job
             return self._thread.submit(self._run, job)
