@@ -681,6 +681,7 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     ("auto:keep_p=0", r"auto\.keep_p: must be a probability in \(0, 1\], got 0\.0\. 1 keeps any trial"),
     ("auto:nope=1", r"auto parameter: must be key=value with key one of"),
     ("auto:trial_windows=0", r"auto\.trial_windows: must be an integer >= 1, got 0\. 1 judges a trial on its first window alone"),
+    ("auto:start=int4", r"auto\.start: must be one of the candidates \(none\|bf16\|int8.*\), got 'int4'"),
     ("auto:baseline_steps=-1", r"auto\.baseline_steps: must be an integer >= 0, got -1\. 0 decides at the warm-up's end"),
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
@@ -720,7 +721,7 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     back = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=5e6), window(0.1, 5e6)])
     reasons = [d["reason"].split(":")[0] for d in back.decisions]
     assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
-    assert back.decisions[1]["choices"] == {0: "none"} and back.choices == {0: "topk:ratio=0.01"}
+    assert back.decisions[1]["choices"] == {0: "bf16"} and back.choices == {0: "topk:ratio=0.01"}  # bf16: the start
     # a noisy host: the trial's median is 7% lower, but half its steps are slower than most before it
     # (p ~ 0.24): not sure yet, so the old plan is timed again for a window, then the new one; after
     # trial_windows (3) windows the medians of all the steps decide
@@ -730,13 +731,13 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     w = lambda steps: window(statistics.median(steps), steps=steps)  # noqa: E731
     doubt = policy_seeing([w(before), w(noisy), w(before), w(noisy)])
     assert [d["reason"].split(":")[0] for d in doubt.decisions] == ["warm-up done", "trial", "trial", "kept"]
-    assert "not surely faster yet" in doubt.decisions[1]["reason"] and doubt.decisions[1]["choices"] == {0: "none"}
+    assert "not surely faster yet" in doubt.decisions[1]["reason"] and doubt.decisions[1]["choices"] == {0: "bf16"}
     assert doubt.decisions[2]["choices"] == {0: "topk:ratio=0.01"}
     assert "3 alternating windows" in doubt.decisions[3]["reason"] and doubt.choices == {0: "topk:ratio=0.01"}
     # the old plan, timed again, turns out as fast as the trial: reverted, top-k left out
     lucky = policy_seeing([w(before), w(noisy), w([t * 0.85 for t in before])])
     assert [d["reason"].split(":")[0] for d in lucky.decisions] == ["warm-up done", "trial", "reverted"]
-    assert lucky.choices == {0: "none"} and lucky.tried == {0: {"topk:ratio=0.01"}} and lucky.trial is None
+    assert lucky.choices == {0: "bf16"} and lucky.tried == {0: {"topk:ratio=0.01"}} and lucky.trial is None
     # every step of the trial below every step before it: kept at once
     clear = [t / 3 for t in before]
     sure = policy_seeing([w(before), w(clear)])
@@ -759,6 +760,48 @@ def test_auto_times_its_first_trial_against_a_baseline_window_not_the_warm_up():
     policy._check(3)
     assert policy.step_times == [] and policy.decisions == [] and policy.choices == {}
     assert AutoPolicy(AutoConfig(warmup_steps=3, baseline_steps=0, check_every=4))._due(3)
+
+
+def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use():
+    """Before its first decision auto sends bf16 (none when bf16 is not a candidate, or with
+    ``start=none``); the decision starts from the plan in use, so on a fast link, where neither is
+    predicted 10% faster than the other, it keeps whichever it started with, and on a slow link the
+    trial of a strong codec is timed against bf16's steps."""
+    from types import SimpleNamespace
+
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    def after_first_check(rate_bps, **kw):
+        policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1,
+                                       candidates=("none", "bf16", "int8"), **kw))
+        assert policy.codec_for(0, 400_000, 0).name == ("bf16" if policy.config.start == "bf16" else "none")
+        policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "int8": (1e-9, 1e-10)}
+        policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
+        policy._agree = lambda: {"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
+                                 "step_s": 0.1, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "int8": 0.008}},
+                                 "window": [0.1] * 5}
+        policy._check(1)
+        return policy
+
+    assert AutoConfig().start == "bf16" and AutoConfig(candidates=("none", "int8")).start == "none"
+    fast = after_first_check(10e9)
+    assert fast.choices == {0: "bf16"} and fast.trial is None  # no change: nothing to time
+    assert after_first_check(10e9, start="none").choices == {0: "none"}
+    slow = after_first_check(20e6)
+    assert slow.choices == {0: "int8"} and slow.trial["old"] == {0: "bf16"}
+
+
+def test_choose_starts_from_the_plan_in_use():
+    from thinwire.plan.choose import choose
+
+    buckets = [Bucket(numel=400_000, ready_frac=0.5), Bucket(numel=400_000, ready_frac=1.0)]
+    kw = dict(buckets=buckets, compute=Compute(pre_s=0.02, backward_s=0.04, post_s=0.003), speeds=[1.0] * 4,
+              network=Network(alpha_s=1e-4, beta_s_per_byte=8 / 10e9), candidates=_candidates(), min_gain=0.1)
+    assert choose(**kw).choices == ["none", "none"]
+    kept = choose(**kw, initial=["bf16", "none"])
+    assert kept.choices == ["bf16", "none"] and kept.baseline_s == choose(**kw).baseline_s
+    with pytest.raises(ValueError, match="one candidate per bucket"):
+        choose(**kw, initial=["bf16"])
 
 
 def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behind():

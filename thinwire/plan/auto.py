@@ -2,11 +2,18 @@
 
 How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers identically):
 
+0. **Start light.** Until its first decision ``auto`` sends ``start``: bf16 where it is a candidate
+   (the default), else none. bf16 halves the bytes of fp32 at the cost of one cast, and its error
+   (relative, 0.002 on charlm, unbiased rounding) is the smallest of any codec; it is what PyTorch
+   offers as its light hook and what a fast link ends up with anyway. Starting in fp32 cost 11
+   uncompressed steps and a trial before bf16 on every run (4 emulated hosts at 1 Gbit/s: 6% over
+   thinwire bf16's time to target). ``auto:start=none`` sends fp32 until the first decision.
 1. **Measure, passively, on every rank.** Once bound to the hook's state and the model
    (:meth:`AutoPolicy.bind`), it times every collective the hook issues (bytes as ``Wire`` counts
    them, seconds), the forward start and the first/last gradient of each backward (autograd hooks),
    and, through error feedback's ``update``, what each compressed bucket holds back.
-2. **Agree.** After ``warmup_steps`` and then ``baseline_steps`` (5) more steps sent as before, and
+2. **Agree.** After ``warmup_steps`` and then ``baseline_steps`` (5) more steps sent as at the
+   start, and
    every ``check_every`` steps from then on, on the communication thread at the
    first bucket of the step (all ranks reach it in the same place of the same collective
    sequence), one all-reduce (MAX) merges the ranks' measurements: the slowest rank's compute and
@@ -36,9 +43,10 @@ How it works (a :class:`~thinwire.compress.hook.Policy`; every rank answers iden
    cap was 0.5 when it was set from such runs.)
    A user who will trade loss for speed raises it: ``auto:max_error=0.5`` admits PowerSGD rank 8.
 5. **Switch only for a real gain.** A codec changes the numerics and the model's predictions
-   are good to a few percent (``benchmarks/results/validation.md``), so a candidate must be
-   predicted ``min_gain`` (10%) faster than the lighter choice to replace it: on a fast link,
-   where compression buys a few percent at best, ``auto`` stays with no compression or bf16.
+   are good to a few percent (``benchmarks/results/validation.md``), and every change of plan
+   costs a trial, so a candidate must be predicted ``min_gain`` (10%) faster than the plan in use
+   (bf16 or none at the start) to replace it: on a fast link, where compression buys a few percent
+   at best, ``auto`` stays with no compression or bf16.
 6. **Keep a switch only if the clock agrees.** The model's inputs are measured, but on a host whose
    collectives are bound by its CPU rather than its link, the transfer time per byte it measured
    under one codec does not carry over to another (seen: 4 emulated hosts on 2 cores at 10 Gbit/s,
@@ -104,11 +112,16 @@ class AutoConfig:
     keep_gain: float = 0.05
     keep_p: float = 0.05
     trial_windows: int = 3
+    start: str = ""  # the plan before the first decision; "" is bf16 where it is a candidate, else none
 
     def __post_init__(self) -> None:
         check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
         for c in self.candidates:
             parse_codec_spec(c)
+        if not self.start:
+            object.__setattr__(self, "start", "bf16" if "bf16" in self.candidates else "none")
+        check(self.start in self.candidates, "auto.start", self.start, f"one of the candidates ({'|'.join(self.candidates)})",
+              "The codec sent before the first decision; bf16 or none.")
         check(self.warmup_steps >= 1, "auto.warmup_steps", self.warmup_steps, "an integer >= 1")
         check(self.baseline_steps >= 0, "auto.baseline_steps", self.baseline_steps, "an integer >= 0",
               "0 decides at the warm-up's end, timing the first trial against the warm-up's steps.")
@@ -142,6 +155,9 @@ def parse_auto_spec(spec: str) -> AutoConfig:
             raise ConfigError("auto parameter", item, f"key=value with key one of {', '.join(fields)}")
         if key == "candidates":
             kwargs[key] = tuple(v.strip() for v in value.split("|"))
+            continue
+        if key == "start":
+            kwargs[key] = value
             continue
         number = int if fields[key] in (int, "int") else float
         try:
@@ -219,7 +235,7 @@ class AutoPolicy:
                 self._keep_needed_shadows(step)
                 self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
         self.numels[bucket] = numel
-        return self.codecs[self.choices.get(bucket, "none")]
+        return self.codecs[self.choices.get(bucket, self.config.start)]
 
     def busy(self, bucket: int, step: int) -> bool:
         """Whether this bucket's ``observe`` or ``codec_for`` does heavy work (shadow runs in the
@@ -230,12 +246,12 @@ class AutoPolicy:
         if bucket not in self._lowrank_since:
             return False
         spec, since = self._lowrank_since[bucket]
-        return spec == self.choices.get(bucket, "none") and step < since + self.config.check_every
+        return spec == self.choices.get(bucket, self.config.start) and step < since + self.config.check_every
 
     def observe(self, bucket: int, buf: torch.Tensor, step: int, shapes: list[tuple] | None = None) -> None:
         """The hook shows each bucket's gradient (and its parameters' shapes) before it travels.
 
-        During the warm-up (every bucket uncompressed), every lossy candidate runs on it in shadow
+        During the warm-up (every bucket sent with ``start``), every lossy candidate runs on it in shadow
         with an error feedback of its own: ``shadow[bucket][candidate]`` is the last step's
         ``||r|| / ||g + r_prev||``. PowerSGD runs per matrix with its warm-started ``Q``, as it is
         sent (:func:`~thinwire.compress.codecs.powersgd.local_approx`).
@@ -253,7 +269,7 @@ class AutoPolicy:
         if buf.numel() * 4 < 4096:
             return
         warm = step < self.config.warmup_steps
-        current = self.choices.get(bucket, "none")
+        current = self.choices.get(bucket, self.config.start)
         if not warm:
             spec, since = self._lowrank_since.get(bucket, ("none", -1))
             if spec != current or self.codecs[current].name != "powersgd" or bucket not in self.shapes:
@@ -339,7 +355,7 @@ class AutoPolicy:
 
     def _guard(self, shared: dict) -> str | None:
         for i, err in shared["errors"].items():
-            current = self.choices.get(i, "none")
+            current = self.choices.get(i, self.config.start)
             if err > self.config.max_error and current != "none":
                 self.banned.setdefault(i, set()).add(current)
                 return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
@@ -385,14 +401,14 @@ class AutoPolicy:
             self.decided_bps = bps
         else:
             for i, codec in t["new"].items():
-                if t["old"].get(i, "none") != codec:
+                if t["old"].get(i) != codec:
                     self.tried.setdefault(i, set()).add(codec)
         self._log_verdict(step, reason, bps, now, before, previous)
 
     def _log_verdict(self, step: int, reason: str, bps: float, now: float, before: float, previous: dict) -> None:
         self.decisions.append({"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
                                "measured_step_s": now, "measured_before_s": before})
-        changed = {i: c for i, c in self.choices.items() if previous.get(i, "none") != c}
+        changed = {i: c for i, c in self.choices.items() if previous.get(i, self.config.start) != c}
         log.info("auto at step %d (%s)%s", step, reason,
                  ": " + ", ".join(f"bucket {i} -> {c}" for i, c in sorted(changed.items())) if changed else "")
 
@@ -416,7 +432,9 @@ class AutoPolicy:
             if i in order:
                 banned.setdefault(order.index(i), set()).update(c for c, e in errs.items() if e > self.config.max_error)
         self.last_shadow = shared["shadow"]
-        decision = choose(buckets=buckets, compute=Compute(pre_s=shared["pre_s"], backward_s=shared["backward_s"],
+        current = [self.choices.get(i, self.config.start) for i in order]  # a change must pay over it
+        current = [c if c not in banned.get(k, ()) else "none" for k, c in enumerate(current)]
+        decision = choose(initial=current, buckets=buckets, compute=Compute(pre_s=shared["pre_s"], backward_s=shared["backward_s"],
                                                            post_s=0.0),
                           speeds=[1.0] * p, network=Network(alpha_s=shared["alpha"], beta_s_per_byte=shared["beta"]),
                           candidates=models, banned=banned,
@@ -424,8 +442,8 @@ class AutoPolicy:
         old = dict(self.choices)
         self.choices = {i: c for i, c in zip(order, decision.choices)}
         self.decided_bps = bps
-        if trial and any(old.get(i, "none") != c for i, c in self.choices.items()):
-            self.trial = {"old": {i: old.get(i, "none") for i in self.choices}, "new": dict(self.choices),
+        if trial and any(old.get(i, self.config.start) != c for i, c in self.choices.items()):
+            self.trial = {"old": {i: old.get(i, self.config.start) for i in self.choices}, "new": dict(self.choices),
                           "steps": {"old": list(shared["window"] or [shared["step_s"]]), "new": []}, "arm": "new",
                           "windows": 0}
         self._log(step, reason, decision, bps, old)
@@ -473,7 +491,7 @@ class AutoPolicy:
         keys = sorted(self.numels)
         errs = self.errors.window_errors([str(i) for i in keys])
         lowrank, self.lowrank_errors = self.lowrank_errors, {}
-        sent_lowrank = {i for i in keys if self.codecs[self.choices.get(i, "none")].name == "powersgd"}
+        sent_lowrank = {i for i in keys if self.codecs[self.choices.get(i, self.config.start)].name == "powersgd"}
         errs = [statistics.fmean(lowrank[i]) if lowrank.get(i) else 0.0 if i in sent_lowrank else e
                 for i, e in zip(keys, errs)]  # PowerSGD's residual does not measure its error (observe)
         specs = [s for s in self.config.candidates if s != "none"]

@@ -5,7 +5,8 @@ be tested by hand and gives the same answer on every rank for the same inputs.
 
 Algorithm (coordinate descent over buckets):
 
-1. start with every bucket uncompressed (``none``);
+1. start from the plan in use (``initial``; by default every bucket uncompressed, ``none``), so a
+   change of plan must pay for itself;
 2. for each bucket, last to first (the last buckets are the least hidden behind backward), try
    every allowed candidate with the other buckets fixed, keep the one with the smallest predicted
    step; a candidate must beat the current choice by ``min_gain`` (relative) to replace it, so ties
@@ -42,7 +43,8 @@ class Decision:
 
 def choose(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[float], network: Network,
            candidates: Mapping[str, CodecModel], banned: Mapping[int, set[str]] | None = None,
-           min_gain: float = 0.02, passes: int = 3, codec_steals_compute: bool = False) -> Decision:
+           min_gain: float = 0.02, passes: int = 3, codec_steals_compute: bool = False,
+           initial: Sequence[str] | None = None) -> Decision:
     """Per-bucket codec choice (see the module docstring). ``candidates``: spec -> model, light first;
     it must contain ``"none"``."""
     if "none" not in candidates:
@@ -50,12 +52,14 @@ def choose(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[floa
     banned = banned or {}
     kw = dict(buckets=list(buckets), compute=compute, speeds=list(speeds), network=network,
               codec_steals_compute=codec_steals_compute)
-    choice = ["none"] * len(buckets)
+    choice = list(initial) if initial is not None else ["none"] * len(buckets)
+    if len(choice) != len(buckets) or any(c not in candidates for c in choice):
+        raise ValueError(f"initial must name one candidate per bucket, got {choice}")
 
     def step(ch: list[str]) -> float:
         return predict_step(codec=[candidates[c] for c in ch], **kw).step_s
 
-    baseline = best = step(choice)
+    baseline, best = step(["none"] * len(buckets)), step(choice)
     for _ in range(passes):
         changed = False
         for i in reversed(range(len(buckets))):
