@@ -722,6 +722,10 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     reasons = [d["reason"].split(":")[0] for d in back.decisions]
     assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
     assert back.decisions[1]["choices"] == {0: "bf16"} and back.choices == {0: "topk:ratio=0.01"}  # bf16: the start
+    # a link that gets faster makes the rejected top-k pay less still: re-decided, but not tried again
+    faster = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=20e6)])
+    assert [d["reason"].split(":")[0] for d in faster.decisions] == ["warm-up done", "reverted", "link moved 100%"]
+    assert faster.choices == {0: "bf16"} and faster.trial is None and faster.tried == {0: {"topk:ratio=0.01": 10e6}}
     # a noisy host: the trial's median is 7% lower, but half its steps are slower than most before it
     # (p ~ 0.24): not sure yet, so the old plan is timed again for a window, then the new one; after
     # trial_windows (3) windows the medians of all the steps decide
@@ -737,7 +741,7 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     # the old plan, timed again, turns out as fast as the trial: reverted, top-k left out
     lucky = policy_seeing([w(before), w(noisy), w([t * 0.85 for t in before])])
     assert [d["reason"].split(":")[0] for d in lucky.decisions] == ["warm-up done", "trial", "reverted"]
-    assert lucky.choices == {0: "bf16"} and lucky.tried == {0: {"topk:ratio=0.01"}} and lucky.trial is None
+    assert lucky.choices == {0: "bf16"} and lucky.tried == {0: {"topk:ratio=0.01": 10e6}} and lucky.trial is None
     # every step of the trial below every step before it: kept at once
     clear = [t / 3 for t in before]
     sure = policy_seeing([w(before), w(clear)])
@@ -789,6 +793,20 @@ def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use(
     assert after_first_check(10e9, start="none").choices == {0: "none"}
     slow = after_first_check(20e6)
     assert slow.choices == {0: "int8"} and slow.trial["old"] == {0: "bf16"}
+
+
+def test_auto_tries_a_rejected_codec_again_only_when_the_link_moves_its_way():
+    from thinwire.plan.auto import AutoConfig, AutoPolicy
+
+    policy = AutoPolicy(AutoConfig(candidates=("none", "bf16", "topk:ratio=0.01")))
+    policy.numels, policy.choices = {0: 400_000}, {0: "bf16"}
+    policy.tried = {0: {"none": 10e6, "topk:ratio=0.01": 10e6}}
+    policy._forget_rejections(20e6)  # faster: fp32 may pay now, top-k pays less still
+    assert policy.tried == {0: {"topk:ratio=0.01": 10e6}}
+    policy._forget_rejections(8e6)   # 20% slower than when top-k was rejected: not enough
+    assert policy.tried == {0: {"topk:ratio=0.01": 10e6}}
+    policy._forget_rejections(5e6)
+    assert policy.tried == {0: {}}
 
 
 def test_choose_starts_from_the_plan_in_use():
