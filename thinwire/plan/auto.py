@@ -239,7 +239,7 @@ class AutoPolicy:
                 self._keep_needed_shadows(step)
                 self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
         self.numels[bucket] = numel
-        return self.codecs[self.choices.get(bucket, self.config.start)]
+        return self.codecs[self._plan(bucket)]
 
     def busy(self, bucket: int, step: int) -> bool:
         """Whether this bucket's ``observe`` or ``codec_for`` does heavy work (shadow runs in the
@@ -250,7 +250,7 @@ class AutoPolicy:
         if bucket not in self._lowrank_since:
             return False
         spec, since = self._lowrank_since[bucket]
-        return spec == self.choices.get(bucket, self.config.start) and step < since + self.config.check_every
+        return spec == self._plan(bucket) and step < since + self.config.check_every
 
     def observe(self, bucket: int, buf: torch.Tensor, step: int, shapes: list[tuple] | None = None) -> None:
         """The hook shows each bucket's gradient (and its parameters' shapes) before it travels.
@@ -273,7 +273,7 @@ class AutoPolicy:
         if buf.numel() * 4 < 4096:
             return
         warm = step < self.config.warmup_steps
-        current = self.choices.get(bucket, self.config.start)
+        current = self._plan(bucket)
         if not warm:
             spec, since = self._lowrank_since.get(bucket, ("none", -1))
             if spec != current or self.codecs[current].name != "powersgd" or bucket not in self.shapes:
@@ -325,6 +325,10 @@ class AutoPolicy:
         norm = float(corrected.norm())
         return float(residual.norm()) / norm if norm > 0 else 0.0
 
+    def _plan(self, bucket: int) -> str:
+        """The codec spec this bucket is sent with now: its choice, or ``start`` before the first."""
+        return self.choices.get(bucket, self.config.start)
+
     def describe(self) -> str:
         if not self.choices:
             return "auto (measuring)"
@@ -359,7 +363,7 @@ class AutoPolicy:
 
     def _guard(self, shared: dict) -> str | None:
         for i, err in shared["errors"].items():
-            current = self.choices.get(i, self.config.start)
+            current = self._plan(i)
             if err > self.config.max_error and current != "none":
                 self.banned.setdefault(i, set()).add(current)
                 return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
@@ -379,7 +383,7 @@ class AutoPolicy:
         slower for one that sends fewer bytes than the bucket's plan in use, faster for one that
         sends more."""
         for i, rejected in self.tried.items():
-            current = self.codecs[self.choices.get(i, self.config.start)].payload_bytes(self.numels.get(i, 1 << 16))
+            current = self.codecs[self._plan(i)].payload_bytes(self.numels.get(i, 1 << 16))
             for spec, then in list(rejected.items()):
                 stronger = self.codecs[spec].payload_bytes(self.numels.get(i, 1 << 16)) < current
                 moved = bps / then - 1
@@ -448,7 +452,7 @@ class AutoPolicy:
             if i in order:
                 banned.setdefault(order.index(i), set()).update(c for c, e in errs.items() if e > self.config.max_error)
         self.last_shadow = shared["shadow"]
-        current = [self.choices.get(i, self.config.start) for i in order]  # a change must pay over it
+        current = [self._plan(i) for i in order]  # a change must pay over it
         current = [c if c not in banned.get(k, ()) else "none" for k, c in enumerate(current)]
         decision = choose(initial=current, buckets=buckets, compute=Compute(pre_s=shared["pre_s"], backward_s=shared["backward_s"],
                                                            post_s=0.0),
@@ -507,7 +511,7 @@ class AutoPolicy:
         keys = sorted(self.numels)
         errs = self.errors.window_errors([str(i) for i in keys])
         lowrank, self.lowrank_errors = self.lowrank_errors, {}
-        sent_lowrank = {i for i in keys if self.codecs[self.choices.get(i, self.config.start)].name == "powersgd"}
+        sent_lowrank = {i for i in keys if self.codecs[self._plan(i)].name == "powersgd"}
         errs = [statistics.fmean(lowrank[i]) if lowrank.get(i) else 0.0 if i in sent_lowrank else e
                 for i, e in zip(keys, errs)]  # PowerSGD's residual does not measure its error (observe)
         specs = [s for s in self.config.candidates if s != "none"]
