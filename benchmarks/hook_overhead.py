@@ -4,9 +4,9 @@
 
 One process, a gloo group of one rank (the all-reduce moves nothing), one thread: what is left is
 the CPU work each hook does around its collective, which on a CPU-bound host is added to the step.
-PyTorch's bodies are those of ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``
-(``allreduce_hook``: divide, all-reduce; ``bf16_compress_hook`` / ``fp16_compress_hook``: divide,
-cast, all-reduce, copy back), on the calling thread. thinwire's is the path its hook takes with error
+PyTorch's rows call its own hook functions from ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``
+(``allreduce_hook``: divide, all-reduce; ``bf16_compress_hook`` / ``fp16_compress_hook``: cast,
+divide the half-precision copy, all-reduce, copy back) as DDP calls them, and wait on their futures. thinwire's is the path its hook takes with error
 feedback, as ``thinwire.attach`` runs it (``CommState._send``): buckets that need only all-reduces
 (none, fp16, bf16) go out async from the calling thread, int8 is handed over to the communication
 thread (the time includes the hand-over); and ``auto`` settled on each codec (its meters attached). Each call
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -31,15 +32,20 @@ from thinwire.compress.hook import CommState, StaticPolicy  # noqa: E402
 from thinwire.compress.spec import parse_codec_spec  # noqa: E402
 
 
-def torch_body(dtype):
+class _Bucket:
+    """What PyTorch's default hooks read from a ``GradBucket``: its flat buffer."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self._buf = buf
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+
+def torch_body(hook):
+    """PyTorch's own hook function, called as DDP calls it, waited on."""
     def body(buf: torch.Tensor) -> torch.Tensor:
-        buf.div_(dist.get_world_size())
-        if dtype is None:
-            dist.all_reduce(buf)
-            return buf
-        c = buf.to(dtype)
-        dist.all_reduce(c)
-        return buf.copy_(c)
+        return hook(None, _Bucket(buf)).wait()
     return body
 
 
@@ -89,9 +95,9 @@ def main() -> None:
     torch.set_num_threads(1)
     grad = torch.randn(a.numel) * 1e-3
     rows = [
-        ("PyTorch allreduce_hook (fp32)", torch_body(None)),
-        ("PyTorch fp16_compress_hook", torch_body(torch.float16)),
-        ("PyTorch bf16_compress_hook", torch_body(torch.bfloat16)),
+        ("PyTorch allreduce_hook (fp32)", torch_body(default_hooks.allreduce_hook)),
+        ("PyTorch fp16_compress_hook", torch_body(default_hooks.fp16_compress_hook)),
+        ("PyTorch bf16_compress_hook", torch_body(default_hooks.bf16_compress_hook)),
         ("thinwire none", thinwire_body("none")),
         ("thinwire fp16", thinwire_body("fp16")),
         ("thinwire bf16", thinwire_body("bf16")),
