@@ -478,14 +478,16 @@ class AutoPolicy:
 
     def _log(self, step: int, reason: str, decision, bps: float, old: dict) -> None:
         entry = {"step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
-                 "predicted_step_s": decision.step_s, "uncompressed_step_s": decision.baseline_s,
+                 "predicted_step_s": decision.step_s, "plan_in_use_step_s": decision.initial_s,
+                 "uncompressed_step_s": decision.baseline_s,
                  "trial": self.trial is not None,
                  "shadow_errors": {i: {c: round(e, 4) for c, e in errs.items()} for i, errs in self.last_shadow.items()}}
         self.decisions.append(entry)
         changed = {i: c for i, c in self.choices.items() if old.get(i) != c}
-        log.info("auto at step %d (%s): %s; predicted step %.1f ms vs %.1f ms uncompressed, link %.1f Mbit/s",
+        log.info("auto at step %d (%s): %s; predicted step %.1f ms vs %.1f ms with the plan in use, %.1f ms "
+                 "uncompressed, link %.1f Mbit/s",
                  step, reason, ", ".join(f"bucket {i} -> {c}" for i, c in sorted(changed.items())) or "no change",
-                 decision.step_s * 1e3, decision.baseline_s * 1e3, bps / 1e6)
+                 decision.step_s * 1e3, decision.initial_s * 1e3, decision.baseline_s * 1e3, bps / 1e6)
 
     # -- agreement across ranks ---------------------------------------------------------------------
     def _codec_costs(self) -> dict[str, tuple[float, float]]:

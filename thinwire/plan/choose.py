@@ -38,6 +38,7 @@ class Decision:
     choices: list[str]            # codec spec per bucket
     step_s: float                 # predicted step with these choices
     baseline_s: float             # predicted step with every bucket uncompressed
+    initial_s: float              # predicted step with the plan the search started from (``initial``)
     prediction: StepPrediction
 
 
@@ -60,6 +61,7 @@ def choose(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[floa
         return predict_step(codec=[candidates[c] for c in ch], **kw).step_s
 
     baseline, best = step(["none"] * len(buckets)), step(choice)
+    initial_s = best
     for _ in range(passes):
         changed = False
         for i in reversed(range(len(buckets))):
@@ -72,5 +74,5 @@ def choose(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[floa
                     choice, best, changed = trial, t, True
         if not changed:
             break
-    return Decision(choices=choice, step_s=best, baseline_s=baseline,
+    return Decision(choices=choice, step_s=best, baseline_s=baseline, initial_s=initial_s,
                     prediction=predict_step(codec=[candidates[c] for c in choice], **kw))
