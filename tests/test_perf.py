@@ -820,7 +820,8 @@ def test_choose_starts_from_the_plan_in_use():
     assert kept.choices == ["bf16", "none"] and kept.baseline_s == choose(**kw).baseline_s
     assert kept.initial_s == kept.step_s  # kept: nothing is predicted 10% faster than it
     moved = choose(**{**kw, "min_gain": 0.0}, initial=["topk:ratio=0.01"] * 2)  # top-k: 4% slower here
-    assert moved.initial_s > moved.step_s
+    unsearched = choose(**{**kw, "min_gain": 0.0}, initial=["topk:ratio=0.01"] * 2, passes=0)
+    assert moved.initial_s == unsearched.step_s > moved.step_s != moved.baseline_s
     with pytest.raises(ValueError, match="one candidate per bucket"):
         choose(**kw, initial=["bf16"])
 
