@@ -6,11 +6,11 @@ One process, a gloo group of one rank (the all-reduce moves nothing), one thread
 the CPU work each hook does around its collective, which on a CPU-bound host is added to the step.
 PyTorch's rows call its own hook functions from ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``
 (``allreduce_hook``: divide, all-reduce; ``bf16_compress_hook`` / ``fp16_compress_hook``: cast,
-divide the half-precision copy, all-reduce, copy back) as DDP calls them, and wait on their futures. thinwire's is the path its hook takes with error
-feedback, as ``thinwire.attach`` runs it (``CommState._send``): buckets that need only all-reduces
-(none, fp16, bf16) go out async from the calling thread, int8 is handed over to the communication
-thread (the time includes the hand-over); and ``auto`` settled on each codec (its meters attached). Each call
-starts from a fresh gradient copy (not timed). Median of ``--reps`` calls, in microseconds.
+divide the half-precision copy, all-reduce, copy back) as DDP calls them, and wait on their futures.
+thinwire's is the path its hook takes with error feedback, as ``thinwire.attach`` runs it
+(``CommState._send``): buckets that need only all-reduces (none, fp16, bf16) go out async from the
+calling thread, int8 is handed over to the communication thread (the time includes the hand-over);
+and ``auto`` settled on each codec (its meters attached). Each call starts from a fresh gradient copy (not timed). Median of ``--reps`` calls, in microseconds.
 """
 
 from __future__ import annotations
