@@ -217,7 +217,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     """Register thinwire's compressed all-reduce as ``model``'s DDP communication hook.
 
     ``codec`` is a spec string (``"int8:block=64"``, ``"topk:ratio=0.01"``, ``"powersgd:rank=4"``;
-    see ``thinwire train --help-codecs``), a codec object, or a policy choosing one per bucket.
+    see ``thinwire codecs``), a codec object, or a policy choosing one per bucket.
     Buckets under ``min_compress_bytes`` and the first ``warmup_steps`` steps go uncompressed.
     ``process_group``: the group to average over; by default a new group over all ranks, so the
     hook's collectives never interleave with the script's own; ``timeout_s`` bounds how long one of

@@ -14,10 +14,12 @@ with the type of the codec config's field: ``int`` (``64``, ``1_000_000``, ``1e6
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from enum import Enum
-from typing import Any, Mapping, get_args, get_origin, get_type_hints
+from collections.abc import Mapping
+from typing import Any, get_args, get_origin, get_type_hints
 
 from thinwire.compress.codecs import (
     BfpCodec, Bf16Codec, Codec, Fp16Codec, Int8Codec, NoneCodec, PowerSGDCodec, QsgdCodec,
@@ -28,7 +30,7 @@ from thinwire.errors import ConfigError
 
 
 class CodecName(str, Enum):
-    """User-facing codec names. (The lead adds ``auto``, a per-bucket planner policy, later.)"""
+    """The built-in codecs' user-facing names (more can be added with :func:`register_codec`)."""
 
     NONE = "none"
     FP16 = "fp16"
@@ -42,7 +44,49 @@ class CodecName(str, Enum):
     POWERSGD = "powersgd"
 
 
-REGISTRY: dict[CodecName, type[Codec]] = {
+class CodecRegistry(Mapping):
+    """Name -> codec class: the built-ins (keyed by :class:`CodecName`) then the registered ones.
+
+    The one place a codec's name is looked up; everything else (the hook, the performance model,
+    the planner, ``auto``, ``thinwire codecs``) asks it or the codec's traits.
+    """
+
+    def __init__(self, builtins: Mapping[CodecName, type[Codec]]) -> None:
+        self._classes: dict[str, type[Codec]] = {n.value: c for n, c in builtins.items()}
+        self._keys: dict[str, str | CodecName] = {n.value: n for n in builtins}
+
+    def __getitem__(self, name: str) -> type[Codec]:
+        return self._classes[str(getattr(name, "value", name))]
+
+    def __iter__(self):
+        return iter(self._keys.values())
+
+    def __len__(self) -> int:
+        return len(self._classes)
+
+    def names(self) -> list[str]:
+        return list(self._classes)
+
+    def register(self, cls: type[Codec]) -> type[Codec]:
+        """Add ``cls`` under ``cls.name`` (usable as a class decorator); the name must be new."""
+        name = getattr(cls, "name", None)
+        if not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise ValueError(f"a codec's name must match {_NAME.pattern}, got {name!r}")
+        if name in self._classes or name in _RESERVED:
+            raise ValueError(f"codec name {name!r} is taken; pick another name")
+        if not (isinstance(cls, type) and issubclass(cls, Codec)):
+            raise ValueError(f"register a Codec subclass, got {cls!r}")
+        self._classes[name], self._keys[name] = cls, name
+        return cls
+
+    def unregister(self, name: str) -> None:
+        """Remove a registered codec (built-ins stay)."""
+        if name in CodecName._value2member_map_ or name not in self._classes:
+            raise ValueError(f"{name!r} is not a registered (non-built-in) codec")
+        del self._classes[name], self._keys[name]
+
+
+REGISTRY = CodecRegistry({
     CodecName.NONE: NoneCodec,
     CodecName.FP16: Fp16Codec,
     CodecName.BF16: Bf16Codec,
@@ -53,20 +97,37 @@ REGISTRY: dict[CodecName, type[Codec]] = {
     CodecName.RANDOMK: RandomKCodec,
     CodecName.SIGN: SignCodec,
     CodecName.POWERSGD: PowerSGDCodec,
-}
+})
+register_codec = REGISTRY.register
 
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_RESERVED = ("auto", "torch")  # the other forms of a communication spec
 _FORMAT = "name or name:key=value,key=value (e.g. 'int8:block=64')"
 _TRUE, _FALSE, _NULL = ("true", "1"), ("false", "0"), ("none", "null")
+OTHER_FORMS = ("auto[:key=value,...] (thinwire's online per-bucket choice)",
+               "torch:none|fp16|bf16|powersgd[:rank=R] (PyTorch's own DDP hooks, as peers)")
 
 
 def codec_class(name: str) -> type[Codec]:
-    """The codec class registered under ``name``; unknown names list the valid ones."""
+    """The codec class registered under ``name``; unknown names list every valid form."""
     try:
-        return REGISTRY[CodecName(name)]
-    except ValueError:
-        valid = ", ".join(n.value for n in CodecName)
-        fix = "See `thinwire train --help-codecs`."
+        return REGISTRY[name]
+    except KeyError:
+        valid = ", ".join(REGISTRY.names())
+        fix = "Other forms: " + "; ".join(OTHER_FORMS) + ". `thinwire codecs` lists every codec's parameters."
         raise ConfigError("compression", name, f"one of {valid}", fix) from None
+
+
+def default_candidates() -> tuple[str, ...]:
+    """The specs the planner and ``auto`` try by default: every registered codec's ``candidate``,
+    lossless first, then from the most bytes per value to the fewest (light to strong)."""
+    specs = [c.candidate for c in REGISTRY.values() if c.candidate]
+
+    def lightness(spec: str) -> tuple[bool, int]:
+        codec = parse_codec_spec(spec)
+        return not codec.lossless, -codec.payload_bytes(1 << 20)
+
+    return tuple(sorted(specs, key=lightness))
 
 
 def build_codec(name: str, params: Mapping[str, Any] | None = None) -> Codec:

@@ -14,6 +14,10 @@ communication (numel, dtype, a seed shared by all ranks for this bucket and step
   round-to-nearest at <= 2**-8 relative, unbiased, with fp32's exponent range (nothing flushes to
   zero), so the hook sends it without a residual, as PyTorch's bf16 hook does (``fp16`` keeps one:
   values below 6e-8 flush to zero, a bias the residual repairs).
+* ``lowrank``: the payload is low-rank factors of the bucket's matrices, sent in two all-reduce
+  rounds (PowerSGD); the collective layer needs the parameter shapes.
+* ``candidate``: the spec under which the planner and ``auto`` consider the codec by default
+  (``"topk:ratio=0.01"``), or None when it is only used when asked for by name.
 * ``payload_bytes(numel, dtype)`` prices a codec without running it: it is exactly
   ``sum(t.numel() * t.element_size() for t in compress(x, meta))`` for any ``x`` of that size, so
   the performance model and the planner can use it.
@@ -55,6 +59,8 @@ class Codec(ABC):
     lossless: ClassVar[bool] = False
     needs_feedback: ClassVar[bool] = True
     sparse: ClassVar[bool] = False  # payload is (values, indices): may fall back to a dense all-reduce
+    lowrank: ClassVar[bool] = False  # factors of the bucket's matrices (PowerSGD): P and Q rounds
+    candidate: ClassVar[str | None] = None  # the spec the planner and ``auto`` try by default (None: not tried)
 
     def __init__(self, config) -> None:
         self.config = config

@@ -85,6 +85,7 @@ class NoneCodec(_CastCodec):
     """No compression: fp32 on the wire (4 bytes/value), lossless for fp32/fp16/bf16 gradients."""
 
     name = "none"
+    candidate = "none"
     config_cls = NoneConfig
     wire_dtype = torch.float32
     lossless = True
@@ -102,6 +103,7 @@ class Bf16Codec(_CastCodec):
     """bfloat16 on the wire (2 bytes/value, 2x): fp32's range, relative error <= 2**-8."""
 
     name = "bf16"
+    candidate = "bf16"
     config_cls = Bf16Config
     needs_feedback = False  # unbiased rounding, fp32's range: see the base module's docstring
     wire_dtype = torch.bfloat16

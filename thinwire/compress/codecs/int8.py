@@ -61,6 +61,7 @@ class Int8Codec(Codec):
     """Block-wise absmax int8 quantisation (see the module docstring)."""
 
     name = "int8"
+    candidate = "int8"
     config_cls = Int8Config
     summable = False
 

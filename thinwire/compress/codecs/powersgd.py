@@ -161,6 +161,8 @@ class PowerSGDCodec(Codec):
     """
 
     name = "powersgd"
+    lowrank = True
+    candidate = "powersgd:rank=8"
     config_cls = PowerSGDConfig
     summable = True
 

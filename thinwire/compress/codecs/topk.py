@@ -64,6 +64,7 @@ class TopKCodec(Codec):
     """Magnitude top-k sparsification (see the module docstring)."""
 
     name = "topk"
+    candidate = "topk:ratio=0.01"
     config_cls = TopKConfig
     summable = False
     sparse = True
