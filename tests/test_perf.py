@@ -18,7 +18,7 @@ from thinwire.perf import collectives as coll
 from thinwire.perf.devices import DEVICES, get_device
 from thinwire.perf.energy import J_PER_BIT_INTERNET, run_energy, step_energy
 from thinwire.perf.memory import memory_per_rank, residual_values, transformer_activation_bytes
-from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, Scheme, bucket_cost, predict_step
+from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, bucket_cost, predict_step
 from thinwire.perf.straggler import blom_z, colocated_speeds, corun_factor, cpu_shares, expected_max_normal, slowest_time
 from thinwire.perf.timeline import ddp_bucket_assignment, overlap_timeline
 
@@ -34,6 +34,16 @@ def test_ring_allreduce_by_hand():
     assert coll.ring_allreduce_s(8 * MB, 4, alpha=1e-3, beta=BETA_100M) == pytest.approx(0.966)
     assert coll.ring_allreduce_bytes(8 * MB, 4) == pytest.approx(12 * MB)
     assert coll.ring_allreduce_s(8 * MB, 1, alpha=1e-3, beta=BETA_100M) == 0.0
+
+
+def _fake(name: str, payload) -> CodecModel:
+    """The model of codec ``name`` (its traits and scheme) with ``payload`` as its payload size."""
+    from thinwire.compress.spec import codec_class
+    from thinwire.sim.inputs import codec_model
+
+    cls = codec_class(name)
+    fake = type(f"Fake{cls.__name__}", (cls,), {"payload_bytes": lambda self, n, dtype=None: payload(n)})
+    return codec_model(fake(cls.config_cls()), None)
 
 
 def test_other_collectives_by_hand():
@@ -77,7 +87,7 @@ def test_more_bandwidth_never_predicts_slower(p):
 def test_more_hosts_never_shrink_ring_bytes_per_rank():
     per_rank = [coll.ring_allreduce_bytes(10 * MB, p) for p in range(1, 1025)]
     assert all(a <= b for a, b in zip(per_rank, per_rank[1:]))
-    codec = CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n)
+    codec = _fake("none", lambda n: 4 * n)
     net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
     sent = [bucket_cost(codec, 0, 1_000_000, p, net).bytes_sent for p in range(1, 300)]
     assert all(a <= b for a, b in zip(sent, sent[1:]))
@@ -198,7 +208,7 @@ def test_perf_imports_no_other_thinwire_layer():
 # ---- the step model -----------------------------------------------------------------------------------
 
 def _step(p, rate_bps, codec=None, buckets=None):
-    codec = codec or CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n)
+    codec = codec or _fake("none", lambda n: 4 * n)
     buckets = buckets or [Bucket(numel=500_000, ready_frac=0.5), Bucket(numel=500_000, ready_frac=1.0)]
     return predict_step(buckets=buckets, compute=Compute(pre_s=0.05, backward_s=0.1, post_s=0.01),
                         speeds=[1.0] * p, network=Network(alpha_s=1e-4, beta_s_per_byte=8 / rate_bps), codec=codec)
@@ -213,25 +223,25 @@ def test_predict_step_by_hand():
     assert pred.exposed_comm_s == pytest.approx(0.2704)
     slow = predict_step(buckets=[Bucket(numel=1000, ready_frac=1.0)], compute=Compute(pre_s=0.1, backward_s=0.2, post_s=0.0),
                         speeds=[1.0, 0.25], network=Network(alpha_s=0, beta_s_per_byte=0),
-                        codec=CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n))
+                        codec=_fake("none", lambda n: 4 * n))
     assert slow.step_s == pytest.approx(1.2) and slow.compute_s == pytest.approx(1.2)  # the quarter-core host
 
 
 def test_scheme_dispatch_and_bytes():
     net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
     n = 1_000_000
-    bf16 = CodecModel(name="bf16", scheme=Scheme.SUMMABLE, payload_bytes=lambda k: 2 * k)
+    bf16 = _fake("bf16", lambda k: 2 * k)
     assert bucket_cost(bf16, 0, n, 4, net).bytes_sent == (2 * 3 * (2 * n)) // 4  # the flag travels in band
-    topk = CodecModel(name="topk", scheme=Scheme.SPARSE, payload_bytes=lambda k: 8 * math.ceil(0.01 * k))
+    topk = _fake("topk", lambda k: 8 * math.ceil(0.01 * k))
     assert bucket_cost(topk, 0, n, 4, net).collectives == (("all-gather", 80_004),)
     assert bucket_cost(topk, 0, n, 400, net).scheme == "sparse-dense"  # p * density too large
-    int8 = CodecModel(name="int8", scheme=Scheme.QUANTIZED, payload_bytes=lambda k: k + 4 * math.ceil(k / 256))
+    int8 = _fake("int8", lambda k: k + 4 * math.ceil(k / 256))
     assert bucket_cost(int8, 0, n, 2, net).collectives == (("all-gather", n + 4 * 3907 + 4),)
     assert [c[0] for c in bucket_cost(int8, 0, n, 3, net).collectives] == ["all-to-all", "all-gather"]
     small = bucket_cost(bf16, 0, 1000, 4, net)  # under min_compress_bytes: fp32
     assert small.scheme == "fp32" and small.bytes_sent == 6000
-    with_costs = CodecModel(name="bf16", scheme=Scheme.SUMMABLE, payload_bytes=lambda k: 2 * k,
-                            encode=LinearCost(per_byte_s=1e-9), decode=LinearCost(per_byte_s=1e-9))
+    with_costs = dataclasses.replace(_fake("fp16", lambda k: 2 * k), encode=LinearCost(per_byte_s=1e-9),
+                                     decode=LinearCost(per_byte_s=1e-9))
     c = bucket_cost(with_costs, 0, n, 2, net, codec_speed=0.5)
     assert c.encode_s == pytest.approx(2 * (4e-3 + 4e-3)) and c.decode_s == pytest.approx(2 * 4e-3)
 
@@ -427,7 +437,7 @@ def _candidates():
 
     out = {}
     for spec in ("none", "bf16", "topk:ratio=0.01", "powersgd:rank=4"):
-        model = codec_model(spec, None, numels={0: 400_000, 1: 400_000})
+        model = codec_model(spec, None)
         if spec in CODEC_COST:
             enc, dec = CODEC_COST[spec]
             model = dataclasses.replace(model, encode=LinearCost(per_byte_s=enc), decode=LinearCost(per_byte_s=dec))

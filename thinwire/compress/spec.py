@@ -243,9 +243,10 @@ def codec_help() -> str:
     for name, cls in REGISTRY.items():
         per_value = f"{cls(cls.config_cls()).payload_bytes(1 << 20) / (1 << 20):.3g}"
         params = [_param_help(f) for f in dataclasses.fields(cls.config_cls)] or ["-"]
-        lines.append(f"{name.value:<10}{per_value:<13}{'yes' if cls.summable else 'no':<10}{params[0]}")
+        lines.append(f"{cls.name:<10}{per_value:<13}{'yes' if cls.summable else 'no':<10}{params[0]}")
         lines += [" " * 33 + p for p in params[1:]]
-    return "\n".join(lines) + f"\n\nSpec: {_FORMAT}."
+    others = "".join(f"\n  {form}" for form in OTHER_FORMS)
+    return "\n".join(lines) + f"\n\nSpec: {_FORMAT}.\nOther forms of --compression:{others}"
 
 
 def _param_help(f: dataclasses.Field) -> str:

@@ -5,25 +5,11 @@ layer): bucket sizes and readiness from a profile, compute seconds at unit speed
 speed, the ring's alpha/beta, and a :class:`CodecModel` built from a codec's own ``payload_bytes``
 and its measured cost.
 
-How a bucket of ``n`` fp32 values travels is priced exactly as :mod:`thinwire.compress.schemes`
-moves it (same dispatch, same byte counts as ``Wire`` counts them, flags included):
-
-=============  ==========================================================  ===========================
-scheme         collectives (``s = payload_bytes(n)``)                     codec work per rank
-=============  ==========================================================  ===========================
-fp32           all-reduce ``4n`` (lossless codec, or ``4n <                none
-               min_compress_bytes``)
-summable       all-reduce ``s`` (+ a flag element unless the payload is    encode + 2 decode + EF
-                                                                           (bf16: encode + decode)
-               float: then a NaN carries the flag in band)
-sparse         all-gather ``s + 4`` per rank, or all-reduce ``4n + 4`` when   encode + p (decode + add)
-               ``(p-1) s > 2(p-1)/p 4n``                                   + EF (dense: encode +
-                                                                           decode + EF)
-quantized      p <= 2: all-gather ``s + 4``; p > 2: all-to-all of p         as sparse; p > 2: chunks of
-               encoded chunks ``p (s_c + 4)`` then all-gather ``s_c + 4``,   ``c = ceil(n/p)`` encoded,
-               ``s_c = payload_bytes(ceil(n/p))``                          decoded, re-encoded
-lowrank        all-reduce P (+ uncompressed parameters + flag), then Q     encode + decode + EF
-=============  ==========================================================  ===========================
+How a bucket travels is not decided here: each :class:`CodecModel` carries a ``traffic`` callable
+(built above perf/ from the scheme that runs the bucket, :mod:`thinwire.compress.schemes`) that
+states the bucket's collectives, in order, and the codec work before and after the last of them, as
+(kernel, fp32 bytes, times). This module prices them: bytes per rank as ``Wire`` counts them, wire
+seconds, and codec seconds from the measured kernel costs.
 
 Collective times are the alpha-beta formulas of :mod:`thinwire.perf.collectives` (gloo runs ring
 all-reduce and ring all-gather). Codec seconds are ``fixed + per_byte * bytes`` measured on one
@@ -32,7 +18,8 @@ core, divided by the codec's speed. The step is the overlap timeline of
 
 Example (one 1 MB bucket, two hosts, 100 Mbit/s, no codec)::
 
-    >>> codec = CodecModel(name="none", scheme=Scheme.FP32, payload_bytes=lambda n: 4 * n)
+    >>> fp32 = lambda index, numel, p: Traffic(scheme="fp32", collectives=(("all-reduce", 4 * numel),))
+    >>> codec = CodecModel(name="none", traffic=fp32)
     >>> pred = predict_step(buckets=[Bucket(numel=250_000, ready_frac=1.0)],
     ...                     compute=Compute(pre_s=0.05, backward_s=0.1, post_s=0.01), speeds=[1.0, 1.0],
     ...                     network=Network(alpha_s=0.0, beta_s_per_byte=8 / 100e6), codec=codec)
@@ -43,8 +30,6 @@ Example (one 1 MB bucket, two hosts, 100 Mbit/s, no codec)::
 from __future__ import annotations
 
 import dataclasses
-import math
-from enum import Enum
 from typing import Callable, Sequence
 
 from thinwire.perf import collectives as coll
@@ -52,23 +37,20 @@ from thinwire.perf.straggler import blom_z
 from thinwire.perf.timeline import Timeline, overlap_timeline
 
 
-class Scheme(str, Enum):
-    FP32 = "fp32"
-    SUMMABLE = "summable"
-    SPARSE = "sparse"
-    QUANTIZED = "quantized"
-    LOWRANK = "lowrank"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Traffic:
+    """How one bucket travels (what a scheme states; any object with these fields will do).
 
+    ``collectives``: (all-reduce | all-gather | all-to-all, size argument in bytes), in order;
+    ``before`` / ``after``: codec work before and after the last collective, as (kernel: encode |
+    decode | add | feedback, fp32 bytes, times); ``residual_values``: fp32 entries error feedback keeps.
+    """
 
-def scheme_for(*, lossless: bool, summable: bool, sparse: bool, lowrank: bool) -> Scheme:
-    """The scheme a codec with these properties takes (the dispatch order of ``schemes.run``)."""
-    if lossless:
-        return Scheme.FP32
-    if lowrank:
-        return Scheme.LOWRANK
-    if summable:
-        return Scheme.SUMMABLE
-    return Scheme.SPARSE if sparse else Scheme.QUANTIZED
+    scheme: str
+    collectives: tuple[tuple[str, int], ...]
+    before: tuple[tuple[str, int, float], ...] = ()
+    after: tuple[tuple[str, int, float], ...] = ()
+    residual_values: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,27 +66,22 @@ class LinearCost:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CodecModel:
-    """What the model needs to know about a codec (built above perf/ from a real codec).
+    """What the model needs to know about a codec (built above perf/ from a real codec and its scheme).
 
-    ``payload_bytes(numel)``: the codec's own ``payload_bytes``; ``flag_bytes``: bytes of the
-    non-finite flag appended to a summable payload (0 when its first tensor is float: the flag
-    travels in band, as a NaN; else one element of its dtype); ``feedback_used``: whether the hook
-    keeps a residual for it (the codec's ``needs_feedback``; bf16 does not);
-    ``lowrank_rounds(bucket)``: for PowerSGD, the fp32 elements of its two all-reduces for that
-    bucket (P with the uncompressed parameters and the flag; Q).
+    ``traffic(index, numel, p)``: how bucket ``index`` of ``numel`` fp32 values travels on ``p``
+    ranks (a :class:`Traffic`); the kernel costs are one core's measured seconds.
     """
 
     name: str
-    scheme: Scheme
-    payload_bytes: Callable[[int], int]
-    flag_bytes: int = 0
-    feedback_used: bool = True
+    traffic: Callable[[int, int, int], Traffic]
     encode: LinearCost = LinearCost()
     decode: LinearCost = LinearCost()
     add: LinearCost = LinearCost()
     feedback: LinearCost = LinearCost()
-    lowrank_rounds: Callable[[int], tuple[int, int]] | None = None
-    min_compress_bytes: int = 4096
+
+    def work_s(self, work: Sequence[tuple[str, int, float]]) -> float:
+        """One core's seconds for ``work``, a sequence of (kernel, fp32 bytes, times)."""
+        return sum(times * getattr(self, kernel)(nbytes) for kernel, nbytes, times in work)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,6 +124,7 @@ class BucketCost:
     comm_s: float
     encode_s: float                           # codec work before the last collective
     decode_s: float                           # codec work after it
+    residual_values: int = 0                  # fp32 entries error feedback keeps for this bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,52 +172,15 @@ _BYTES = {"all-reduce": _ring_bytes, "all-gather": _allgather_bytes, "all-to-all
 _TIME = {"all-reduce": coll.ring_allreduce_s, "all-gather": coll.allgather_s, "all-to-all": coll.alltoall_s}
 
 
-def bucket_collectives(codec: CodecModel, index: int, numel: int, p: int) -> tuple[str, list[tuple[str, int]]]:
-    """(scheme name, collectives) for bucket ``index`` of ``numel`` values on ``p`` ranks."""
-    if codec.scheme is Scheme.FP32 or numel * 4 < codec.min_compress_bytes:
-        return "fp32", [("all-reduce", 4 * numel)]
-    s = codec.payload_bytes(numel)
-    if codec.scheme is Scheme.SUMMABLE:
-        return "summable", [("all-reduce", s + codec.flag_bytes)]
-    if codec.scheme is Scheme.LOWRANK:
-        assert codec.lowrank_rounds is not None, "a lowrank codec needs lowrank_rounds"
-        first, second = codec.lowrank_rounds(index)
-        return "lowrank", [("all-reduce", 4 * first)] + ([("all-reduce", 4 * second)] if second else [])
-    if codec.scheme is Scheme.SPARSE and _allgather_bytes(s, p) > _ring_bytes(4 * numel, p):
-        return "sparse-dense", [("all-reduce", 4 * numel + 4)]
-    if codec.scheme is Scheme.SPARSE or p <= 2:
-        return codec.scheme.value, [("all-gather", s + 4)]
-    sc = codec.payload_bytes(math.ceil(numel / p))
-    return "quantized-rs", [("all-to-all", p * (sc + 4)), ("all-gather", sc + 4)]
-
-
-def codec_seconds(codec: CodecModel, scheme: str, numel: int, p: int) -> tuple[float, float]:
-    """(before the last collective, after it): one core's codec seconds for this bucket."""
-    nb, fb = 4 * numel, codec.feedback(4 * numel) / 2
-    enc, dec, add = codec.encode, codec.decode, codec.add
-    if scheme == "fp32":
-        return 0.0, 0.0
-    if scheme == "summable" and not codec.feedback_used:  # bf16: encode, decode the sum
-        return enc(nb), dec(nb)
-    if scheme in ("summable", "sparse-dense"):
-        return fb + enc(nb) + dec(nb), fb + (dec(nb) if scheme == "summable" else 0.0)
-    if scheme == "lowrank":
-        return fb + enc(nb), fb + dec(nb)
-    if scheme == "quantized-rs":
-        cb = 4 * math.ceil(numel / p)
-        before = fb + p * (enc(cb) + dec(cb)) + p * (dec(cb) + add(cb)) + codec.feedback(cb) + enc(cb)
-        return before, fb + p * dec(cb)
-    return fb + enc(nb), fb + p * (dec(nb) + add(nb))
-
-
 def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Network,
                 codec_speed: float = 1.0) -> BucketCost:
     """Bytes, wire seconds and codec seconds of one bucket (see the module docstring)."""
-    scheme, ops = bucket_collectives(codec, index, numel, p)
+    t = codec.traffic(index, numel, p)
+    ops = tuple(t.collectives)
     sent = sum(_BYTES[kind](size, p) for kind, size in ops)
     comm = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
-    before, after = codec_seconds(codec, scheme, numel, p) if p > 1 else (0.0, 0.0)
-    return BucketCost(numel, scheme, tuple(ops), sent, comm, before / codec_speed, after / codec_speed)
+    before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
+    return BucketCost(numel, t.scheme, ops, sent, comm, before / codec_speed, after / codec_speed, t.residual_values)
 
 
 def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[float], network: Network,

@@ -440,7 +440,7 @@ class AutoPolicy:
         total = sum(numels) or 1
         buckets = [Bucket(numel=n, ready_frac=sum(numels[: k + 1]) / total) for k, n in enumerate(numels)]
         shapes = [self.shapes[i] for i in order] if all(i in self.shapes for i in order) else None
-        models = {c: codec_model(c, None, numels={k: n for k, n in enumerate(numels)}, shapes=shapes)
+        models = {c: codec_model(c, None, shapes=shapes)
                   for c in self.config.candidates}
         models = {c: dataclasses.replace(m, **self.costs_for(c)) for c, m in models.items()}
         p = self._state.wire.world

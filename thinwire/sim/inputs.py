@@ -18,9 +18,9 @@ plain values and callables):
   1448/1514 payload share and 100 us).
 * **Compute**: the profile's phases at the per-rank batch, the measured point when there is one,
   else a least-squares line in the batch size through the measured points.
-* **Codec**: its own ``payload_bytes``, the scheme ``thinwire.compress.schemes`` uses for it, the
-  profile's measured encode/decode/add/feedback costs; for PowerSGD the two all-reduce rounds from
-  the bucket's parameter shapes exactly as the scheme cuts them.
+* **Codec**: the traffic its own scheme states (:mod:`thinwire.compress.schemes`: collectives,
+  bytes and codec work, from the bucket's parameter shapes where the scheme needs them) and the
+  profile's measured encode/decode/add/feedback costs.
 """
 
 from __future__ import annotations
@@ -29,16 +29,15 @@ import dataclasses
 import math
 import statistics
 
-import torch
 
 from thinwire.cluster.spec import ClusterSpec, HostSpec
-from thinwire.compress.codecs import Codec, Meta
-from thinwire.compress.codecs.powersgd import matrix_view, near_square
+from thinwire.compress import schemes
+from thinwire.compress.codecs import Codec
 from thinwire.compress.spec import parse_codec_spec, spec_string
 from thinwire.config import check
 from thinwire.errors import ConfigError, ThinwireError
 from thinwire.perf import collectives as coll
-from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, scheme_for
+from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
 from thinwire.perf.straggler import corun_factor, cpu_shares
 from thinwire.perf_profile.file import DEFAULT_ALPHA_S, TCP_EFFICIENCY, Cost, Profile
 
@@ -132,60 +131,32 @@ def _cost(c: Cost) -> LinearCost:
     return LinearCost(fixed_s=c.fixed_s, per_byte_s=c.per_byte_s)
 
 
-def _near_square_rounds(codec: Codec, numel: int) -> tuple[int, int]:
-    rows, cols = near_square(numel)
-    r = min(codec.config.rank, rows, cols)
-    return rows * r + 1, cols * r
-
-
-def lowrank_rounds(codec: Codec, shapes_per_bucket: list[list[list[int]]], numel_of: dict[int, int] | None = None):
-    """Bucket index -> (fp32 elements of P's round incl. uncompressed params and flag, of Q's round).
-
-    Buckets without known shapes (``auto`` sees only sizes) are priced as the codec's near-square
-    view of the flat bucket, ``numel_of[index]`` values."""
-    cfg = codec.config
-    numel_of = numel_of or {}
-
-    def rounds(index: int) -> tuple[int, int]:
-        if index >= len(shapes_per_bucket):  # shapes unknown: the codec's own near-square view of the bucket
-            return _near_square_rounds(codec, numel_of.get(index, 0))
-        first, second = 1, 0
-        for shape in shapes_per_bucket[index]:
-            numel = math.prod(shape)
-            mn = matrix_view(numel, tuple(shape))
-            r = min(cfg.rank, *mn) if mn else 0
-            if mn and (mn[0] + mn[1]) * r * cfg.min_compression_rate < mn[0] * mn[1]:
-                first, second = first + mn[0] * r, second + mn[1] * r
-            else:
-                first += numel
-        return first, second
-
-    return rounds
-
-
-def codec_model(spec: str, profile: Profile | None, *, min_compress_bytes: int = 4096,
-                shapes: list[list[list[int]]] | None = None, numels: dict[int, int] | None = None) -> CodecModel:
-    """The :class:`CodecModel` of codec ``spec`` with the profile's measured costs (zero without a
-    profile: bytes only). ``shapes``: parameter shapes per bucket (default: the profile's buckets)."""
-    codec = parse_codec_spec(spec)
-    scheme = scheme_for(lossless=codec.lossless, summable=codec.summable, sparse=codec.sparse,
-                        lowrank=codec.name == "powersgd")
+def codec_model(spec: str | Codec, profile: Profile | None, *, min_compress_bytes: int = 4096,
+                shapes: list[list[list[int]]] | None = None) -> CodecModel:
+    """The :class:`CodecModel` of codec ``spec`` (a spec string or a codec) with the profile's measured
+    costs (zero without a profile: bytes only). Its traffic is the codec's own scheme's
+    (:func:`thinwire.compress.schemes.traffic`), fp32 for buckets under ``min_compress_bytes`` as the
+    hook sends them. ``shapes``: parameter shapes per bucket (default: the profile's buckets; a bucket
+    without them is priced from its size alone)."""
+    codec = parse_codec_spec(spec) if isinstance(spec, str) else spec
     name = spec_string(codec)
-    if codec.lossless:
-        return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes,
-                          min_compress_bytes=min_compress_bytes)
-    costs = {"encode": LinearCost(), "decode": LinearCost(), "add": LinearCost(), "feedback": LinearCost()}
-    if profile is not None:
-        measured = profile.codec_cost(name)
-        costs.update(encode=_cost(measured.encode), decode=_cost(measured.decode),
-                     **{k: _cost(profile.kernels[k]) for k in ("add", "feedback") if k in profile.kernels})
     if shapes is None:
         shapes = [b.shapes for b in profile.buckets] if profile is not None else []
-    head = codec.compress(torch.zeros(64), Meta(numel=64))[0]  # schemes._summable: a float head carries the flag
-    flag = 0 if head.is_floating_point() else head.element_size()
-    rounds = lowrank_rounds(codec, shapes, numels) if codec.name == "powersgd" else None
-    return CodecModel(name=name, scheme=scheme, payload_bytes=codec.payload_bytes, flag_bytes=flag, feedback_used=codec.needs_feedback,
-                      lowrank_rounds=rounds, min_compress_bytes=min_compress_bytes, **costs)
+
+    def traffic(index: int, numel: int, p: int):
+        if codec.lossless or numel * 4 < min_compress_bytes:
+            return schemes.FP32.traffic(codec, numel, p)
+        return schemes.traffic(codec, numel, p, shapes[index] if index < len(shapes) else None)
+
+    return CodecModel(name=name, traffic=traffic, **_measured_costs(name, codec, profile))
+
+
+def _measured_costs(name: str, codec: Codec, profile: Profile | None) -> dict[str, LinearCost]:
+    if profile is None or codec.lossless:
+        return {}
+    measured = profile.codec_cost(name)
+    return dict(encode=_cost(measured.encode), decode=_cost(measured.decode),
+                **{k: _cost(profile.kernels[k]) for k in ("add", "feedback") if k in profile.kernels})
 
 
 def check_profile_matches(profile: Profile, workload: str, model: dict) -> None:

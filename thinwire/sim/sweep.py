@@ -22,8 +22,8 @@ from thinwire.config import check
 from thinwire.perf import collectives as coll
 from thinwire.perf.devices import get_device
 from thinwire.perf.energy import EnergyEstimate, J_PER_BIT_INTERNET, run_energy, step_energy
-from thinwire.perf.memory import MemoryEstimate, memory_per_rank, residual_values
-from thinwire.perf.model import Scheme, StepPrediction, predict_step
+from thinwire.perf.memory import MemoryEstimate, memory_per_rank
+from thinwire.perf.model import StepPrediction, predict_step
 from thinwire.perf_profile.file import Profile
 from thinwire.sim import inputs
 
@@ -133,10 +133,7 @@ def _point(p, b, pred, compute_unit_s, reference_s, speeds, cores, hosts, device
                          idle_w=device.idle_w * units / p, bytes_sent=pred.bytes_per_rank * p,
                          j_per_bit=opts.j_per_bit)
     numels = [bk.numel for bk in pred.buckets]
-    compressed = [bk.numel for bk in pred.buckets if bk.scheme != "fp32"] if codec.feedback_used else []
-    resid = residual_values(compressed, compressed=bool(compressed), p=p,
-                            reduced_chunk=codec.scheme is Scheme.QUANTIZED)
-    mem = memory_per_rank(sum(numels), residual_values=resid,
+    mem = memory_per_rank(sum(numels), residual_values=sum(bk.residual_values for bk in pred.buckets),
                           activation_bytes=int(profile.activation_bytes_per_sample * b))
     n = 4 * sum(numels)
     dense = {"ring": coll.ring_allreduce_s(n, p, alpha=net.alpha_s, beta=net.beta_s_per_byte),
