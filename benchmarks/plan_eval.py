@@ -58,7 +58,7 @@ def model_sets() -> list[str]:
 def make_profile(folder: Path, batch: int) -> Path:
     path = folder / "profile.yaml"
     sizes = sorted({max(1, batch // d) for d in (2, 4, 8, 16)}, reverse=True)
-    proc = thinwire("profile", "--workload", "charlm", *[f"--model-opt={k}={v}" for k, v in MODEL.items()],
+    proc = thinwire("profile", "--workload", "charlm", *[f"--set=model.{k}={v}" for k, v in MODEL.items()],
                     "--batch-sizes", ",".join(map(str, sizes)), "--codecs", CODECS, "--threads", "1",
                     "--out", str(path))
     if proc.returncode != 0:

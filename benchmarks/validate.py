@@ -209,7 +209,7 @@ def parse_args(argv=None):
     p.add_argument("--codecs", default="none,bf16,topk,powersgd")
     p.add_argument("--no-hetero", dest="hetero", action="store_false")
     p.add_argument("--workload", default="charlm")
-    p.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE")
     p.add_argument("--batch-size", type=int, default=24, help="global batch (divisible by every host count)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--threads", type=int, default=1)
@@ -237,12 +237,12 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("runs") / time.strftime("validate-%Y%m%d-%H%M%S"))
     p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    from thinwire.cli.profile import parse_model_opts
+    from thinwire.cli.common import model_options
 
     args.hosts = [int(h) for h in args.hosts.split(",")]
     args.bandwidths = args.bandwidths.split(",")
     args.codecs = args.codecs.split(",")
-    args.model = parse_model_opts(args.model_opt)
+    args.model = model_options(args.set)
     if args.points:
         args.hosts = sorted({int(i.partition("x")[0]) for i in args.points.split(",")})
         args.codecs = sorted({i.partition(":")[2] for i in args.points.split(",")} | {"none"})

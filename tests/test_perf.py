@@ -396,7 +396,7 @@ def test_simulate_cli_smoke(tmp_path, capsys):
     (["--compression", "topk"], r"profile: has no measured cost for codec 'topk'.*--codecs topk"),
     (["--device", "pi9"], r"--device: must be one of .*raspberry-pi-4"),
     (["--scaling", "strong", "--batch-size", "4", "--hosts", "8"], r"--batch-size: must be at least one sample per host"),
-    (["--model-opt", "width=64"], r"profile: measured workload 'charlm' with model options \{\}"),
+    (["--set", "model.width=64"], r"profile: measured workload 'charlm' with model options \{\}"),
     (["--recompute"], r"--recompute: must be used with --validate.*Add --validate"),
 ])
 def test_simulate_bad_input_says_what_and_how(tmp_path, capsys, args, message):

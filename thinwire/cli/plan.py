@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from thinwire.cli.common import add_workload_args, model_options
 from thinwire.config import check
 from thinwire.errors import ConfigError
 
@@ -26,10 +27,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan batch shares, hosts, grouping and codecs for a cluster, and explain why",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML (the one the emulator and simulator read)")
-    p.add_argument("--workload", default="charlm", help="charlm, digits, or package.module:function")
-    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
-                   help="a model option, e.g. --set model.width=256 (repeatable)")
-    p.add_argument("--data", help="text file or folder for charlm (only to measure without --profile)")
+    add_workload_args(p)
     p.add_argument("--batch-size", type=int, help="global batch per step (default: the workload's)")
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure this machine now)")
     p.add_argument("--codecs", help="candidate codecs, lightest first, comma-separated "
@@ -45,19 +43,6 @@ def add_parser(sub) -> None:
                         "workload's gradients is above this (default 0.5)")
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.set_defaults(func=run)
-
-
-def model_options(sets: list[str]) -> dict:
-    """``--set model.width=256`` -> ``{"width": 256}``; only ``model.*`` keys are planning inputs."""
-    from thinwire.train.config import parse_override
-
-    out = {}
-    for item in sets:
-        keys, value = parse_override(item)
-        check(len(keys) == 2 and keys[0] == "model", "--set", item, "model.KEY=VALUE such as model.width=256",
-              "Other training settings do not change the plan.")
-        out[keys[1]] = value
-    return out
 
 
 def codec_list(text: str | None) -> tuple[str, ...]:

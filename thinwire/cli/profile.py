@@ -8,12 +8,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from thinwire.cli.common import add_workload_args, model_options
 from thinwire.config import check
 from thinwire.errors import ConfigError
 
 EPILOG = """examples:
   thinwire profile --workload charlm --out charlm.profile.yaml
-  thinwire profile --workload charlm --model-opt width=256 --batch-sizes 12,8,6 --codecs none,bf16,topk --out p.yaml
+  thinwire profile --workload charlm --set model.width=256 --batch-sizes 12,8,6 --codecs none,bf16,topk --out p.yaml
   sudo thinwire profile --workload charlm --cluster examples/clusters/pair-100mbit.yaml --out p.yaml   # + alpha/beta
 """
 
@@ -21,10 +22,7 @@ EPILOG = """examples:
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure compute, codec and network costs for the simulator",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="charlm", help="charlm, digits, or package.module:function")
-    p.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="a model option of the workload, e.g. width=256 (repeatable)")
-    p.add_argument("--data", help="text file or folder for charlm")
+    add_workload_args(p)
     p.add_argument("--batch-size", type=int, help="global batch: measures per-rank batches B, B/2, B/4")
     p.add_argument("--batch-sizes", help="per-rank batch sizes to measure, e.g. 12,8,6 (overrides --batch-size)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap, as `train --set bucket_mb=`")
@@ -36,18 +34,6 @@ def add_parser(sub) -> None:
                    help="skip measuring the step with every core busy (needed to simulate an emulated cluster)")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.set_defaults(func=run)
-
-
-def parse_model_opts(items: list[str]) -> dict:
-    import yaml
-
-    out = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError("--model-opt", item, "KEY=VALUE such as width=256")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
-    return out
 
 
 def parse_ints(text: str, field: str) -> list[int]:
@@ -70,12 +56,13 @@ def batch_sizes(args, default_batch: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from thinwire.compress.spec import parse_codec_spec
     from thinwire.perf_profile.file import save_profile
-    from thinwire.perf_profile.run import DEFAULT_CODECS, profile_workload
+    from thinwire.compress.spec import REGISTRY
+    from thinwire.perf_profile.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(args.workload)
-    model = parse_model_opts(args.model_opt)
-    codecs = [c.strip() for c in args.codecs.split(",")] if args.codecs else list(DEFAULT_CODECS)
+    model = model_options(args.set)
+    codecs = [c.strip() for c in args.codecs.split(",")] if args.codecs else REGISTRY.names()
     for c in codecs:
         parse_codec_spec(c)
     network_spec = _cluster(args.cluster) if args.cluster else None

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.profile import parse_model_opts
+from thinwire.cli.common import add_workload_args, model_options
 from thinwire.config import check
 from thinwire.errors import ConfigError
 
@@ -26,9 +26,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict step time, scaling and energy before running",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML")
-    p.add_argument("--workload", default="charlm")
-    p.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--data", help="text file or folder for charlm (only to measure without --profile)")
+    add_workload_args(p)
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
     p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
     p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
@@ -84,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.workloads.registry import check_workload_name
 
     check_workload_name(args.workload)
-    model = parse_model_opts(args.model_opt)
+    model = model_options(args.set)
     spec = load_cluster_spec(args.cluster)
     from thinwire.compress.spec import parse_codec_spec
 

@@ -19,6 +19,7 @@ import torch
 
 from thinwire.compress.codecs import Meta
 from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.perf.fit import monotone_line
 from thinwire.perf_profile.file import CodecCost, Cost
 
 SMALL_NUMEL = 16_384
@@ -35,15 +36,9 @@ def median_s(fn: Callable[[], object], reps: int) -> float:
 
 
 def fit_line(points: list[tuple[float, float]]) -> Cost:
-    """Least-squares ``seconds = fixed + per_byte * bytes`` (both clamped at >= 0)."""
-    if len({x for x, _ in points}) < 2:
-        x, y = points[0]
-        return Cost(fixed_s=0.0, per_byte_s=y / x if x else 0.0)
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    slope = max(0.0, slope)
-    return Cost(fixed_s=max(0.0, my - slope * mx), per_byte_s=slope)
+    """``seconds = fixed + per_byte * bytes`` (:func:`thinwire.perf.fit.monotone_line`, fixed clamped at >= 0)."""
+    fixed, per_byte = monotone_line(points)
+    return Cost(fixed_s=max(0.0, fixed), per_byte_s=per_byte)
 
 
 def sizes_for(bucket_numels: list[int]) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import Sequence
 
 import torch
 
@@ -27,7 +28,6 @@ from thinwire.perf_profile.compute import StepTimer, activation_bytes, count_flo
 from thinwire.perf_profile.file import ComputePoint, Profile
 
 EF_STEPS = 6  # training steps whose gradients each codec compresses in shadow (its error with error feedback)
-DEFAULT_CODECS = ("none", "fp16", "bf16", "int8", "bfp", "qsgd", "topk", "randomk", "sign", "powersgd")
 
 
 def machine_info(threads: int) -> dict:
@@ -41,10 +41,14 @@ def machine_info(threads: int) -> dict:
 
 
 def profile_workload(*, workload: str, model: dict | None = None, data: str | None = None, batch_sizes: list[int],
-                     bucket_mb: float = 25.0, threads: int = 1, codecs=DEFAULT_CODECS, reps: int = 10,
+                     bucket_mb: float = 25.0, threads: int = 1, codecs: Sequence[str] | None = None, reps: int = 10,
                      warmup: int = 3, network=None, seed: int = 0, corun: bool = True) -> Profile:
-    """Measure ``workload`` at each per-rank batch size (see the module docstring)."""
+    """Measure ``workload`` at each per-rank batch size (see the module docstring). ``codecs``: the
+    specs to measure (default: every registered codec at its default parameters)."""
+    from thinwire.compress.spec import REGISTRY
     from thinwire.workloads.registry import build_workload
+
+    codecs = REGISTRY.names() if codecs is None else list(codecs)
 
     check(bool(batch_sizes) and min(batch_sizes) >= 1, "--batch-sizes", batch_sizes, "positive integers")
     check(threads >= 1, "--threads", threads, "an integer >= 1")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 
 from thinwire.cluster.spec import ClusterSpec, HostSpec
@@ -85,21 +84,9 @@ def check_profile(profile: Profile, workload: str, model: dict) -> None:
 
 
 def fitted_compute(profile: Profile, batch: int) -> Compute:
-    """Phases at ``batch`` on a least-squares line through all measured points, slope >= 0 (one point:
-    proportional). Unlike the exact measured point, the line never lets a host look faster with more
-    samples: noise in one point would otherwise make equal hosts get unequal shares."""
-    pts = profile.compute
-    xs = [float(c.batch) for c in pts]
-
-    def line(ys: list[float]) -> float:
-        if len(set(xs)) < 2:
-            return statistics.fmean(y / x for x, y in zip(xs, ys)) * batch
-        slope, intercept = statistics.linear_regression(xs, ys)
-        slope = max(0.0, slope)
-        return max(0.0, statistics.fmean(ys) - slope * statistics.fmean(xs) + slope * batch)
-
-    return Compute(pre_s=line([c.pre_s for c in pts]), backward_s=line([c.backward_s for c in pts]),
-                   post_s=statistics.median(c.post_s for c in pts), std_s=statistics.median(c.std_s for c in pts))
+    """Phases at ``batch`` on the profile's line (:func:`thinwire.sim.inputs.compute_line`), never the
+    exact measured point: noise in one point would otherwise make equal hosts get unequal shares."""
+    return inputs.compute_line(profile, batch)
 
 
 def compute_fn(profile: Profile, opts: PlanOptions):

@@ -17,7 +17,7 @@ plain values and callables):
   at the profile's measured efficiency and latency (defaults when it has no network probe: TCP's
   1448/1514 payload share and 100 us).
 * **Compute**: the profile's phases at the per-rank batch, the measured point when there is one,
-  else a least-squares line in the batch size through the measured points.
+  else the line in the batch size through the measured points (slope >= 0).
 * **Codec**: the traffic its own scheme states (:mod:`thinwire.compress.schemes`: collectives,
   bytes and codec work, from the bucket's parameter shapes where the scheme needs them) and the
   profile's measured encode/decode/add/feedback costs.
@@ -37,6 +37,7 @@ from thinwire.compress.spec import parse_codec_spec, spec_string
 from thinwire.config import check
 from thinwire.errors import ConfigError, ThinwireError
 from thinwire.perf import collectives as coll
+from thinwire.perf.fit import monotone_line
 from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
 from thinwire.perf.straggler import corun_factor, cpu_shares
 from thinwire.perf_profile.file import DEFAULT_ALPHA_S, TCP_EFFICIENCY, Cost, Profile
@@ -99,25 +100,28 @@ def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile) -> 
     return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency))
 
 
-def _line(xs: list[float], ys: list[float], x: float) -> float:
-    if len(xs) == 1:
-        return ys[0] * x / xs[0]
-    slope, intercept = statistics.linear_regression(xs, ys)
-    return max(0.0, intercept + slope * x)
-
-
 def compute_at(profile: Profile, batch: float) -> Compute:
-    """Phases at per-rank ``batch``: the measured point if there is one, else a line through them."""
+    """Phases at per-rank ``batch``: the measured point if there is one, else :func:`compute_line`."""
     check(batch >= 1, "--batch-size", batch, "at least one sample per host",
           "Use a larger --batch-size or --scaling weak.")
     exact = next((c for c in profile.compute if c.batch == batch), None)
     if exact is not None:
         return Compute(pre_s=exact.pre_s, backward_s=exact.backward_s, post_s=exact.post_s, std_s=exact.std_s)
-    bs = [float(c.batch) for c in profile.compute]
-    post = statistics.median(c.post_s for c in profile.compute)  # clip + optimizer: no batch dependence
-    std = statistics.median(c.std_s for c in profile.compute)
-    return Compute(pre_s=_line(bs, [c.pre_s for c in profile.compute], batch),
-                   backward_s=_line(bs, [c.backward_s for c in profile.compute], batch), post_s=post, std_s=std)
+    return compute_line(profile, batch)
+
+
+def compute_line(profile: Profile, batch: float) -> Compute:
+    """Phases at ``batch`` on the line through every measured point (:func:`thinwire.perf.fit.monotone_line`:
+    a host never looks faster with more samples); clip + optimizer and the noise do not depend on the
+    batch: their medians."""
+    pts = profile.compute
+
+    def at(phase: str) -> float:
+        intercept, slope = monotone_line([(c.batch, getattr(c, phase)) for c in pts])
+        return max(0.0, intercept + slope * batch)
+
+    return Compute(pre_s=at("pre_s"), backward_s=at("backward_s"), post_s=statistics.median(c.post_s for c in pts),
+                   std_s=statistics.median(c.std_s for c in pts))
 
 
 def buckets_of(profile: Profile, bucket_mb: float | None = None) -> list[Bucket]:
