@@ -86,8 +86,8 @@ def test_parse_size_duration_loss():
 @pytest.mark.parametrize("hosts,links,match", [
     ([], [], r"^hosts: must be a non-empty list of hosts, got \[\]"),
     ([{"name": "a"}, {"name": "a"}], [], r"^hosts\[1\]\.name: must be unique, got 'a'\. hosts\[0\] has the same name"),
-    ([{"name": "a", "cpu": 0}], [], r"^hosts\[0\]\.cpu: must be a number of cores in \[0.01, 4096\]"),
-    ([{"name": "a", "cpu": -1.5}], [], r"^hosts\[0\]\.cpu: must be a number of cores in \[0.01, 4096\] .*got -1\.5"),
+    ([{"name": "a", "cpu": 0}], [], r"^hosts\[0\]\.cpu: must be a number of cores in \[0.001, 4096\]"),
+    ([{"name": "a", "cpu": -1.5}], [], r"^hosts\[0\]\.cpu: must be a number of cores in \[0.001, 4096\] .*got -1\.5"),
     ([{"name": "a", "bandwidth": "0mbit"}], [], r"^hosts\[0\]\.bandwidth: must be a rate > 0 .*got '0mbit'"),
     ([{"name": "a", "bandwidth": -5}], [], r"^hosts\[0\]\.bandwidth: must be a rate > 0"),
     ([{"name": "a", "bandwidth": "100mbps"}], [], r"^hosts\[0\]\.bandwidth: .*got '100mbps'\. tc reads 'mbps' as megaBYTES"),

@@ -39,14 +39,15 @@ def add_parser(sub) -> None:
 
 
 def parse_model_opts(items: list[str]) -> dict:
-    import yaml
+    """``["width=256"]`` -> ``{"width": 256}``; values read as ``--set`` reads them (YAML 1.2)."""
+    from thinwire.config import parse_value
 
     out = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ConfigError("--model-opt", item, "KEY=VALUE such as width=256")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        out[key.strip()] = parse_value(value, what=f"--model-opt {key.strip()}")
     return out
 
 

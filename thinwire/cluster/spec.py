@@ -66,7 +66,7 @@ MAX_RATE_BPS = 1e13        # 10 Tbit/s
 MIN_RATE_BPS = 1e3         # 1 kbit/s; tc cannot shape much below it
 MAX_BYTES = 2**60          # 1 EiB
 MAX_DURATION_S = 3600.0    # a link latency over an hour is a typo
-MIN_CPU, MAX_CPU = 0.01, 4096.0  # a cgroup quota below 1% of a core is refused by the kernel's 1 ms minimum
+MIN_CPU, MAX_CPU = 0.001, 4096.0  # a thousandth of a core; 1e-320 overflowed the simulator
 
 
 def _split(text: str) -> tuple[float, str] | None:
