@@ -74,6 +74,8 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and not _is_scalar(inner[0]):  # X | None: X's own error names the inner field
+            return _coerce(inner[0], value, field)
         errors = []
         for a in inner:
             try:
@@ -127,6 +129,10 @@ def _scalar(tp: Any, value: Any, field: str) -> Any:
             return Path(value)
         raise ConfigError(field, value, "a path")
     raise TypeError(f"config field {field}: unsupported annotation {tp!r}")  # a bug, not user input
+
+
+def _is_scalar(tp: Any) -> bool:
+    return tp in (bool, int, float, str, Path, Any)
 
 
 def _finite(value: int | float) -> bool:
@@ -267,7 +273,11 @@ _Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 class _Dumper(yaml.SafeDumper):
-    """Quotes every string that YAML 1.1 *or* 1.2 would read as something else (``1e-3``, ``0o7``)."""
+    """Quotes every string that YAML 1.1 *or* 1.2 would read as something else (``1e-3``, ``0o7``),
+    and writes shared objects out in full (the reader refuses aliases)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 for _tag, _regex, _first in _CORE_SCHEMA:
