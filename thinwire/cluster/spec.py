@@ -20,6 +20,9 @@ Example (``examples/clusters/two-sites.yaml``)::
 
 Fields and units:
 
+* ``name``: 1-24 lowercase letters, digits or '-' (default: the file's stem). It is the tag of the
+  emulator's namespaces and cgroups as written, so no two names share a tag (``lab.v1`` and ``LAB_v1``
+  would both be ``lab-v1``, and ``up`` of one would tear down the other).
 * ``bandwidth``: bits per second. ``500kbit``, ``100mbit``, ``1gbit``, ``10gbit`` (decimal, as ``tc``
   writes them) or a plain number of bit/s. ``mbps``/``MB/s`` are refused: tc reads them as *bytes*.
 * ``cpu``: how many cores the host may use, enforced by a cgroup CPU quota: ``0.25`` is a quarter of

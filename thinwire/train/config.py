@@ -93,7 +93,7 @@ def _check_size(name: str, value: str) -> None:
         ok = 0 < parse_size(value) <= 2**60
     except ValueError:
         ok = False
-    check(ok, name, value, "a size in (0, 1EiB] such as 512MiB, 1.5GiB or 800MB",
+    check(ok, name, value, "a positive size such as 512MiB, 1.5GiB or 800MB (at most 1EiB)",
           "Units: B, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000).")
 
 
