@@ -20,9 +20,9 @@ def test_defaults_and_overrides(tmp_path):
 @pytest.mark.parametrize("data, message", [
     ({"stepz": 10}, r"stepz: must be one of the known fields \(.*steps.*\), got 10. Remove or rename the key."),
     ({"steps": "ten"}, r"steps: must be an integer or null, got 'ten'"),
-    ({"steps": 0}, r"steps: must be an integer >= 1, got 0"),
-    ({"nproc": 0}, r"nproc: must be an integer >= 1, got 0. Use --nproc 1 for a single process."),
-    ({"lr": -1.0}, r"lr: must be a number > 0, got -1.0"),
+    ({"steps": 0}, r"steps: must be an integer in \[1, 1000000000000\], got 0"),
+    ({"nproc": 0}, r"nproc: must be an integer in \[1, 4096\], got 0. Use --nproc 1 for a single process."),
+    ({"lr": -1.0}, r"lr: must be a finite number in \(0, 10\], got -1.0"),
     ({"precision": "fp8"}, r"precision: must be one of 'fp32', 'bf16', 'fp16', 'int8', 'auto', got 'fp8'"),
     ({"error_feedback": "yes"}, r"error_feedback: must be true or false, got 'yes'"),
     ({"data": " "}, r"data: must be a path to a text file or folder, got ' '"),
@@ -44,7 +44,7 @@ def test_config_file_errors(tmp_path):
         load_train_config(str(tmp_path / "missing.yaml"), {}, [])
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: [1,\n")
-    with pytest.raises(ThinwireError, match=r"is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"config file '.*bad.yaml': must be valid YAML, got 'while parsing"):
         load_train_config(str(bad), {}, [])
     with pytest.raises(ConfigError, match=r"--set: must be KEY=VALUE"):
         load_train_config(None, {}, ["steps"])

@@ -20,6 +20,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -27,27 +29,43 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from thinwire.errors import ConfigError, ThinwireError
+from thinwire.errors import MISSING, ConfigError, ThinwireError, short
 
 T = TypeVar("T")
 
 
 def from_dict(cls: type[T], data: Any, *, where: str) -> T:
-    """Build dataclass ``cls`` from a mapping, checking keys and types; ``where`` prefixes field names."""
+    """Build dataclass ``cls`` from a mapping, checking keys and types; ``where`` prefixes field names,
+    also those of the errors ``cls.__post_init__`` raises (``hosts`` -> ``plan.chosen.hosts``)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(where, data, "a mapping of field: value")
+        raise ConfigError(where or "config", data, "a mapping of field: value")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(
-            f"{where}.{unknown[0]}" if where else str(unknown[0]), data[unknown[0]],
+            _join(where, unknown[0]), data[unknown[0]],
             f"one of the known fields ({', '.join(sorted(fields))})", "Remove or rename the key.",
         )
-    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
-    return cls(**kwargs)
+    for name in _required(fields):
+        if name not in data:
+            raise ConfigError(_join(where, name), MISSING, f"set ({_name(hints[name])})", "Add the field.")
+    kwargs = {k: _coerce(hints[k], v, _join(where, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.within(where) from None
+
+
+def _join(where: str, key: Any) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _required(fields: dict[str, dataclasses.Field]) -> list[str]:
+    return [n for n, f in fields.items()
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
 def _coerce(tp: Any, value: Any, field: str) -> Any:
@@ -56,6 +74,8 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and not _is_scalar(inner[0]):  # X | None: X's own error names the inner field
+            return _coerce(inner[0], value, field)
         errors = []
         for a in inner:
             try:
@@ -93,13 +113,13 @@ def _scalar(tp: Any, value: Any, field: str) -> Any:
             return value
         raise ConfigError(field, value, "true or false")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
             return value
-        raise ConfigError(field, value, "an integer")
+        raise ConfigError(field, value, "an integer" if not isinstance(value, int) else "an integer of 64 bits")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
             return float(value)
-        raise ConfigError(field, value, "a number")
+        raise ConfigError(field, value, "a finite number")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -109,6 +129,17 @@ def _scalar(tp: Any, value: Any, field: str) -> Any:
             return Path(value)
         raise ConfigError(field, value, "a path")
     raise TypeError(f"config field {field}: unsupported annotation {tp!r}")  # a bug, not user input
+
+
+def _is_scalar(tp: Any) -> bool:
+    return tp in (bool, int, float, str, Path, Any)
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _name(tp: Any) -> str:
@@ -128,23 +159,189 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def load_yaml(path: str | Path, *, what: str = "config file") -> dict:
-    """Read a YAML mapping, turning a missing file or a syntax error into a clear error."""
-    p = Path(path)
-    if not p.is_file():
-        raise ThinwireError(f"{what} {str(p)!r} does not exist or is not a file. Pass the path of a YAML file.")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ThinwireError(f"{what} {str(p)!r} is not valid YAML: {e}".strip()) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ThinwireError(f"{what} {str(p)!r} must hold a mapping of field: value, got {type(data).__name__}.")
-    return data
+def check_range(field: str, value: Any, lo: float, hi: float, *, kind: str = "a number",
+                open_lo: bool = False, fix: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a finite number in ``[lo, hi]`` (``(lo, hi]`` with
+    ``open_lo``); ``None`` passes (optional fields). The message states the range::
+
+        >>> check_range("lr", float("inf"), 0, 10, open_lo=True)
+        Traceback (most recent call last):
+        thinwire.errors.ConfigError: lr: must be a finite number in (0, 10], got inf
+    """
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
+    ok = ok and (lo < value if open_lo else lo <= value) and value <= hi
+    if not ok:
+        kind = kind if kind != "a number" else "a finite number"
+        raise ConfigError(field, value, f"{kind} in {'(' if open_lo else '['}{_fmt(lo)}, {_fmt(hi)}]", fix)
+
+
+def _fmt(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def check(cond: bool, field: str, value: object, allowed: str, fix: str = "") -> None:
     """Raise :class:`ConfigError` unless ``cond``; the one-liner used by ``__post_init__`` checks."""
     if not cond:
         raise ConfigError(field, value, allowed, fix)
+
+
+# -- the one YAML reader ----------------------------------------------------------------------------
+MAX_DEPTH = 64                 # nested mappings/lists; PyYAML's composer recurses and fails near 1,000
+MAX_FILE_BYTES = 8 * 2**20     # the largest plan or profile thinwire writes is well under 1 MiB
+MAX_INT_DIGITS = 100           # an integer longer than this is a mistake (int64 has 19 digits)
+_NULL = re.compile(r"(?:~|null|Null|NULL|)\Z", re.ASCII)
+_BOOL = re.compile(r"(?:true|True|TRUE|false|False|FALSE)\Z", re.ASCII)
+_INT = re.compile(r"(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z", re.ASCII)
+_FLOAT = re.compile(r"(?:[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN))\Z",
+                    re.ASCII)
+_CORE_SCHEMA = [  # YAML 1.2 core schema: https://yaml.org/spec/1.2.2/#1032-tag-resolution
+    ("tag:yaml.org,2002:null", _NULL, ["~", "n", "N", ""]),
+    ("tag:yaml.org,2002:bool", _BOOL, list("tTfF")),
+    ("tag:yaml.org,2002:int", _INT, list("-+0123456789")),
+    ("tag:yaml.org,2002:float", _FLOAT, list("-+.0123456789")),
+]
+
+
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "str", "seq", "map")}
+
+
+class _YamlRefused(Exception):
+    """Raised inside the loader; :func:`parse_yaml` turns it into a :class:`ConfigError`."""
+
+    def __init__(self, value: object, allowed: str, fix: str = "") -> None:
+        super().__init__(allowed)
+        self.value, self.allowed, self.fix = value, allowed, fix
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader read as YAML 1.2 (``1e-3`` a number, ``off`` and ``1:30`` strings), with
+    no aliases, bounded nesting, string keys only and integers of at most ``MAX_INT_DIGITS`` digits."""
+
+    yaml_implicit_resolvers: dict = {}
+    depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise _YamlRefused(self.peek_event().anchor, "written without aliases (*name)",
+                               "Write the value out instead of referring to an anchor.")
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _YamlRefused(f"{self.depth} levels", f"at most {MAX_DEPTH} levels of nesting")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        for key_node, _ in node.value:
+            if key_node.tag != "tag:yaml.org,2002:str":
+                shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else key_node.tag
+                raise _YamlRefused(shown, "a mapping with string keys",
+                                   "Quote the key, e.g. '1': value.")
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_object(self, node, deep=False):
+        if node.tag not in _PLAIN_TAGS:
+            raise _YamlRefused(node.tag, "plain values, lists and mappings", "Remove the explicit !!tag.")
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, OverflowError) as e:  # e.g. !!int "x"
+            raise _YamlRefused(getattr(node, "value", node.tag), f"a value of type {node.tag}") from e
+
+
+def _construct_int(loader: _Loader, node) -> int:
+    text = loader.construct_scalar(node)
+    if len(text) > MAX_INT_DIGITS:
+        raise _YamlRefused(text, f"an integer of at most {MAX_INT_DIGITS} digits")
+    base = 8 if text.startswith("0o") else 16 if text.startswith("0x") else 10
+    return int(text[2:] if base != 10 else text, base)
+
+
+def _construct_float(loader: _Loader, node) -> float:
+    text = loader.construct_scalar(node).lower()
+    if text.endswith((".inf", ".nan")):
+        return float(text.replace(".", ""))
+    return float(text)
+
+
+for _tag, _regex, _first in _CORE_SCHEMA:
+    _Loader.add_implicit_resolver(_tag, _regex, _first)
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string that YAML 1.1 *or* 1.2 would read as something else (``1e-3``, ``0o7``),
+    and writes shared objects out in full (the reader refuses aliases)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+for _tag, _regex, _first in _CORE_SCHEMA:
+    _Dumper.add_implicit_resolver(_tag, _regex, _first)
+
+
+def parse_yaml(text: str | bytes, *, what: str) -> Any:
+    """Plain data from YAML text, by the rules of :class:`_Loader`; any problem is a
+    :class:`ConfigError` naming ``what`` (``config file 'run.yaml'``, ``--set lr``)."""
+    if isinstance(text, bytes):
+        text = _decode(text, what)
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(what, f"{len(text)} characters", f"at most {MAX_FILE_BYTES} characters")
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except _YamlRefused as e:
+        raise ConfigError(what, e.value, e.allowed, e.fix) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(what, _first_line(e), "valid YAML", "Check the line and column named.") from None
+
+
+def _decode(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(what, data[e.start:e.start + 8], "UTF-8 text",
+                          f"Byte {e.start} is not UTF-8; save the file as UTF-8.") from None
+
+
+def _first_line(e: yaml.YAMLError) -> str:
+    text = " ".join(str(e).split())
+    return text[:300]
+
+
+def parse_value(text: str, *, what: str) -> Any:
+    """One value given on the command line (``--set KEY=VALUE``): YAML 1.2 by :func:`parse_yaml`'s
+    rules, empty text as ``None``, and text that is not valid YAML (``a: b``) as itself."""
+    if not text.strip():
+        return None
+    try:
+        return parse_yaml(text, what=what)
+    except ConfigError as e:
+        if e.allowed == "valid YAML":
+            return text
+        raise
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text that :func:`parse_yaml` reads back to ``data`` (strings quoted where needed)."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120)
+
+
+def load_yaml(path: str | Path, *, what: str = "config file") -> dict:
+    """Read a YAML mapping from a file: a missing file, a file over ``MAX_FILE_BYTES``, bytes that
+    are not UTF-8 and anything :func:`parse_yaml` refuses are clear errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise ThinwireError(f"{what} {short(str(p))} does not exist or is not a file. Pass the path of a YAML file.")
+    label = f"{what} {short(str(p))}"
+    if p.stat().st_size > MAX_FILE_BYTES:
+        raise ConfigError(label, f"{p.stat().st_size} bytes", f"at most {MAX_FILE_BYTES} bytes")
+    data = parse_yaml(p.read_bytes(), what=label)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(label, type(data).__name__, "a mapping of field: value")
+    return data

@@ -20,6 +20,9 @@ Example (``examples/clusters/two-sites.yaml``)::
 
 Fields and units:
 
+* ``name``: 1-24 lowercase letters, digits or '-' (default: the file's stem). It is the tag of the
+  emulator's namespaces and cgroups as written, so no two names share a tag (``lab.v1`` and ``LAB_v1``
+  would both be ``lab-v1``, and ``up`` of one would tear down the other).
 * ``bandwidth``: bits per second. ``500kbit``, ``100mbit``, ``1gbit``, ``10gbit`` (decimal, as ``tc``
   writes them) or a plain number of bit/s. ``mbps``/``MB/s`` are refused: tc reads them as *bytes*.
 * ``cpu``: how many cores the host may use, enforced by a cgroup CPU quota: ``0.25`` is a quarter of
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,52 +58,77 @@ _RATE_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%/]*)\s*$", re.IGNORECASE)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+_NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%/]*)\s*", re.IGNORECASE | re.ASCII)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}", re.ASCII)
 _NAME_RULE = "1-32 letters, digits, '-' or '_', starting with a letter or digit"
+# the cluster's name is its tag in namespace and cgroup names (emulator.cluster_tag lowercases and maps
+# '.' and '_' to '-'): only names the tag leaves unchanged are accepted, so two clusters never share one
+_CLUSTER_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,22}[a-z0-9])?", re.ASCII)
+_CLUSTER_NAME_RULE = "1-24 lowercase letters, digits or '-', starting and ending with a letter or digit"
+MAX_RATE_BPS = 1e13        # 10 Tbit/s
+MIN_RATE_BPS = 1e3         # 1 kbit/s; tc cannot shape much below it
+MAX_BYTES = 2**60          # 1 EiB
+MAX_DURATION_S = 3600.0    # a link latency over an hour is a typo
+MIN_CPU, MAX_CPU = 0.001, 4096.0  # a thousandth of a core; 1e-320 overflowed the simulator
 
 
 def _split(text: str) -> tuple[float, str] | None:
-    m = _NUMBER.match(text)
+    m = _NUMBER.fullmatch(text) if len(text) <= 100 else None
     return (float(m.group(1)), m.group(2).lower()) if m else None
+
+
+def _number(value: float | str, unit: str) -> tuple[float, str] | None:
+    """``(number, unit)`` from a plain number (in ``unit``) or a string such as ``"100mbit"``; None
+    when neither, or when the number is not finite."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        parts = (float(value), unit) if abs(value) < 1e300 else None
+    else:
+        parts = _split(value) if isinstance(value, str) else None
+    return parts if parts and math.isfinite(parts[0]) else None
 
 
 def parse_rate(value: float | str, field_name: str) -> float:
     """``"100mbit"`` -> ``1e8`` bit/s; plain numbers are bit/s. Must be > 0."""
     allowed = "a rate > 0 such as 500kbit, 100mbit, 1gbit or a number of bit/s"
-    parts = (float(value), "") if isinstance(value, (int, float)) else _split(value)
+    parts = _number(value, "")
     if parts is None or parts[1] not in _RATE_UNITS:
         fix = "tc reads 'mbps' as megaBYTES per second; write 8mbit for 1 MB/s." \
-            if parts and "bps" in parts[1] or "/s" in str(value).lower() else "Use the units bit, kbit, mbit, gbit."
+            if parts and "bps" in parts[1] or "/s" in str(value)[:100].lower() else "Use the units bit, kbit, mbit, gbit."
         raise ConfigError(field_name, value, allowed, fix)
     rate = parts[0] * _RATE_UNITS[parts[1]]
     check(rate > 0, field_name, value, allowed, "A link needs a positive rate.")
+    check(MIN_RATE_BPS <= rate <= MAX_RATE_BPS, field_name, value, "a rate in [1kbit, 10tbit]")
     return rate
 
 
 def parse_size(value: int | str, field_name: str) -> int:
     """``"512MiB"`` -> ``536870912`` bytes; plain numbers are bytes. Must be > 0."""
     allowed = "a size > 0 such as 512MiB, 2GiB, 1GB or a number of bytes"
-    parts = (float(value), "") if isinstance(value, (int, float)) else _split(value)
+    parts = _number(value, "")
     if parts is None or parts[1] not in _SIZE_UNITS:
         raise ConfigError(field_name, value, allowed, "Use the units KiB, MiB, GiB (or KB, MB, GB).")
-    size = int(parts[0] * _SIZE_UNITS[parts[1]])
+    size = parts[0] * _SIZE_UNITS[parts[1]]
+    check(0 < size <= MAX_BYTES, field_name, value, "a size in (0, 1EiB] such as 512MiB, 2GiB or 1GB")
+    size = int(size)
     check(size > 0, field_name, value, allowed)
     return size
 
 
 def parse_duration(value: float | str, field_name: str) -> float:
     """``"5ms"`` -> ``0.005`` s; plain numbers are seconds. Must be >= 0."""
-    parts = (float(value), "s") if isinstance(value, (int, float)) else _split(value)
-    if parts is None or parts[1] not in _TIME_UNITS or parts[0] < 0:
-        raise ConfigError(field_name, value, "a duration >= 0 such as 5ms, 200us or 0.1s")
-    return parts[0] * _TIME_UNITS[parts[1]]
+    parts = _number(value, "s")
+    seconds = parts[0] * _TIME_UNITS[parts[1]] if parts and parts[1] in _TIME_UNITS else -1.0
+    check(0 <= seconds <= MAX_DURATION_S, field_name, value,
+          "a duration in [0, 1 hour] such as 5ms, 200us or 0.1s")
+    return seconds
 
 
 def parse_loss(value: float | str, field_name: str) -> float:
     """``"0.1%"`` -> ``0.001``; plain numbers are fractions. Must be in [0, 1)."""
     allowed = "a loss rate in [0, 1) or a percentage such as 0.1%"
-    parts = (float(value), "") if isinstance(value, (int, float)) else _split(value)
+    parts = _number(value, "")
     if parts is None or parts[1] not in ("", "%"):
         raise ConfigError(field_name, value, allowed)
     loss = parts[0] / 100 if parts[1] == "%" else parts[0]
@@ -128,16 +157,16 @@ class HostSpec:
 
     def resolve(self, defaults: DefaultsSpec, where: str) -> None:
         """Apply ``defaults`` and parse units in place; errors name ``where`` (e.g. ``hosts[2]``)."""
-        check(bool(_NAME.match(self.name)), f"{where}.name", self.name, _NAME_RULE,
+        check(bool(_NAME.fullmatch(self.name)), f"{where}.name", self.name, _NAME_RULE,
               "Host names become namespace and cgroup names.")
-        check(bool(_NAME.match(self.group)), f"{where}.group", self.group, _NAME_RULE)
+        check(bool(_NAME.fullmatch(self.group)), f"{where}.group", self.group, _NAME_RULE)
         bandwidth = self.bandwidth if self.bandwidth is not None else defaults.bandwidth
         check(bandwidth is not None, f"{where}.bandwidth", None, "a rate such as 100mbit",
               "Set it on the host or in defaults.bandwidth.")
         self.bandwidth = parse_rate(bandwidth, f"{where}.bandwidth")
         self.cpu = self.cpu if self.cpu is not None else defaults.cpu
-        check(self.cpu is None or self.cpu > 0, f"{where}.cpu", self.cpu,
-              "a number of cores > 0 (0.25 = a quarter of one core) or null for no cap")
+        check(self.cpu is None or MIN_CPU <= self.cpu <= MAX_CPU, f"{where}.cpu", self.cpu,
+              f"a number of cores in [{MIN_CPU:g}, {MAX_CPU:g}] (0.25 = a quarter of one core) or null for no cap")
         memory = self.memory if self.memory is not None else defaults.memory
         self.memory = None if memory is None else parse_size(memory, f"{where}.memory")
 
@@ -179,8 +208,9 @@ class ClusterSpec:
     links: list[LinkSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check(bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", self.name)), "name", self.name,
-              "1-64 letters, digits, '.', '-' or '_'", "The name tags the emulator's namespaces.")
+        check(bool(_CLUSTER_NAME.fullmatch(self.name)), "name", self.name, _CLUSTER_NAME_RULE,
+              "The name tags the emulator's namespaces and cgroups, so 'lab.v1' and 'LAB_v1' would both "
+              "be 'lab-v1': write it as the tag (lab-v1), or set `name:` when the file's name is not one.")
         self._check_subnet()
         check(len(self.hosts) > 0, "hosts", self.hosts, "a non-empty list of hosts",
               "Add at least one entry such as {name: h1}.")

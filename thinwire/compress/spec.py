@@ -14,6 +14,7 @@ with the type of the codec config's field: ``int`` (``64``, ``1_000_000``, ``1e6
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -197,17 +198,31 @@ def _bool(text: str) -> bool:
     raise ValueError(text)
 
 
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*", re.ASCII)  # ASCII only: int() also reads '٣'
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:_[0-9]+)*\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
 def _int(text: str) -> int:
-    try:
+    if len(text) > 40:  # longer than any integer a codec takes; int() of 4,300+ digits raises
+        raise ValueError(text)
+    if _INT_TEXT.fullmatch(text):
         return int(text)
-    except ValueError:
-        value = float(text)  # "1e6"
-        if not value.is_integer():
-            raise
-        return int(value)
+    value = _float(text)  # "1e6"
+    if not value.is_integer():
+        raise ValueError(text)
+    return int(value)
 
 
-_READERS = {bool: (_bool, "true or false"), int: (_int, "an integer"), float: (float, "a number")}
+def _float(text: str) -> float:
+    if len(text) > 40 or not _FLOAT_TEXT.fullmatch(text):  # no 'nan', 'inf', '١.٥'
+        raise ValueError(text)
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+_READERS = {bool: (_bool, "true or false"), int: (_int, "an integer"), float: (_float, "a number")}
 
 
 def _defaults(cls: type[Codec]) -> dict[str, Any]:

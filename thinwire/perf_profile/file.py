@@ -30,15 +30,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import yaml
-
-from thinwire.config import check, from_dict, load_yaml, to_dict
+from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, to_dict
 from thinwire.errors import ThinwireError
 
 VERSION = 1
 # TCP payload per Ethernet frame on a 1500-byte MTU with TCP timestamps: 1448 of 1514 bytes (tbf counts
 # the Ethernet header). The default share of a link's rate that carries data when no probe was run.
 TCP_EFFICIENCY = 1448 / 1514
+MAX_SECONDS = 1e6  # a measured cost beyond this (11 days) is a corrupt profile
 DEFAULT_ALPHA_S = 1e-4  # per-message latency when no probe was run (a LAN round of gloo); measure it
 
 
@@ -49,6 +48,10 @@ class Cost:
     fixed_s: float = 0.0
     per_byte_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_range("fixed_s", self.fixed_s, 0, MAX_SECONDS)
+        check_range("per_byte_s", self.per_byte_s, 0, MAX_SECONDS)
+
 
 @dataclasses.dataclass(kw_only=True)
 class CodecCost:
@@ -57,6 +60,9 @@ class CodecCost:
     # relative compression error with error feedback on the workload's own gradients: ||r|| / ||g + r_prev||
     # after a few steps in shadow (thinwire.perf_profile.codecs.ef_errors); None if not measured
     ef_error: float | None = None
+
+    def __post_init__(self) -> None:
+        check_range("ef_error", self.ef_error, 0, 1e6)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,9 +77,9 @@ class ComputePoint:
     forward_s: float = 0.0
 
     def __post_init__(self) -> None:
-        check(self.batch >= 1, "compute[].batch", self.batch, "an integer >= 1")
-        for name in ("pre_s", "backward_s", "post_s", "std_s"):
-            check(getattr(self, name) >= 0, f"compute[].{name}", getattr(self, name), "seconds >= 0")
+        check_range("batch", self.batch, 1, 10**9, kind="an integer")
+        for name in ("pre_s", "backward_s", "post_s", "std_s", "forward_s"):
+            check_range(name, getattr(self, name), 0, MAX_SECONDS, kind="seconds")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,6 +88,10 @@ class BucketRecord:
     ready_frac: float
     params: list[int]
     shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        check_range("numel", self.numel, 0, 2**62, kind="an integer")
+        check_range("ready_frac", self.ready_frac, 0, 1)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -96,6 +106,13 @@ class NetworkRecord:
     cluster: str
     sizes: list[int] = dataclasses.field(default_factory=list)
     times_s: list[float] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_range("alpha_s", self.alpha_s, 0, MAX_SECONDS)
+        check_range("efficiency", self.efficiency, 0, 1, open_lo=True)
+        check_range("nominal_bps", self.nominal_bps, 0, 1e13, open_lo=True)
+        check_range("measured_bps", self.measured_bps, 0, 1e13, open_lo=True)
+        check_range("hosts", self.hosts, 1, 10**6, kind="an integer")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -123,6 +140,13 @@ class Profile:
               "The profile was written by another thinwire version; run `thinwire profile` again.")
         check(len(self.compute) >= 1, "compute", self.compute, "at least one measured batch size")
         check(len(self.buckets) >= 1, "buckets", self.buckets, "at least one bucket")
+        check_range("threads", self.threads, 1, 1024, kind="an integer")
+        check_range("bucket_mb", self.bucket_mb, 0, 4096, open_lo=True)
+        check_range("parameters", self.parameters, 0, 2**62, kind="an integer")
+        for name in ("flops_per_sample", "achieved_flops", "activation_bytes_per_sample"):
+            check_range(name, getattr(self, name), 0, 1e30)
+        for copies, speed in self.corun_speed.items():
+            check_range(f"corun_speed.{copies}", speed, 0, 100, open_lo=True)
 
     def codec_cost(self, name: str) -> CodecCost:
         """Measured cost of codec ``name``; a clear error if the profile lacks it."""
@@ -136,7 +160,7 @@ class Profile:
 def save_profile(profile: Profile, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(profile), sort_keys=False, width=120))
+    path.write_text(dump_yaml(to_dict(profile)))
     return path
 
 

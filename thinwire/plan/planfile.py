@@ -36,9 +36,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from thinwire.config import check, from_dict, load_yaml, to_dict
+from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, to_dict
 from thinwire.errors import ConfigError, ThinwireError
 
 log = logging.getLogger("thinwire.plan")
@@ -65,13 +63,44 @@ class Decision:
     def __post_init__(self) -> None:
         n = len(self.hosts)
         check(n >= 1, "hosts", self.hosts, "at least one host")
+        _check_unique("hosts", self.hosts + self.left_out, "each host once, in hosts or in left_out")
         check(len(self.shares) == n and len(self.micro) == n, "shares", self.shares, f"one entry per host ({n})")
-        check(min(self.shares) >= 1, "shares", self.shares, "integers >= 1")
+        check(all(1 <= s <= MAX_BATCH for s in self.shares), "shares", self.shares, f"integers in [1, {MAX_BATCH}]")
         check(all(1 <= m <= s for m, s in zip(self.micro, self.shares)), "micro", self.micro,
               "per host an integer in [1, its share]")
         if self.collective == "hierarchical":
             flat = sorted(h for g in self.groups for h in g)
             check(flat == sorted(self.hosts), "groups", self.groups, "a partition of the plan's hosts")
+        for name in ("predicted_step_s", "compute_s", "exposed_comm_s"):
+            check_range(name, getattr(self, name), 0, 1e9, fix="Seconds; make the plan again with `thinwire plan`.")
+        check_range("bytes_per_step", self.bytes_per_step, 0, 2**62, kind="an integer")
+        self._check_codecs()
+
+    def _check_codecs(self) -> None:
+        from thinwire.compress.spec import parse_codec_spec
+
+        for i, spec in enumerate(self.codecs):
+            try:
+                parse_codec_spec(spec)
+            except ConfigError as e:
+                raise ConfigError(f"codecs[{i}]", spec, "a codec spec such as int8:block=64", str(e)) from None
+
+    def check_hosts(self, known: list[str], where: str) -> None:
+        """Refuse hosts the cluster does not have (``where`` names the decision, e.g. ``plan.chosen``)."""
+        for field, names in (("hosts", self.hosts), ("left_out", self.left_out)):
+            for i, h in enumerate(names):
+                check(h in known, f"{where}.{field}[{i}]", h, f"a host of the cluster ({', '.join(known)})",
+                      "Make the plan again for this cluster: thinwire plan --cluster SPEC ...")
+
+
+MAX_BATCH = 10**9
+
+
+def _check_unique(field: str, names: list[str], allowed: str) -> None:
+    seen = set()
+    for name in names:
+        check(name not in seen, field, name, allowed, "A host appears twice; make the plan again.")
+        seen.add(name)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -118,6 +147,12 @@ class Plan:
     def __post_init__(self) -> None:
         check(self.version == VERSION, "version", self.version, f"{VERSION}",
               "The plan was written by another thinwire version; run `thinwire plan` again.")
+        check_range("threads", self.threads, 1, 1024, kind="an integer")
+        check_range("global_batch", self.global_batch, 1, MAX_BATCH, kind="an integer")
+        check_range("parameters", self.parameters, 0, 2**62, kind="an integer")
+        check_range("bucket_mb", self.bucket_mb, 0, 4096, open_lo=True)
+        check(all(0 <= n < 2**62 for n in self.bucket_numels), "bucket_numels", self.bucket_numels,
+              "integers >= 0")
         if self.chosen is not None:
             check(sum(self.chosen.shares) == self.global_batch, "chosen.shares", self.chosen.shares,
                   f"integers summing to global_batch ({self.global_batch})")
@@ -267,7 +302,7 @@ def workload_fingerprint(workload: str, model: dict) -> str:
 def save_plan(plan: Plan, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(plan), sort_keys=False, width=120))
+    path.write_text(dump_yaml(to_dict(plan)))
     return path
 
 
@@ -296,6 +331,10 @@ def load_plan(path: str | Path, spec, workload_name: str, model_options: dict, *
     if batch_size is not None and batch_size != plan.global_batch:
         raise ConfigError("batch_size", batch_size, f"the plan's global batch ({plan.global_batch})",
                           "Leave --batch-size out with --plan, or plan again with --batch-size.")
+    for where, decision in [("plan.chosen", plan.chosen)] + [
+            (f"plan.alternatives[{i}]", a) for i, a in enumerate(plan.alternatives)]:
+        if decision is not None:
+            decision.check_hosts(spec.host_names, where)
     return plan
 
 

@@ -70,19 +70,40 @@ def save(out: Path, state: dict, keep: int) -> Path:
     return path
 
 
+REQUIRED = {"step": int, "wall_s": (int, float), "model": dict, "optimizer": dict, "scheduler": dict,
+            "signature": dict, "ranks": list}
+_REFUSED = "Weights only load failed"  # torch's message when weights_only=True meets another object
+
+
 def load(path: Path) -> dict:
-    """Load a checkpoint, turning corruption or a foreign file into a clear error."""
+    """Load a checkpoint, turning corruption, a foreign file or a refused pickle into a clear error."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated/corrupt zip archives
-        raise ThinwireError(
-            f"checkpoint {str(path)!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'}). Remove it to resume from an earlier "
-            f"checkpoint, or start a new run without --resume."
-        ) from None
+        raise ThinwireError(_load_failure(path, e)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ThinwireError(f"checkpoint {str(path)!r} is not a thinwire checkpoint (format {FORMAT} expected).")
+    _check_entries(path, state)
     return state
+
+
+def _load_failure(path: Path, e: Exception) -> str:
+    detail = str(e).splitlines()[0][:160] if str(e) else "no detail"
+    if _REFUSED in str(e):
+        return (f"checkpoint {str(path)!r} was refused: it contains objects other than tensors and plain "
+                f"containers, which a thinwire checkpoint never holds, and loading them could run code. "
+                f"Do not resume from a file you did not write; start a new run without --resume.")
+    return (f"checkpoint {str(path)!r} is corrupt or truncated and cannot be loaded ({type(e).__name__}: "
+            f"{detail}). Remove it to resume from an earlier checkpoint, or start a new run without --resume.")
+
+
+def _check_entries(path: Path, state: dict) -> None:
+    for key, kind in REQUIRED.items():
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            got = "no such entry" if key not in state else f"a {type(state[key]).__name__}"
+            raise ThinwireError(f"checkpoint {str(path)!r} is incomplete: its entry {key!r} is missing or of the "
+                                f"wrong type ({got}). It was not written by thinwire's trainer; resume from "
+                                f"another checkpoint or start a new run without --resume.")
 
 
 def model_signature(model: torch.nn.Module) -> dict[str, list[int]]:

@@ -10,9 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from thinwire.config import check, from_dict, load_yaml
+from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, parse_value
 from thinwire.errors import ConfigError
 
 
@@ -52,50 +50,61 @@ class TrainConfig:
     plan: str | None = None             # a plan file from `thinwire plan` (needs cluster)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size"):
-            v = getattr(self, name)
-            check(v is None or v >= 1, name, v, "an integer >= 1")
-        check(self.lr is None or self.lr > 0, "lr", self.lr, "a number > 0")
-        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
-        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-        check(self.grad_clip is None or self.grad_clip > 0, "grad_clip", self.grad_clip, "a number > 0 or null")
-        check(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
-        check(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
-        check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "an integer >= 1")
-        check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
-        check(self.nproc >= 1, "nproc", self.nproc, "an integer >= 1", "Use --nproc 1 for a single process.")
-        check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
-        check(self.threads is None or self.threads >= 1, "threads", self.threads, "an integer >= 1 or null")
-        check(self.compression_warmup >= 0, "compression_warmup", self.compression_warmup, "an integer >= 0")
-        check(0 < self.bucket_mb <= 4096, "bucket_mb", self.bucket_mb, "a number in (0, 4096]")
-        check(self.timeout_s >= 1, "timeout_s", self.timeout_s, "a number of seconds >= 1")
+        self._check_counts()
+        self._check_numbers()
         check(self.data is None or self.data.strip() != "", "data", self.data,
               "a path to a text file or folder", "Leave --data out to use the default corpus.")
         if self.memory_budget is not None:
             _check_size("memory_budget", self.memory_budget)
+
+    def _check_counts(self) -> None:
+        for name, lo, hi in _COUNTS:
+            check_range(name, getattr(self, name), lo, hi, kind="an integer")
+        check_range("nproc", self.nproc, 1, MAX_WORKERS, kind="an integer", fix="Use --nproc 1 for a single process.")
+        check_range("threads", self.threads, 1, MAX_THREADS, kind="an integer",
+                    fix="Leave it out to share this machine's cores among the workers.")
+        check_range("seed", self.seed, 0, MAX_SEED, kind="an integer",
+                    fix="Seeds must fit 32 bits (NumPy's limit; torch seeds are derived from it).")
+
+    def _check_numbers(self) -> None:
+        check_range("lr", self.lr, 0, 10, open_lo=True)
+        check_range("weight_decay", self.weight_decay, 0, 10)
+        check_range("grad_clip", self.grad_clip, 0, 1e9, open_lo=True)
+        check_range("bucket_mb", self.bucket_mb, 0, 4096, open_lo=True)
+        check_range("timeout_s", self.timeout_s, 1, MAX_TIMEOUT_S, fix="Seconds; 604800 is a week.")
+
+
+MAX_STEPS = 10**12      # counts beyond this are typos (a step a microsecond for ten days)
+MAX_WORKERS = 4096
+MAX_THREADS = 1024
+MAX_SEED = 2**32 - 1
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+_COUNTS = (  # (field, smallest, largest); None (the workload's default) passes
+    ("steps", 1, MAX_STEPS), ("batch_size", 1, 10**9), ("warmup_steps", 0, MAX_STEPS),
+    ("eval_every", 1, MAX_STEPS), ("log_every", 1, MAX_STEPS), ("checkpoint_every", 1, MAX_STEPS),
+    ("keep_checkpoints", 1, 10**6), ("max_restarts", 0, 10**6), ("compression_warmup", 0, MAX_STEPS),
+)
 
 
 def _check_size(name: str, value: str) -> None:
     from thinwire.precision.memory import parse_size
 
     try:
-        ok = parse_size(value) > 0
+        ok = 0 < parse_size(value) <= 2**60
     except ValueError:
         ok = False
-    check(ok, name, value, "a positive size such as 512MiB, 1.5GiB or 800MB",
+    check(ok, name, value, "a positive size such as 512MiB, 1.5GiB or 800MB (at most 1EiB)",
           "Units: B, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000).")
 
 
 def parse_override(item: str) -> tuple[list[str], object]:
-    """``"model.width=256"`` -> (["model", "width"], 256); the value is read as YAML."""
+    """``"model.width=256"`` -> (["model", "width"], 256); the value is read as YAML 1.2 by
+    :func:`~thinwire.config.parse_value` (``1e-3`` a number, ``1:30`` and ``off`` strings)."""
     key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
+    keys = [k.strip() for k in key.split(".")]
+    if not sep or not all(keys):
         raise ConfigError("--set", item, "KEY=VALUE (e.g. model.width=256)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
+    return keys, parse_value(raw, what=f"--set {key.strip()}")
 
 
 def load_train_config(path: str | None, overrides: dict, sets: list[str]) -> TrainConfig:
@@ -116,4 +125,4 @@ def load_train_config(path: str | None, overrides: dict, sets: list[str]) -> Tra
 def save_config(cfg: TrainConfig, path: Path) -> None:
     from thinwire.config import to_dict
 
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(dump_yaml(to_dict(cfg)))

@@ -18,6 +18,8 @@ PowerSGD, from PyTorch's own rule of which tensors it compresses.
 
 from __future__ import annotations
 
+import re
+
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -27,6 +29,8 @@ from thinwire.compress.collectives import ring_allreduce_bytes
 from thinwire.errors import ConfigError
 
 PEERS = ("torch:none", "torch:fp16", "torch:bf16", "torch:powersgd")
+_RANK = re.compile(r"[0-9]{1,6}", re.ASCII)  # ASCII digits only: str.isdigit() also accepts '²'
+MAX_RANK = 4096
 
 
 def is_peer(spec: str) -> bool:
@@ -38,8 +42,8 @@ def parse_peer(spec: str) -> tuple[str, int]:
     rank = 1
     if name == "powersgd" and params:
         key, _, value = params.partition("=")
-        if key != "rank" or not value.isdigit() or int(value) < 1:
-            raise ConfigError("compression", spec, "torch:powersgd:rank=R with an integer R >= 1")
+        if key != "rank" or not _RANK.fullmatch(value) or not 1 <= int(value) <= MAX_RANK:
+            raise ConfigError("compression", spec, f"torch:powersgd:rank=R with an integer R in [1, {MAX_RANK}]")
         rank = int(value)
     elif f"torch:{name}" not in PEERS or params:
         raise ConfigError("compression", spec, "one of " + ", ".join(PEERS) + " (PowerSGD takes :rank=R)")

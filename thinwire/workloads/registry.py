@@ -10,10 +10,11 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import re
 from typing import Callable
 
 from thinwire.config import from_dict
-from thinwire.errors import ThinwireError
+from thinwire.errors import ConfigError, ThinwireError, short
 from thinwire.workloads import charlm, digits
 from thinwire.workloads.base import Workload
 
@@ -29,13 +30,17 @@ BUILTIN: dict[WorkloadName, tuple[type, Callable]] = {
 }
 
 
+_USER = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+
+
 def check_workload_name(name: str) -> None:
-    """Fail at config time for a name that is neither built in nor ``module:function``."""
-    if name in {w.value for w in WorkloadName} or ":" in name:
+    """Fail at config time for a name that is neither built in nor ``package.module:function``
+    (absolute, ASCII identifiers: ``':'`` and ``'.x:y'`` are refused here, not by importlib)."""
+    if name in {w.value for w in WorkloadName} or _USER.fullmatch(name):
         return
-    raise ThinwireError(
-        f"workload: must be one of {', '.join(w.value for w in WorkloadName)} or package.module:function, "
-        f"got {name!r}. For your own model, pass e.g. --workload mypkg.train:make_workload."
+    raise ConfigError(
+        "workload", name, f"one of {', '.join(w.value for w in WorkloadName)} or package.module:function",
+        "For your own model, pass e.g. --workload mypkg.train:make_workload.",
     )
 
 
@@ -52,10 +57,11 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ThinwireError(f"workload: cannot import module {module_name!r} ({e}). Check that it is on PYTHONPATH.") from None
+        raise ThinwireError(f"workload: cannot import module {short(module_name)} ({short(str(e), 300)}). "
+                            "Check that it is on PYTHONPATH.") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise ThinwireError(f"workload: module {module_name!r} has no function {func_name!r}.")
+        raise ThinwireError(f"workload: module {short(module_name)} has no function {short(func_name)}.")
     kwargs = dict(options)
     if data is not None and "data" in inspect.signature(fn).parameters:
         kwargs["data"] = data

@@ -1,0 +1,268 @@
+"""Issue 26's reproducers, one named test each: every malformed file or flag is a clean ConfigError
+(or ThinwireError) naming the field, never a traceback, and never a message over 2 KB."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.inputs_docs import CLUSTER, PLAN, PROFILE
+from thinwire.cluster.spec import ClusterSpec, load_cluster_spec
+from thinwire.compress.spec import parse_codec_spec
+from thinwire.config import MAX_DEPTH, dump_yaml, from_dict, parse_yaml
+from thinwire.errors import MAX_MESSAGE, ConfigError, ThinwireError
+from thinwire.perf_profile.file import load_profile
+from thinwire.plan.planfile import cluster_fingerprint, load_plan, read_plan, workload_fingerprint
+from thinwire.train import checkpoint as ckpt
+from thinwire.train.config import load_train_config
+from thinwire.train.peers import parse_peer
+from thinwire.workloads.registry import check_workload_name
+
+
+def write(tmp_path, text: str | bytes, name: str = "f.yaml"):
+    path = tmp_path / name
+    text = dump_yaml(text) if isinstance(text, dict) else text
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def cluster(**changes) -> dict:
+    return {**copy.deepcopy(CLUSTER), **changes}
+
+
+# -- the YAML reader ------------------------------------------------------------------------------
+ALIAS_BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("text, match", [
+    pytest.param("[" * 1200 + "]" * 1200, rf"must be at most {MAX_DEPTH} levels of nesting", id="deep-nesting"),
+    pytest.param("steps: " + "9" * 5000, r"must be an integer of at most 100 digits, got '9{20}.*\(5002 characters\)",
+                 id="int-over-4300-digits"),
+    pytest.param("{1: a, b: c}", r"must be a mapping with string keys, got '1'. Quote the key", id="mixed-keys"),
+    pytest.param("{null: 1}", r"must be a mapping with string keys, got 'null'", id="null-key"),
+    pytest.param(ALIAS_BOMB, r"must be written without aliases \(\*name\), got 'a'", id="alias-bomb"),
+    pytest.param("a: !!python/object/apply:os.system [ls]", r"must be plain values, lists and mappings", id="tag"),
+])
+def test_yaml_reader_refuses(tmp_path, text, match):
+    for load in (lambda p: load_train_config(str(p), {}, []), load_cluster_spec, read_plan, load_profile):
+        with pytest.raises(ConfigError, match=match) as info:
+            load(write(tmp_path, text))
+        assert len(str(info.value)) < MAX_MESSAGE
+
+
+def test_non_utf8_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file '.*': must be UTF-8 text, got b'\\xff\\xfe.*Byte 7 is not UTF-8"):
+        load_train_config(str(write(tmp_path, b"steps: \xff\xfe\n")), {}, [])
+
+
+def test_yaml_is_read_as_1_2():
+    assert parse_yaml("a: 1e-3\nb: 1:30\nc: off\nd: 010\ne: 2024-01-01", what="t") == {
+        "a": 0.001, "b": "1:30", "c": "off", "d": 10, "e": "2024-01-01"}
+
+
+def test_messages_never_echo_a_value_unbounded():
+    with pytest.raises(ConfigError, match=r"steps: must be an integer or null, got 'xxx.*\(100002 characters\)$"):
+        from_dict_train({"steps": "x" * 100_000})
+    with pytest.raises(ConfigError) as info:
+        from_dict_train({"k" * 100_000: 1})
+    assert len(str(info.value)) < MAX_MESSAGE
+
+
+def from_dict_train(data):
+    from thinwire.train.config import TrainConfig
+
+    return from_dict(TrainConfig, data, where="")
+
+
+# -- finite numbers with ranges -------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, sets, match", [
+    pytest.param({"memory_budget": "1e999GiB"}, [],
+                 r"memory_budget: must be a positive size such as 512MiB.*\(at most 1EiB\), got .1e999GiB.",
+                 id="memory-1e999GiB"),
+    pytest.param({"lr": float("inf")}, [], r"lr: must be a finite number or null, got inf", id="lr-inf-flag"),
+    pytest.param({}, ["lr=inf"], r"lr: must be a finite number or null, got 'inf'", id="lr-inf-set"),
+    pytest.param({}, ["lr=.inf"], r"lr: must be a finite number or null, got inf", id="lr-.inf-set"),
+    pytest.param({}, ["weight_decay=.inf"], r"weight_decay: must be a finite number, got inf", id="weight-decay-inf"),
+    pytest.param({}, ["weight_decay=50"], r"weight_decay: must be a finite number in \[0, 10\], got 50", id="weight-decay-big"),
+    pytest.param({}, ["timeout_s=.inf"], r"timeout_s: must be a finite number, got inf", id="timeout-inf"),
+    pytest.param({"seed": 10**16}, [], r"seed: must be an integer in \[0, 4294967295\], got 10000000000000000. Seeds",
+                 id="seed-1e16"),
+    pytest.param({"threads": 10**9}, [], r"threads: must be an integer in \[1, 1024\], got 1000000000", id="threads"),
+    pytest.param({}, ["steps=1:30"], r"steps: must be an integer or null, got '1:30'", id="sexagesimal"),
+    pytest.param({}, ["steps=" + "1" * 30], r"steps: must be an integer of 64 bits or null", id="steps-huge"),
+])
+def test_train_config_refuses(overrides, sets, match):
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(None, overrides, sets)
+
+
+def test_set_values_are_yaml_1_2_scalars():
+    cfg = load_train_config(None, {}, ["lr=1e-3", "compression=off", "model.width=64", "data=corpus.txt"])
+    assert (cfg.lr, cfg.compression, cfg.model, cfg.data) == (0.001, "off", {"width": 64}, "corpus.txt")
+
+
+@pytest.mark.parametrize("changes, match", [
+    pytest.param({"defaults": {"bandwidth": float("inf")}}, r"defaults\.bandwidth: must be a finite number or a string",
+                 id="bandwidth-inf"),
+    pytest.param({"defaults": {"bandwidth": "inf"}}, r"hosts\[0\]\.bandwidth: must be a rate", id="bandwidth-inf-text"),
+    pytest.param({"defaults": {"bandwidth": "1e999mbit"}}, r"hosts\[0\]\.bandwidth: must be a rate", id="bandwidth-1e999"),
+    pytest.param({"defaults": {"bandwidth": "1mbit", "cpu": 1e-320}}, r"hosts\[0\]\.cpu: must be a number of cores in",
+                 id="cpu-1e-320"),
+    pytest.param({"links": [{"between": ["g1", "g2"], "bandwidth": "1mbit", "latency": float("nan")}]},
+                 r"links\[0\]\.latency: must be a finite number or a string or null, got nan", id="latency-nan"),
+    pytest.param({"links": [{"between": ["g1", "g2"], "bandwidth": "1mbit", "latency": "nan ms"}]},
+                 r"links\[0\]\.latency: must be a duration in \[0, 1 hour\]", id="latency-nan-text"),
+    pytest.param({"hosts": [{"name": "a\n"}]}, r"hosts\[0\]\.name: must be 1-32 letters", id="host-name-newline"),
+    pytest.param({"hosts": [{"group": "g1"}]}, r"hosts\[0\]\.name: must be set \(str\), got nothing. Add the field",
+                 id="host-missing-name"),
+    pytest.param({"hosts": [None]}, r"hosts\[0\]\.name: must be set \(str\), got nothing", id="host-null-item"),
+    pytest.param({"links": [{"between": ["g1", None], "bandwidth": "1mbit"}]}, r"links\[0\]\.between\[1\]: must be a string",
+                 id="link-null-group"),
+    pytest.param({"links": [{"between": ["g1", "g2"]}]}, r"links\[0\]\.bandwidth: must be set", id="link-missing-rate"),
+])
+def test_cluster_spec_refuses(tmp_path, changes, match):
+    with pytest.raises(ConfigError, match=match):
+        load_cluster_spec(write(tmp_path, (cluster(**changes))))
+
+
+@pytest.mark.parametrize("name", ["lab.v1", "LAB_v1", "Lab-v1", "lab_v1", "-lab", "a" * 25])
+def test_cluster_names_that_share_a_tag_are_refused(name):
+    with pytest.raises(ConfigError, match=r"name: must be 1-24 lowercase letters, digits or '-'.*lab-v1"):
+        from_dict(ClusterSpec, cluster(name=name), where="")
+    assert from_dict(ClusterSpec, cluster(name="lab-v1"), where="").name == "lab-v1"
+
+
+def test_cluster_name_from_a_file_stem_must_be_a_tag(tmp_path):
+    data = cluster()
+    del data["name"]
+    with pytest.raises(ConfigError, match=r"^name: must be 1-24 .*got 'lab.v1'"):
+        load_cluster_spec(write(tmp_path, (data), "lab.v1.yaml"))
+
+
+# -- plan and profile files -----------------------------------------------------------------------
+def spec() -> ClusterSpec:
+    return from_dict(ClusterSpec, cluster(), where="")
+
+
+def plan_doc(**chosen) -> dict:
+    doc = copy.deepcopy(PLAN)
+    doc["cluster_fingerprint"] = cluster_fingerprint(spec())
+    doc["workload_fingerprint"] = workload_fingerprint("charlm", {})
+    doc["chosen"].update(chosen)
+    return doc
+
+
+def test_a_valid_plan_loads(tmp_path):
+    plan = load_plan(write(tmp_path, (plan_doc())), spec(), "charlm", {})
+    assert plan.hosts == ["a", "b"]
+
+
+@pytest.mark.parametrize("chosen, match", [
+    pytest.param({"hosts": ["a", "zz"]}, r"plan\.chosen\.hosts\[1\]: must be a host of the cluster \(a, b\), got 'zz'",
+                 id="unknown-host"),
+    pytest.param({"hosts": ["a", "a"]}, r"plan\.chosen\.hosts: must be each host once.*got 'a'", id="duplicate-host"),
+    pytest.param({"codecs": ["int8", "zstd"]}, r"plan\.chosen\.codecs\[1\]: must be a codec spec .*got 'zstd'",
+                 id="bad-codec"),
+    pytest.param({"codecs": ["powersgd:rank=²"]}, r"plan\.chosen\.codecs\[0\]: .*powersgd\.rank: must be an integer",
+                 id="codec-superscript"),
+    pytest.param({"shares": [4, 4, 4]}, r"plan\.chosen\.shares: must be one entry per host \(2\)", id="shares-field"),
+    pytest.param({"shares": None}, r"plan\.chosen\.shares: must be a list of int", id="shares-null"),
+    pytest.param({"predicted_step_s": float("inf")}, r"plan\.chosen\.predicted_step_s: must be a finite number",
+                 id="step-inf"),
+])
+def test_plan_refused_when_loaded(tmp_path, chosen, match):
+    with pytest.raises(ConfigError, match=match):
+        load_plan(write(tmp_path, (plan_doc(**chosen))), spec(), "charlm", {})
+
+
+def test_plan_missing_field_is_named(tmp_path):
+    doc = plan_doc()
+    del doc["chosen"]["codecs"]
+    with pytest.raises(ConfigError, match=r"plan\.chosen\.codecs: must be set \(list\), got nothing"):
+        read_plan(write(tmp_path, (doc)))
+    doc = plan_doc()
+    doc["alternatives"] = [None]
+    with pytest.raises(ConfigError, match=r"plan\.alternatives\[0\]\.name: must be set"):
+        read_plan(write(tmp_path, (doc)))
+
+
+@pytest.mark.parametrize("path, value, match", [
+    pytest.param(("workload",), "DELETE", r"profile\.workload: must be set \(str\), got nothing", id="missing"),
+    pytest.param(("compute",), [None], r"profile\.compute\[0\]\.batch: must be set", id="null-item"),
+    pytest.param(("compute", 0, "pre_s"), float("inf"), r"profile\.compute\[0\]\.pre_s: must be a finite number",
+                 id="inf"),
+    pytest.param(("compute", 0, "batch"), 0, r"profile\.compute\[0\]\.batch: must be an integer in \[1, ", id="batch"),
+    pytest.param(("threads",), 10**6, r"profile\.threads: must be an integer in \[1, 1024\]", id="threads"),
+    pytest.param(("network", "efficiency"), 0.0, r"profile\.network\.efficiency: must be a finite number in \(0, 1\]",
+                 id="efficiency"),
+])
+def test_profile_refused_when_loaded(tmp_path, path, value, match):
+    doc = copy.deepcopy(PROFILE)
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    if value == "DELETE":
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    with pytest.raises(ConfigError, match=match):
+        load_profile(write(tmp_path, (doc)))
+
+
+def test_a_valid_profile_loads(tmp_path):
+    assert load_profile(write(tmp_path, (PROFILE))).network.hosts == 2
+
+
+# -- names and specs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [":", ".x:y", "a:", ":f", "a..b:f", "a:b:c", "charlm\n", "1a:f"])
+def test_bad_workload_names(name):
+    with pytest.raises(ConfigError, match=r"workload: must be one of charlm, digits or package.module:function"):
+        check_workload_name(name)
+
+
+@pytest.mark.parametrize("spec_text, match", [
+    pytest.param("torch:powersgd:rank=²", r"compression: must be torch:powersgd:rank=R with an integer R in \[1, 4096\]",
+                 id="peer-superscript"),
+    pytest.param("torch:powersgd:rank=٣", r"compression: must be torch:powersgd:rank=R", id="peer-arabic-digit"),
+])
+def test_torch_peer_specs(spec_text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_peer(spec_text)
+
+
+@pytest.mark.parametrize("spec_text, match", [
+    pytest.param("powersgd:rank=²", r"powersgd\.rank: must be an integer, got '²'", id="superscript"),
+    pytest.param("powersgd:rank=٣", r"powersgd\.rank: must be an integer, got '٣'", id="arabic-digit"),
+    pytest.param("topk:ratio=inf", r"topk\.ratio: must be a number, got 'inf'", id="inf"),
+    pytest.param("powersgd:rank=1e300", r"powersgd\.rank: must be an integer of 64 bits", id="huge"),
+    pytest.param("int8:block=" + "9" * 5000, r"int8\.block: must be an integer, got '9{20}.*\(5002 characters\)",
+                 id="digits"),
+])
+def test_codec_spec_values(spec_text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_codec_spec(spec_text)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+class _Evil:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_checkpoint_without_signature(tmp_path):
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"format": ckpt.FORMAT, "step": 1, "wall_s": 0.0, "model": {}, "optimizer": {}, "scheduler": {},
+                "ranks": []}, path)
+    with pytest.raises(ThinwireError, match=r"is incomplete: its entry 'signature' is missing.*\(no such entry\)"):
+        ckpt.load(path)
+
+
+def test_malicious_pickle_is_reported_as_refused(tmp_path, capsys):
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"format": ckpt.FORMAT, "x": _Evil()}, path)
+    with pytest.raises(ThinwireError, match=r"was refused: it contains objects other than tensors"):
+        ckpt.load(path)
+    assert "this ran" not in capsys.readouterr().out
