@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from thinwire.precision import Int8Config, Int8Linear
+from thinwire.precision import Int8ComputeConfig, Int8Linear
 from thinwire.precision.memory import format_bytes, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def bench_linear(width: int, rows: int, repeats: int) -> dict:
     out = {"width": width, "rows": rows, "fp32_s": median_seconds(fwd_bwd(ref), repeats),
            "bf16_s": median_seconds(fwd_bwd(ref, autocast=True), repeats)}
     for scaling in ("pow2", "rowwise"):
-        q = Int8Linear(width, width, config=Int8Config(scaling=scaling))
+        q = Int8Linear(width, width, config=Int8ComputeConfig(scaling=scaling))
         q.load_state_dict(ref.state_dict())
         out[f"int8_{scaling}_s"] = median_seconds(fwd_bwd(q), repeats)
     a, w = torch.randn(rows, width), torch.randn(width, width)

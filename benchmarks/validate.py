@@ -22,7 +22,7 @@ the grid):
    median); its measured step minus the model's prediction for it is that cost. It is CPU work of
    hosts sharing cores while they communicate, so on a grid link that adds link time per step it
    runs while the hosts wait on the link: the prediction adds ``max(0, cost - added link time)``
-   (:func:`thinwire.sim.validate.colocation_cost`; rule set after the grid of 2026-11-30 showed
+   (:func:`thinwire.validation.colocation_cost`; rule set after the grid of 2026-11-30 showed
    the flat cost over-predicting 1 Gbit/s points by up to 25%, then checked on a fresh grid). The
    model's claim validated is thus how step time moves with the network and the codec; the "model
    alone" column is the prediction without this term.
@@ -66,7 +66,7 @@ from thinwire.perf_profile.file import save_profile
 from thinwire.perf_profile.network import probe_network
 from thinwire.perf_profile.run import profile_workload
 from thinwire.sim.sweep import SimOptions
-from thinwire.sim.validate import remeasure, validate
+from thinwire.validation import remeasure, validate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -265,7 +265,7 @@ def check_profile(profile, args, batches: list[int]) -> None:
 
 
 def _sim_options(args, codec: str, hosts: int) -> SimOptions:
-    """The simulation of one grid point, as ``thinwire.sim.validate.validate`` sets it up."""
+    """The simulation of one grid point, as ``thinwire.validation.validate`` sets it up."""
     return SimOptions(codec=codec, threads=args.threads, hosts=[hosts], batch_size=args.batch_size,
                       scaling="strong", colocated_cores=float(os.cpu_count() or 1))
 
@@ -274,7 +274,7 @@ def fill_compute(rows: list[dict], profile, args) -> None:
     """Give rows from before the compute diagnostic existed its two numbers: the model's compute
     for the point (simulated again from the profile) and the run's (from its metrics, if the run
     folder is still there)."""
-    from thinwire.sim.validate import compute_diagnostic, scaled_spec
+    from thinwire.validation import compute_diagnostic, scaled_spec
     from thinwire.sim.sweep import simulate
 
     specs = {(label, codec): spec for label, spec, codec in configs(args)}
@@ -309,7 +309,7 @@ def without_timesharing(args) -> dict:
 
     from thinwire.perf_profile.file import load_profile
     from thinwire.sim.sweep import simulate
-    from thinwire.sim.validate import at_bandwidth, colocation_cost, scaled_spec
+    from thinwire.validation import at_bandwidth, colocation_cost, scaled_spec
 
     data = json.loads((args.results / "validation.json").read_text())
     profile = load_profile(args.profile or args.results / "validation-profile.yaml")

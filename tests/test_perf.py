@@ -503,7 +503,7 @@ def test_auto_decides_identically_on_every_rank_and_logs_why():
 
 
 def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
-    import thinwire.sim.validate as v
+    import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
     from thinwire.perf_profile.file import load_profile
     from thinwire.sim.sweep import SimOptions
@@ -524,7 +524,7 @@ def test_validation_predicts_with_the_step_measured_again_before_each_run(tmp_pa
     step measured just before the run (here twice the profile's) and records the drift."""
     import dataclasses
 
-    import thinwire.sim.validate as v
+    import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
     from thinwire.perf_profile.file import load_profile
     from thinwire.sim.sweep import SimOptions
@@ -549,7 +549,7 @@ def test_validation_predicts_with_the_step_measured_again_before_each_run(tmp_pa
 
 
 def test_validation_compute_diagnostic_reads_the_run_and_skips_mixed_cpus(tmp_path):
-    import thinwire.sim.validate as v
+    import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
 
     run = tmp_path / "run"
@@ -566,7 +566,7 @@ def test_validation_compute_diagnostic_reads_the_run_and_skips_mixed_cpus(tmp_pa
 
 
 def test_colocation_calibration_keeps_the_median_of_its_repeats(tmp_path, monkeypatch):
-    import thinwire.sim.validate as v
+    import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
     from thinwire.perf_profile.file import load_profile
     from thinwire.sim.sweep import SimOptions

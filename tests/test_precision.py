@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from thinwire.errors import ThinwireError
-from thinwire.precision import (COUNTERS, Int8Config, Int8Conv2d, Int8Linear, PeakMemory, PrecisionRunner,
+from thinwire.precision import (COUNTERS, Int8ComputeConfig, Int8Conv2d, Int8Linear, PeakMemory, PrecisionRunner,
                                 autocast_context, conversion_report, convert, parse_size, plan_memory)
 from thinwire.precision import attention
 from thinwire.precision import int8 as int8_mod
@@ -33,7 +33,7 @@ TOL = {"pow2": 0.05, "rowwise": 0.025}
 
 
 def _pair(float_layer: nn.Module, scaling: str, stochastic: bool = True):
-    q = int8_mod.to_int8_(copy.deepcopy(float_layer), Int8Config(scaling=scaling, stochastic=stochastic))
+    q = int8_mod.to_int8_(copy.deepcopy(float_layer), Int8ComputeConfig(scaling=scaling, stochastic=stochastic))
     return float_layer, q
 
 
@@ -114,7 +114,7 @@ def test_a_silent_float_fallback_fails_the_counter_check():
 
 def test_fallback_without_int8_kernel_warns_once_and_counts_float(monkeypatch):
     torch.manual_seed(0)
-    layer = Int8Linear(32, 16, config=Int8Config(stochastic=False))
+    layer = Int8Linear(32, 16, config=Int8ComputeConfig(stochastic=False))
     x = torch.randn(24, 32)
     want = layer(x)
     monkeypatch.delattr(torch, "_int_mm")
@@ -226,7 +226,7 @@ def test_parse_size():
     assert parse_size("1.5 GB") == 1_500_000_000
     assert parse_size("800k") == 800 * 1024
     assert parse_size(1234) == 1234
-    with pytest.raises(ValueError, match=r"size must be a number with an optional unit .* got '12 parsecs'"):
+    with pytest.raises(ValueError, match=r"size: must be a size > 0 .* got '12 parsecs'"):
         parse_size("12 parsecs")
 
 

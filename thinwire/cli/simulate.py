@@ -147,7 +147,7 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
 
 
 def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: Path) -> int:
-    from thinwire.sim.validate import remeasure, validate
+    from thinwire.validation import remeasure, validate
 
     steps = args.steps or 30
     check(steps > 10, "--steps", steps, "more than 10 with --validate (the first 5 steps are skipped)")

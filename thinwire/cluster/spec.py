@@ -51,89 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thinwire.config import check, from_dict, load_yaml
+from thinwire.units import parse_duration, parse_loss, parse_rate, parse_size  # noqa: F401  (parse_size: cli)
 from thinwire.errors import ConfigError, ThinwireError
 
 DEFAULT_SUBNET = "10.213.0.0/24"
-_RATE_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-_NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%/]*)\s*", re.IGNORECASE | re.ASCII)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}", re.ASCII)
 _NAME_RULE = "1-32 letters, digits, '-' or '_', starting with a letter or digit"
 # the cluster's name is its tag in namespace and cgroup names (emulator.cluster_tag lowercases and maps
 # '.' and '_' to '-'): only names the tag leaves unchanged are accepted, so two clusters never share one
 _CLUSTER_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,22}[a-z0-9])?", re.ASCII)
 _CLUSTER_NAME_RULE = "1-24 lowercase letters, digits or '-', starting and ending with a letter or digit"
-MAX_RATE_BPS = 1e13        # 10 Tbit/s
-MIN_RATE_BPS = 1e3         # 1 kbit/s; tc cannot shape much below it
-MAX_BYTES = 2**60          # 1 EiB
-MAX_DURATION_S = 3600.0    # a link latency over an hour is a typo
 MIN_CPU, MAX_CPU = 0.001, 4096.0  # a thousandth of a core; 1e-320 overflowed the simulator
-
-
-def _split(text: str) -> tuple[float, str] | None:
-    m = _NUMBER.fullmatch(text) if len(text) <= 100 else None
-    return (float(m.group(1)), m.group(2).lower()) if m else None
-
-
-def _number(value: float | str, unit: str) -> tuple[float, str] | None:
-    """``(number, unit)`` from a plain number (in ``unit``) or a string such as ``"100mbit"``; None
-    when neither, or when the number is not finite."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        parts = (float(value), unit) if abs(value) < 1e300 else None
-    else:
-        parts = _split(value) if isinstance(value, str) else None
-    return parts if parts and math.isfinite(parts[0]) else None
-
-
-def parse_rate(value: float | str, field_name: str) -> float:
-    """``"100mbit"`` -> ``1e8`` bit/s; plain numbers are bit/s. Must be > 0."""
-    allowed = "a rate > 0 such as 500kbit, 100mbit, 1gbit or a number of bit/s"
-    parts = _number(value, "")
-    if parts is None or parts[1] not in _RATE_UNITS:
-        fix = "tc reads 'mbps' as megaBYTES per second; write 8mbit for 1 MB/s." \
-            if parts and "bps" in parts[1] or "/s" in str(value)[:100].lower() else "Use the units bit, kbit, mbit, gbit."
-        raise ConfigError(field_name, value, allowed, fix)
-    rate = parts[0] * _RATE_UNITS[parts[1]]
-    check(rate > 0, field_name, value, allowed, "A link needs a positive rate.")
-    check(MIN_RATE_BPS <= rate <= MAX_RATE_BPS, field_name, value, "a rate in [1kbit, 10tbit]")
-    return rate
-
-
-def parse_size(value: int | str, field_name: str) -> int:
-    """``"512MiB"`` -> ``536870912`` bytes; plain numbers are bytes. Must be > 0."""
-    allowed = "a size > 0 such as 512MiB, 2GiB, 1GB or a number of bytes"
-    parts = _number(value, "")
-    if parts is None or parts[1] not in _SIZE_UNITS:
-        raise ConfigError(field_name, value, allowed, "Use the units KiB, MiB, GiB (or KB, MB, GB).")
-    size = parts[0] * _SIZE_UNITS[parts[1]]
-    check(0 < size <= MAX_BYTES, field_name, value, "a size in (0, 1EiB] such as 512MiB, 2GiB or 1GB")
-    size = int(size)
-    check(size > 0, field_name, value, allowed)
-    return size
-
-
-def parse_duration(value: float | str, field_name: str) -> float:
-    """``"5ms"`` -> ``0.005`` s; plain numbers are seconds. Must be >= 0."""
-    parts = _number(value, "s")
-    seconds = parts[0] * _TIME_UNITS[parts[1]] if parts and parts[1] in _TIME_UNITS else -1.0
-    check(0 <= seconds <= MAX_DURATION_S, field_name, value,
-          "a duration in [0, 1 hour] such as 5ms, 200us or 0.1s")
-    return seconds
-
-
-def parse_loss(value: float | str, field_name: str) -> float:
-    """``"0.1%"`` -> ``0.001``; plain numbers are fractions. Must be in [0, 1)."""
-    allowed = "a loss rate in [0, 1) or a percentage such as 0.1%"
-    parts = _number(value, "")
-    if parts is None or parts[1] not in ("", "%"):
-        raise ConfigError(field_name, value, allowed)
-    loss = parts[0] / 100 if parts[1] == "%" else parts[0]
-    check(0 <= loss < 1, field_name, value, allowed)
-    return loss
 
 
 @dataclass(kw_only=True)

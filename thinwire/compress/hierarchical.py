@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress import schemes
-from thinwire.compress.collectives import Wire
+from thinwire.compress.wire import Wire
 from thinwire.compress.hook import CommState, _as_policy
 
 

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress.codecs.base import Codec
-from thinwire.compress.collectives import Wire
+from thinwire.compress.wire import Wire
 from thinwire.compress.engine import CommThread
 from thinwire.compress.feedback import ErrorFeedback
 from thinwire.compress import schemes

@@ -11,13 +11,13 @@
 
 from thinwire.precision.auto import PrecisionChoice, choose_precision
 from thinwire.precision.convert import conversion_report, convert
-from thinwire.precision.int8 import COUNTERS, Int8Config, Int8Conv2d, Int8Linear, reset_counters
+from thinwire.precision.int8 import COUNTERS, Int8ComputeConfig, Int8Conv2d, Int8Linear, reset_counters
 from thinwire.precision.memory import MemoryPlan, PeakMemory, parse_size, plan_memory
 from thinwire.precision.runner import Precision, PrecisionRunner, autocast_context
 from thinwire.precision.setup import PrecisionSetup, prepare_precision, sample_from
 
 __all__ = [
-    "COUNTERS", "Int8Config", "Int8Conv2d", "Int8Linear", "MemoryPlan", "PeakMemory", "Precision",
+    "COUNTERS", "Int8ComputeConfig", "Int8Conv2d", "Int8Linear", "MemoryPlan", "PeakMemory", "Precision",
     "PrecisionChoice", "PrecisionRunner", "PrecisionSetup", "autocast_context", "choose_precision",
     "conversion_report", "convert", "parse_size", "plan_memory", "prepare_precision", "reset_counters", "sample_from",
 ]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from thinwire.precision import attention
-from thinwire.precision.int8 import Int8Config, Int8Conv2d, Int8Linear, int8_conv_supported, to_float_, to_int8_
+from thinwire.precision.int8 import Int8ComputeConfig, Int8Conv2d, Int8Linear, int8_conv_supported, to_float_, to_int8_
 from thinwire.precision.runner import Precision, parse_precision
 
 log = logging.getLogger("thinwire.precision")
@@ -50,14 +50,14 @@ def convert(model: nn.Module, mode: str, *, scaling: str = "pow2", stochastic: b
     """Switch ``model`` to ``mode`` in place and return it; :func:`conversion_report` says what changed.
 
     ``exclude``: glob patterns of module names (``"head"``, ``"blocks.*.mlp.0"``) to leave in fp32
-    under int8. ``scaling`` and ``stochastic`` configure :class:`Int8Config`.
+    under int8. ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`.
     """
     target = parse_precision(mode)
     if target not in CONVERTERS:
         raise ValueError(f"convert: mode must be one of {', '.join(p.value for p in CONVERTERS)}, got {mode!r}. "
                          "fp16 needs a loss scaler: use PrecisionRunner('fp16', device).")
     _to_fp32(model)
-    report = CONVERTERS[target](model, Int8Config(scaling=scaling, stochastic=stochastic), tuple(exclude))
+    report = CONVERTERS[target](model, Int8ComputeConfig(scaling=scaling, stochastic=stochastic), tuple(exclude))
     setattr(model, _REPORT, report)
     if target is not Precision.FP32:
         log.info("precision %s: %d layers converted%s", report.mode, len(report.swapped),
@@ -70,7 +70,7 @@ def conversion_report(model: nn.Module) -> dict:
     return report.as_dict() if report is not None else {"mode": "fp32", "swapped": 0, "layers": [], "kept_float": {}}
 
 
-def _to_int8(model: nn.Module, cfg: Int8Config, exclude: tuple[str, ...]) -> ConversionReport:
+def _to_int8(model: nn.Module, cfg: Int8ComputeConfig, exclude: tuple[str, ...]) -> ConversionReport:
     report = ConversionReport("int8")
     for name, m in list(model.named_modules()):
         if not isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -119,7 +119,7 @@ def _to_float32(out):
     return out
 
 
-def _to_bf16(model: nn.Module, cfg: Int8Config, exclude: tuple[str, ...]) -> ConversionReport:
+def _to_bf16(model: nn.Module, cfg: Int8ComputeConfig, exclude: tuple[str, ...]) -> ConversionReport:
     hooks = _AutocastHooks(torch.bfloat16)
     model._thinwire_autocast = (model.register_forward_pre_hook(hooks.enter),
                                 model.register_forward_hook(hooks.leave, always_call=True))

@@ -8,7 +8,7 @@ fp32 (the master weights the optimizer updates); only compute is int8. This is t
 NITI (Wang et al., 2022, https://arxiv.org/abs/1909.13271) and Mandheling (Xu et al., MobiCom
 2022, https://arxiv.org/abs/2206.07509), done in PyTorch.
 
-Scaling (``Int8Config.scaling``):
+Scaling (``Int8ComputeConfig.scaling``):
 
 * ``pow2`` (NITI/Mandheling): one scale per tensor, a power of two ``2^ceil(log2(absmax/127))``,
   so rescaling is a shift in integer hardware. The same int8 copy of ``x`` serves the output and
@@ -53,11 +53,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from thinwire.precision.quant import (COUNTERS, DITHER, Int8Config, Int8Stats, Scaling, int8_matmul, kernel_available,
+from thinwire.precision.quant import (COUNTERS, DITHER, Int8ComputeConfig, Int8Stats, Scaling, int8_matmul, kernel_available,
                                       quantize, relative_error, reset_counters)
 from thinwire.precision.quant import _rescale
 
-__all__ = ["COUNTERS", "DITHER", "Int8Config", "Int8Conv2d", "Int8Conv2dFunction", "Int8Linear", "Int8LinearFunction", "Int8Stats",
+__all__ = ["COUNTERS", "DITHER", "Int8ComputeConfig", "Int8Conv2d", "Int8Conv2dFunction", "Int8Linear", "Int8LinearFunction", "Int8Stats",
            "Scaling", "int8_linear", "int8_matmul", "kernel_available", "quantize", "relative_error",
            "reset_counters", "to_float_", "to_int8_"]
 
@@ -70,7 +70,7 @@ class Int8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8Config, stats: Int8Stats | None):
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8ComputeConfig, stats: Int8Stats | None):
         scaling = Scaling(cfg.scaling)
         qx, sx = quantize(x, scaling, axis=1)
         qw, sw = quantize(weight, scaling, axis=1)
@@ -112,7 +112,7 @@ def _grad_codes(grad: Tensor, scaling: Scaling, stochastic: bool):
             quantize(grad, scaling, axis=0, stochastic=stochastic))
 
 
-def int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8Config,
+def int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8ComputeConfig,
                 stats: Int8Stats | None = None) -> Tensor:
     """``F.linear`` with int8 matmuls; ``x`` may have any leading dimensions."""
     lead = x.shape[:-1]
@@ -125,13 +125,13 @@ class Int8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` (same parameters and state dict) computing in int8."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 config: Int8Config | None = None, device=None, dtype=None) -> None:
+                 config: Int8ComputeConfig | None = None, device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.config = config or Int8Config()
+        self.config = config or Int8ComputeConfig()
         self.stats = Int8Stats()
 
     @classmethod
-    def from_float(cls, m: nn.Linear, config: Int8Config) -> "Int8Linear":
+    def from_float(cls, m: nn.Linear, config: Int8ComputeConfig) -> "Int8Linear":
         return _recast(cls, m, config)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -154,7 +154,7 @@ class Int8Conv2dFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8Config, stats, geom: tuple):
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8ComputeConfig, stats, geom: tuple):
         scaling, out = Scaling(cfg.scaling), weight.shape[0]
         qx, sx = _quantize_input(x, scaling, per="sample", kernel=geom[0])
         cols = _im2col(qx, *geom)
@@ -232,16 +232,16 @@ class Int8Conv2d(nn.Conv2d):
     im2col (:class:`Int8Conv2dFunction`). Needs ``groups == 1`` and zero padding
     (:func:`int8_conv_supported`)."""
 
-    def __init__(self, *args, config: Int8Config | None = None, **kwargs) -> None:
+    def __init__(self, *args, config: Int8ComputeConfig | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.config = config or Int8Config()
+        self.config = config or Int8ComputeConfig()
         self.stats = Int8Stats()
         why = int8_conv_supported(self)
         if why is not None:
             raise ValueError(f"Int8Conv2d: unsupported convolution, got {why}. Use nn.Conv2d for it.")
 
     @classmethod
-    def from_float(cls, m: nn.Conv2d, config: Int8Config) -> "Int8Conv2d":
+    def from_float(cls, m: nn.Conv2d, config: Int8ComputeConfig) -> "Int8Conv2d":
         return _recast(cls, m, config)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -255,7 +255,7 @@ class Int8Conv2d(nn.Conv2d):
         return super().extra_repr() + f", scaling={self.config.scaling}, stochastic={self.config.stochastic}"
 
 
-def _recast(cls: type, m: nn.Module, config: Int8Config | None) -> nn.Module:
+def _recast(cls: type, m: nn.Module, config: Int8ComputeConfig | None) -> nn.Module:
     """A ``cls`` holding ``m``'s very Parameter objects (weight tying and optimizers survive) and hooks."""
     new = cls.__new__(cls)
     new.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in m.__dict__.items()})
@@ -266,7 +266,7 @@ def _recast(cls: type, m: nn.Module, config: Int8Config | None) -> nn.Module:
     return new
 
 
-def to_int8_(m: nn.Linear | nn.Conv2d, config: Int8Config) -> nn.Module:
+def to_int8_(m: nn.Linear | nn.Conv2d, config: Int8ComputeConfig) -> nn.Module:
     """Turn ``m`` into its int8 class in place (same object, parameters, hooks); returns it."""
     m.__class__ = Int8Linear if isinstance(m, nn.Linear) else Int8Conv2d
     m.config, m.stats = config, Int8Stats()

@@ -41,7 +41,6 @@ import copy
 import dataclasses
 import functools
 import math
-import re
 import weakref
 from typing import Callable, Sequence
 
@@ -51,27 +50,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from thinwire.errors import ThinwireError, short
+from thinwire.errors import ThinwireError
 from thinwire.precision.int8 import DITHER
-
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*\Z", re.IGNORECASE | re.ASCII)
-
-
-def parse_size(text: str | int) -> int:
-    """``"512MiB"`` -> 536870912; also ``"1.5GB"``, ``"800M"`` (binary), plain byte counts."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = _SIZE.match(str(text)) if len(str(text)) <= 100 else None
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"size must be a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), got {short(text)}")
-    size = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(size):
-        raise ValueError(f"size must be finite, got {short(text)}")
-    return int(size)
-
+from thinwire.units import parse_size  # noqa: F401  (the one size parser, re-exported for precision's users)
 
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

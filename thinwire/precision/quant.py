@@ -32,7 +32,7 @@ class Scaling(str, enum.Enum):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class Int8Config:
+class Int8ComputeConfig:
     """How int8 layers quantize: ``scaling`` pow2 | rowwise; ``stochastic`` rounding of gradients."""
 
     scaling: Literal["pow2", "rowwise"] = "pow2"

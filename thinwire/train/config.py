@@ -87,14 +87,13 @@ _COUNTS = (  # (field, smallest, largest); None (the workload's default) passes
 
 
 def _check_size(name: str, value: str) -> None:
-    from thinwire.precision.memory import parse_size
+    from thinwire.units import parse_size
 
     try:
-        ok = 0 < parse_size(value) <= 2**60
-    except ValueError:
-        ok = False
-    check(ok, name, value, "a positive size such as 512MiB, 1.5GiB or 800MB (at most 1EiB)",
-          "Units: B, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000).")
+        parse_size(value, name)
+    except ConfigError:
+        raise ConfigError(name, value, "a positive size such as 512MiB, 1.5GiB or 800MB (at most 1EiB)",
+                          "Units: B, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000).") from None
 
 
 def parse_override(item: str) -> tuple[list[str], object]:

@@ -12,7 +12,7 @@
   DDP has more than one bucket, so the trainer gives this peer a single bucket.
 
 Bytes on the wire cannot be counted inside PyTorch's hooks, so they are computed per bucket from
-the same ring formula thinwire counts with (:mod:`thinwire.compress.collectives`) and, for
+the same ring formula thinwire counts with (:mod:`thinwire.compress.wire`) and, for
 PowerSGD, from PyTorch's own rule of which tensors it compresses.
 """
 
@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.compress.collectives import ring_allreduce_bytes
+from thinwire.compress.wire import ring_allreduce_bytes
 from thinwire.errors import ConfigError
 
 PEERS = ("torch:none", "torch:fp16", "torch:bf16", "torch:powersgd")

@@ -74,7 +74,7 @@ class Scheme(ABC):
     @abstractmethod
     def traffic(self, codec: Codec, numel: int, p: int, shapes: Sequence[Sequence[int]] | None = None) -> Traffic:
         """The collectives and codec work of a bucket of ``numel`` fp32 values on ``p`` ranks, exactly
-        as :meth:`run` issues them and as :class:`~thinwire.compress.collectives.Wire` counts them.
+        as :meth:`run` issues them and as :class:`~thinwire.compress.wire.Wire` counts them.
         ``shapes``: the bucket's parameter shapes where the scheme needs them (None: unknown)."""
 
     def start(self, job: BucketJob) -> Pending | None:

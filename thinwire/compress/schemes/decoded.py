@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.codecs.base import Codec
-from thinwire.compress.collectives import allgather_bytes, pack, ring_allreduce_bytes, unpack
+from thinwire.compress.wire import allgather_bytes, pack, ring_allreduce_bytes, unpack
 from thinwire.compress.schemes.base import (
     BucketJob, Scheme, Traffic, corrected, decode, encode, feedback_half, flag, meta, remember,
 )
