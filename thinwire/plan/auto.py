@@ -95,6 +95,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.compress.codecs import Codec
+from thinwire.compress.hook import Policy
 from thinwire.compress.spec import parse_codec_spec
 from thinwire.config import check
 from thinwire.perf.model import Bucket, Compute, Network
@@ -184,7 +185,7 @@ def _split_top(rest: str) -> list[str]:
     return items
 
 
-class AutoPolicy:
+class AutoPolicy(Policy):
     """Per-bucket codec choice from measurements (see the module docstring)."""
 
     @classmethod

@@ -38,6 +38,7 @@ from typing import Literal
 
 import yaml
 
+from thinwire.compress.hook import Policy
 from thinwire.config import check, from_dict, load_yaml, to_dict
 from thinwire.errors import ConfigError, ThinwireError
 
@@ -189,7 +190,7 @@ def loss_weight(rank: int, shares: list[int]) -> float:
     return shares[rank] * len(shares) / sum(shares)
 
 
-class PlanPolicy:
+class PlanPolicy(Policy):
     """The hook's :class:`~thinwire.compress.hook.Policy` for a plan: a fixed codec per bucket index.
 
     Every rank holds the same plan, so every rank answers identically. A bucket whose size differs
