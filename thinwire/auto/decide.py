@@ -19,6 +19,7 @@ every rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from thinwire.auto.agree import Measurements
 from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
 from thinwire.plan.choose import Decision, choose
+
+log = logging.getLogger("thinwire.plan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,19 @@ def decide(*, numels: dict[int, int], shapes: dict[int, list[tuple]], plan: dict
                       speeds=[1.0] * world, network=Network(alpha_s=shared.alpha, beta_s_per_byte=shared.beta),
                       candidates=models, banned=left_out, min_gain=min_gain, codec_steals_compute=_no_spare_core())
     return dict(zip(order, decision.choices)), decision
+
+
+def record(step: int, reason: str, *, old: dict[int, str], choices: dict[int, str], bps: float, decision: Decision,
+           trial: bool, shadow: dict[int, dict[str, float]]) -> dict:
+    """A decision's entry in ``AutoPolicy.decisions``, logged with what changed since ``old``."""
+    changed = ", ".join(f"bucket {i} -> {c}" for i, c in sorted(choices.items()) if old.get(i) != c)
+    log.info("auto at step %d (%s): %s; predicted step %.1f ms vs %.1f ms with the plan in use, %.1f ms "
+             "uncompressed, link %.1f Mbit/s", step, reason, changed or "no change",
+             decision.step_s * 1e3, decision.initial_s * 1e3, decision.baseline_s * 1e3, bps / 1e6)
+    return {"step": step, "reason": reason, "choices": dict(choices), "link_bps": bps,
+            "predicted_step_s": decision.step_s, "plan_in_use_step_s": decision.initial_s,
+            "uncompressed_step_s": decision.baseline_s, "trial": trial,
+            "shadow_errors": {i: {c: round(e, 4) for c, e in errs.items()} for i, errs in shadow.items()}}
 
 
 def buckets(numels: list[int]) -> list[Bucket]:

@@ -160,8 +160,9 @@ class AutoPolicy(Policy):
         previous, self.choices = self.choices, verdict.plan
         self.decisions.append({"step": step, "reason": verdict.reason, "choices": dict(self.choices), "link_bps": bps,
                                "measured_step_s": verdict.now, "measured_before_s": verdict.before})
-        self._log_changes(step, verdict.reason, {i: c for i, c in self.choices.items()
-                                                 if previous.get(i, cfg.start) != c})
+        changed = ", ".join(f"bucket {i} -> {c}" for i, c in sorted(self.choices.items())
+                            if previous.get(i, cfg.start) != c)
+        log.info("auto at step %d (%s)%s", step, verdict.reason, ": " + changed if changed else "")
 
     def _decide(self, step: int, shared: Measurements, bps: float, reason: str, trial: bool) -> None:
         guards = deciding.Guards(banned=self.banned, tried=self.tried, max_error=self.config.max_error)
@@ -176,18 +177,8 @@ class AutoPolicy(Policy):
         if trial and any(old.get(i, start) != c for i, c in self.choices.items()):
             self.trial = Trial(old={i: old.get(i, start) for i in self.choices}, new=dict(self.choices),
                                steps={"old": list(shared.window or [shared.step_s]), "new": []})
-        self.decisions.append({
-            "step": step, "reason": reason, "choices": dict(self.choices), "link_bps": bps,
-            "predicted_step_s": decision.step_s, "plan_in_use_step_s": decision.initial_s,
-            "uncompressed_step_s": decision.baseline_s, "trial": self.trial is not None,
-            "shadow_errors": {i: {c: round(e, 4) for c, e in errs.items()} for i, errs in self.last_shadow.items()}})
-        log.info("auto at step %d (%s): %s; predicted step %.1f ms vs %.1f ms with the plan in use, %.1f ms "
-                 "uncompressed, link %.1f Mbit/s", step, reason,
-                 _changes({i: c for i, c in self.choices.items() if old.get(i) != c}) or "no change",
-                 decision.step_s * 1e3, decision.initial_s * 1e3, decision.baseline_s * 1e3, bps / 1e6)
-
-    def _log_changes(self, step: int, reason: str, changed: dict[int, str]) -> None:
-        log.info("auto at step %d (%s)%s", step, reason, ": " + _changes(changed) if changed else "")
+        self.decisions.append(deciding.record(step, reason, old=old, choices=self.choices, bps=bps, decision=decision,
+                                              trial=self.trial is not None, shadow=self.last_shadow))
 
     # -- agreement across ranks ---------------------------------------------------------------------
     def _agree(self) -> Measurements:
@@ -202,18 +193,10 @@ class AutoPolicy(Policy):
         pre, backward = self.compute.estimate()
         window, self.step_times = self.step_times, []
         keys = sorted(self.numels)
-        errs = self.errors.window_errors([str(i) for i in keys])
-        lowrank = self.shadows.take_lowrank_errors()
-        sent_lowrank = {i for i in keys if self.codecs[self._plan(i)].lowrank}
-        errs = [statistics.fmean(lowrank[i]) if lowrank.get(i) else 0.0 if i in sent_lowrank else e
-                for i, e in zip(keys, errs)]  # a low-rank residual does not measure its error (shadow)
+        errors = dict(zip(keys, self.errors.window_errors([str(i) for i in keys])))
         lossy = [s for s in self.config.candidates if s != "none" and not self.codecs[s].lossless]
-        return Measurements(
-            alpha=alpha, beta=beta, pre_s=pre, backward_s=backward,
-            step_s=statistics.median(window) if window else 0.0, errors=dict(zip(keys, errs)),
-            shadow={i: {s: self.shadows.errors.get(i, {}).get(s, 0.0) for s in lossy} for i in keys},
-            window=window, costs={s: self.costs[s] for s in self.config.candidates if s != "none"})
-
-
-def _changes(changed: dict[int, str]) -> str:
-    return ", ".join(f"bucket {i} -> {c}" for i, c in sorted(changed.items()))
+        return Measurements(alpha=alpha, beta=beta, pre_s=pre, backward_s=backward,
+                            step_s=statistics.median(window) if window else 0.0,
+                            errors=self.shadows.in_use_errors(errors, self._plan),
+                            shadow=self.shadows.warmup_errors(keys, lossy), window=window,
+                            costs={s: self.costs[s] for s in self.config.candidates if s != "none"})

@@ -30,6 +30,9 @@ residual (fp32, the bucket's size) per candidate and bucket while it runs.
 
 from __future__ import annotations
 
+import statistics
+from typing import Callable
+
 import torch
 
 from thinwire.compress.codecs import Codec
@@ -93,10 +96,17 @@ class ShadowRuns:
             del self.residuals[key]
             self.qs.pop(key, None)
 
-    def take_lowrank_errors(self) -> dict[int, list[float]]:
-        """The in-use low-rank errors measured since the last call; starts a new window."""
-        taken, self.lowrank_errors = self.lowrank_errors, {}
-        return taken
+    def in_use_errors(self, measured: dict[int, float], plan: Callable[[int], str]) -> dict[int, float]:
+        """Each bucket's error in use over the window: ``measured`` by the hook's error feedback, but a
+        bucket sent low-rank reads its shadow's mean instead (0 after its first window); starts a new
+        window."""
+        lowrank, self.lowrank_errors = self.lowrank_errors, {}
+        return {i: statistics.fmean(lowrank[i]) if lowrank.get(i) else 0.0 if self.codecs[plan(i)].lowrank else e
+                for i, e in measured.items()}
+
+    def warmup_errors(self, buckets: list[int], lossy: list[str]) -> dict[int, dict[str, float]]:
+        """Bucket -> lossy candidate -> its error at the warm-up's end (0 where it did not run)."""
+        return {i: {s: self.errors.get(i, {}).get(s, 0.0) for s in lossy} for i in buckets}
 
     def _step(self, bucket: int, spec: str, codec: Codec, x: torch.Tensor) -> float:
         key = (bucket, spec)
