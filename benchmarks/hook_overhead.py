@@ -51,7 +51,7 @@ def torch_body(hook):
 
 def thinwire_body(spec: str, auto: bool = False):
     if auto:
-        from thinwire.plan.auto import AutoConfig, AutoPolicy
+        from thinwire.auto import AutoConfig, AutoPolicy
 
         policy = AutoPolicy(AutoConfig(candidates=("none", spec) if spec != "none" else ("none", "bf16")))
         policy.choices = {0: spec}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
+from thinwire.compress.hook import Policy
 
 N = 6000  # values per parameter; two parameters -> several buckets with a tiny bucket cap
 
@@ -229,7 +230,7 @@ def test_bf16_sends_like_pytorchs_bf16_hook_and_keeps_no_residual():
         assert r["stats"]["residual_bytes"] == 0 and not r["state"]["residuals"]["params"]
 
 
-class _Int8ThenBf16:
+class _Int8ThenBf16(Policy):
     def codec_for(self, bucket, numel, step):
         from thinwire.compress.spec import parse_codec_spec
 
@@ -262,7 +263,7 @@ def test_a_bucket_switched_to_bf16_sends_what_the_earlier_codec_held_back():
     assert all(r["residual_bytes"] == 0 for r in results)
 
 
-class _Alternate:
+class _Alternate(Policy):
     """Even buckets bf16 (one all-reduce: issued from DDP's thread when the communication thread is
     idle), odd buckets int8 (all-gather: always on the communication thread)."""
 

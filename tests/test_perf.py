@@ -205,6 +205,28 @@ def test_perf_imports_no_other_thinwire_layer():
                 assert name.split(".")[0] not in ("torch", "numpy"), f"{path.name} imports {name}: keep perf/ pure"
 
 
+def _thinwire_imports(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        yield from (n for n in names if n.startswith("thinwire"))
+
+
+def test_auto_sits_above_pricing_and_below_train():
+    """auto/ builds on compress, perf, sim, perf_profile and the planner's pure search; only the
+    public API, the trainer and the CLI import it."""
+    above = ("thinwire.auto", "thinwire.compress", "thinwire.perf", "thinwire.sim", "thinwire.plan.choose",
+             "thinwire.config", "thinwire.errors")
+    for path in (ROOT / "thinwire" / "auto").glob("*.py"):
+        for name in _thinwire_imports(path):
+            assert name.startswith(above), f"auto/{path.name} imports {name}"
+    for path in (ROOT / "thinwire").rglob("*.py"):
+        rel = path.relative_to(ROOT / "thinwire").as_posix()
+        if rel.startswith(("auto/", "train/", "cli/")) or rel == "api.py":
+            continue
+        assert not any(n.startswith("thinwire.auto") for n in _thinwire_imports(path)), f"{rel} imports auto"
+
+
 # ---- the step model -----------------------------------------------------------------------------------
 
 def _step(p, rate_bps, codec=None, buckets=None):
@@ -470,7 +492,7 @@ def _auto_run(rank, world, slow_link_bps):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import thinwire
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
@@ -591,7 +613,7 @@ def test_colocation_calibration_keeps_the_median_of_its_repeats(tmp_path, monkey
 
 
 def test_link_meter_ignores_waits_that_a_regression_would_turn_into_any_slope():
-    from thinwire.plan.meters import DEFAULT_ALPHA_S, LinkMeter
+    from thinwire.auto.meters import DEFAULT_ALPHA_S, LinkMeter
 
     meter = LinkMeter()
     beta = 8 / 1e9  # 1 Gbit/s
@@ -608,7 +630,7 @@ def test_link_meter_times_a_queued_collective_from_when_the_one_before_it_comple
     its transfer counts from that completion, not from its issue (else a fast link reads slow)."""
     import time
 
-    from thinwire.plan.meters import LinkMeter
+    from thinwire.auto.meters import LinkMeter
 
     meter = LinkMeter()
     now = time.perf_counter()
@@ -626,7 +648,7 @@ def test_significance_test_agrees_with_scipys_mann_whitney_u():
 
     from scipy.stats import mannwhitneyu
 
-    from thinwire.plan.auto import _p_faster
+    from thinwire.auto.trial import p_faster as _p_faster
 
     rng = random.Random(0)
     cases = [([0.070 + 0.01 * rng.random() for _ in range(10)], [0.074 + 0.01 * rng.random() for _ in range(10)])
@@ -640,7 +662,7 @@ def test_significance_test_agrees_with_scipys_mann_whitney_u():
 
 
 def test_auto_keeps_its_heavy_steps_on_the_communication_thread():
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
 
     policy = AutoPolicy(AutoConfig(warmup_steps=2, check_every=3))
     assert policy.busy(0, 0) and policy.busy(1, 1)           # warm-up: shadow runs
@@ -648,31 +670,31 @@ def test_auto_keeps_its_heavy_steps_on_the_communication_thread():
     assert policy.busy(0, 2)                                 # the check at the step's first bucket
     policy._last_step = 2
     assert not policy.busy(1, 2) and not policy.busy(0, 3)   # in between: nothing heavy
-    policy.choices, policy._lowrank_since = {1: "powersgd:rank=8"}, {1: ("powersgd:rank=8", 2)}
+    policy.choices, policy.shadows.since = {1: "powersgd:rank=8"}, {1: ("powersgd:rank=8", 2)}
     assert policy.busy(1, 3) and not policy.busy(1, 6)       # PowerSGD's first window keeps its shadow
 
 
 def test_shadow_guard_keeps_out_codecs_that_leave_most_of_the_gradient_behind():
     import torch
 
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
 
     policy = AutoPolicy(AutoConfig(warmup_steps=4, candidates=("none", "bf16", "int8", "topk:ratio=0.01")))
     g = torch.Generator().manual_seed(0)
     for step in range(4):  # heavy-tailed gradients whose direction changes every step
         policy.observe(0, torch.randn(100_000, generator=g) * torch.rand(100_000, generator=g) ** 4, step)
-    errs = policy.shadow[0]
+    errs = policy.shadows.errors[0]
     assert errs["bf16"] < 0.01 and errs["int8"] < 0.05 and errs["topk:ratio=0.01"] > 0.8
     policy.observe(0, torch.randn(100_000, generator=g), 4)  # after the warm-up: no more shadow work
-    policy._keep_needed_shadows(4)  # a decision (here: none everywhere) drops what no bucket uses
-    assert policy._shadow_residuals == {} and policy.shadow[0] == errs
+    policy.shadows.keep_needed(policy.choices, 4)  # a decision (here: none everywhere) drops what no bucket uses
+    assert policy.shadows.residuals == {} and policy.shadows.errors[0] == errs
 
 
 def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     import torch
 
     from thinwire.compress.feedback import ErrorFeedback
-    from thinwire.plan.meters import ErrorMeter
+    from thinwire.auto.meters import ErrorMeter
 
     fb = ErrorFeedback()
     meter = ErrorMeter()
@@ -696,7 +718,7 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
     from thinwire.errors import ConfigError
-    from thinwire.plan.auto import parse_auto_spec
+    from thinwire.auto import parse_auto_spec
 
     with pytest.raises(ConfigError, match=message):
         parse_auto_spec(spec)
@@ -705,11 +727,12 @@ def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
 def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     from types import SimpleNamespace
 
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto.agree import Measurements
 
     def window(step_s, rate_bps=10e6, steps=()):  # what _agree returns: every rank's measurements merged
-        return {"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04, "step_s": step_s,
-                "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}, "window": list(steps)}
+        return Measurements(**{"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04, "step_s": step_s,
+                "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}, "window": list(steps)})
 
     def policy_seeing(windows):
         policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1, max_error=0.5,
@@ -763,7 +786,7 @@ def test_auto_times_its_first_trial_against_a_baseline_window_not_the_warm_up():
     ``baseline_steps`` later, and its trial is judged against those steps alone."""
     from types import SimpleNamespace
 
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
 
     config = AutoConfig(warmup_steps=3, baseline_steps=2, check_every=4)
     policy = AutoPolicy(config)
@@ -783,7 +806,8 @@ def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use(
     trial of a strong codec is timed against bf16's steps."""
     from types import SimpleNamespace
 
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto.agree import Measurements
 
     def after_first_check(rate_bps, **kw):
         policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1,
@@ -791,9 +815,9 @@ def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use(
         assert policy.codec_for(0, 400_000, 0).name == ("bf16" if policy.config.start == "bf16" else "none")
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "int8": (1e-9, 1e-10)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
-        policy._agree = lambda: {"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
+        policy._agree = lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
                                  "step_s": 0.1, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "int8": 0.008}},
-                                 "window": [0.1] * 5}
+                                 "window": [0.1] * 5})
         policy._check(1)
         return policy
 
@@ -802,11 +826,11 @@ def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use(
     assert fast.choices == {0: "bf16"} and fast.trial is None  # no change: nothing to time
     assert after_first_check(10e9, start="none").choices == {0: "none"}
     slow = after_first_check(20e6)
-    assert slow.choices == {0: "int8"} and slow.trial["old"] == {0: "bf16"}
+    assert slow.choices == {0: "int8"} and slow.trial.old == {0: "bf16"}
 
 
 def test_auto_tries_a_rejected_codec_again_only_when_the_link_moves_its_way():
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
 
     policy = AutoPolicy(AutoConfig(candidates=("none", "bf16", "topk:ratio=0.01")))
     policy.numels, policy.choices = {0: 400_000}, {0: "bf16"}
@@ -842,15 +866,16 @@ def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behin
     predicts it far faster; bf16 (0.002) is. ``max_error=0.5`` admits it."""
     from types import SimpleNamespace
 
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto.agree import Measurements
 
     def first_choice(config):
         policy = AutoPolicy(config)
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
-        policy._agree = lambda: {"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04, "step_s": 0.4,
-                                 "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}},
-                                 "window": []}
+        policy._agree = lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04,
+                                 "step_s": 0.4, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}},
+                                 "window": []})
         policy._check(1)
         return policy.choices
 
@@ -866,7 +891,7 @@ def test_powersgd_shadow_prices_the_per_matrix_scheme_and_runs_one_window_in_use
     import torch
 
     from thinwire.compress.codecs.powersgd import PowerSGDConfig, local_approx
-    from thinwire.plan.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import AutoConfig, AutoPolicy
 
     g = torch.Generator().manual_seed(0)
     shapes = [(64, 96), (96,), (96, 64)]
@@ -882,18 +907,18 @@ def test_powersgd_shadow_prices_the_per_matrix_scheme_and_runs_one_window_in_use
     noise = lambda: torch.randn(x.numel(), generator=g)  # noqa: E731
     for step in range(3):  # warm-up: low-rank gradients, the flat near-square view would not see it
         policy.observe(0, x * (1 + step), step, shapes)
-    assert policy.shadow[0]["powersgd:rank=2"] < 1e-3
+    assert policy.shadows.errors[0]["powersgd:rank=2"] < 1e-3
     policy.choices = {0: "powersgd:rank=2"}
-    policy._keep_needed_shadows(3)
+    policy.shadows.keep_needed(policy.choices, 3)
     for step in range(3, 7):  # in use: full-rank gradients, measured for one window (2 steps), then not
         policy.observe(0, noise(), step, shapes)
-    assert len(policy.lowrank_errors[0]) == 2 and min(policy.lowrank_errors[0]) > 0.5
-    assert (0, "powersgd:rank=2") not in policy._shadow_residuals
+    assert len(policy.shadows.lowrank_errors[0]) == 2 and min(policy.shadows.lowrank_errors[0]) > 0.5
+    assert (0, "powersgd:rank=2") not in policy.shadows.residuals
     # sent uncompressed for a while, then PowerSGD again: a new first window is measured
     policy.choices = {0: "none"}
-    policy._keep_needed_shadows(7)
-    policy.lowrank_errors.clear()
+    policy.shadows.keep_needed(policy.choices, 7)
+    policy.shadows.lowrank_errors.clear()
     policy.choices = {0: "powersgd:rank=2"}
-    policy._keep_needed_shadows(9)
+    policy.shadows.keep_needed(policy.choices, 9)
     policy.observe(0, noise(), 9, shapes)
-    assert len(policy.lowrank_errors[0]) == 1
+    assert len(policy.shadows.lowrank_errors[0]) == 1

@@ -1,6 +1,6 @@
 """The public ``thinwire.attach``: codec specs, codec objects, policies, and ``"auto"``.
 
-``"auto"`` is an online plan (:mod:`thinwire.plan.auto`) built above the compression layer and
+``"auto"`` is an online plan (:mod:`thinwire.auto`) built above the compression layer and
 handed to :func:`thinwire.compress.hook.attach` as a policy, so compress/ never imports the
 performance model or the planner.
 """
@@ -18,7 +18,7 @@ def is_auto(codec) -> bool:
 def resolve_codec(codec):
     """``"auto"`` / ``"auto:k=v"`` -> an AutoPolicy; anything else unchanged (parsed by ``attach``)."""
     if is_auto(codec):
-        from thinwire.plan.auto import AutoPolicy
+        from thinwire.auto import AutoPolicy
 
         return AutoPolicy.from_spec(codec)
     return codec

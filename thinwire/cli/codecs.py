@@ -12,6 +12,6 @@ def run(args) -> int:
     from thinwire.compress.spec import codec_help
 
     print(codec_help())
-    print("auto: pick the codec per bucket from the measured link and compute (thinwire.plan.auto)")
+    print("auto: pick the codec per bucket from the measured link and compute (thinwire.auto)")
     print("PyTorch's own hooks, for comparison: torch:none, torch:fp16, torch:bf16, torch:powersgd:rank=R")
     return 0

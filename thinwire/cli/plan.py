@@ -10,8 +10,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, model_options
+from thinwire.compress.spec import default_candidates
 from thinwire.config import check
 from thinwire.errors import ConfigError
+from thinwire.plan.choose import MAX_EF_ERROR
 
 EPILOG = """examples:
   thinwire profile --workload charlm --out charlm.profile.yaml
@@ -31,26 +33,25 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, help="global batch per step (default: the workload's)")
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure this machine now)")
     p.add_argument("--codecs", help="candidate codecs, lightest first, comma-separated "
-                   "(default: none,bf16,bfp,int8,powersgd:rank=4,topk:ratio=0.01)")
+                   f"(default: {','.join(default_candidates())})")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: the profile's)")
     p.add_argument("--colocated", type=float, metavar="CORES",
                    help="all hosts share CORES cores, as on an emulated cluster (default: separate machines)")
     p.add_argument("--device", help="with --mfu: take compute from this device table entry's peak FLOP/s")
     p.add_argument("--mfu", type=float, help="utilization of --device's peak (e.g. 0.4)")
     p.add_argument("--keep", type=int, default=6, help="alternatives kept in the plan file (default 6)")
-    p.add_argument("--max-error", type=float, default=0.5,
+    p.add_argument("--max-error", type=float, default=MAX_EF_ERROR,
                    help="accuracy guard: leave out codecs whose relative error with error feedback on this "
-                        "workload's gradients is above this (default 0.5)")
+                        f"workload's gradients is above this (default {MAX_EF_ERROR}, as auto's)")
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.set_defaults(func=run)
 
 
 def codec_list(text: str | None) -> tuple[str, ...]:
     from thinwire.compress.spec import parse_codec_spec
-    from thinwire.plan.planner import DEFAULT_CODECS
 
     if not text:
-        return DEFAULT_CODECS
+        return default_candidates()
     items = tuple(c.strip() for c in text.split(",") if c.strip())
     if not items:
         raise ConfigError("--codecs", text, "comma-separated codec specs such as none,bf16,int8")

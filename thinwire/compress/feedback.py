@@ -100,3 +100,19 @@ def _split(layout: Layout, flat: Tensor) -> dict[int, Tensor]:
         out[i] = flat[offset : offset + n]
         offset += n
     return out
+
+
+def shadow_step(codec, g: Tensor, residual: Tensor | None = None) -> tuple[Tensor, float, float]:
+    """One step of error feedback in shadow, nothing sent: ``(r, ||r|| / ||g + r_prev||, ||g + r_prev||)``
+    with ``r = (g + r_prev) - C(g + r_prev)`` for flat ``g`` (``residual``: ``r_prev`` or None).
+
+    ``||r|| / ||g + r_prev||`` is the relative compression error with error feedback, the share of
+    what was due that the step left behind: the quantity ``thinwire profile`` measures per codec
+    and the planner and ``auto`` cap (:data:`thinwire.plan.choose.MAX_EF_ERROR`). Costs one encode
+    and decode of ``g`` and two temporaries of its size."""
+    from thinwire.compress.codecs import Meta
+
+    corrected = g + residual if residual is not None and residual.numel() == g.numel() else g.clone()
+    r = corrected - codec.roundtrip(corrected, Meta(numel=corrected.numel()))
+    norm = float(corrected.norm())
+    return r, (float(r.norm()) / norm if norm > 0 else 0.0), norm

@@ -31,7 +31,7 @@ import datetime
 import logging
 import time
 from collections import Counter
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -47,17 +47,42 @@ from thinwire.compress import schemes
 log = logging.getLogger("thinwire.compress")
 
 
-class Policy(Protocol):
-    """Chooses the codec of each bucket; must answer identically on every rank."""
+class Policy:
+    """Chooses the codec of each bucket; must answer identically on every rank.
 
-    def codec_for(self, bucket: int, numel: int, step: int) -> Codec: ...
-    def describe(self) -> str: ...
-    # Optional: ``observe(bucket, buf, step, shapes)`` sees each gradient before it travels;
-    # ``busy(bucket, step) -> bool`` says that observe or codec_for will do heavy work for this bucket
-    # (then it runs on the communication thread, off the backward pass).
+    A subclass answers :meth:`codec_for` and :meth:`describe`; the other hooks do nothing here and
+    are there for an online policy (``auto``) to override: :meth:`bind` is called once by
+    :func:`attach`, :meth:`observe` sees each bucket's gradient before it travels, and :meth:`busy`
+    moves a bucket whose ``observe`` or ``codec_for`` does heavy work onto the communication thread.
+
+    Example::
+
+        class Int8AfterWarmup(Policy):
+            def codec_for(self, bucket, numel, step):
+                return parse_codec_spec("int8" if step >= 10 else "bf16")
+
+            def describe(self):
+                return "bf16, then int8"
+    """
+
+    def codec_for(self, bucket: int, numel: int, step: int) -> Codec:
+        raise NotImplementedError(f"{type(self).__name__} must define codec_for(bucket, numel, step)")
+
+    def describe(self) -> str:
+        raise NotImplementedError(f"{type(self).__name__} must define describe()")
+
+    def bind(self, state: "CommState", model: torch.nn.Module | None = None) -> None:
+        """Called once by :func:`attach` with the hook's state and the wrapped module."""
+
+    def observe(self, bucket: int, buf: Tensor, step: int, shapes: list[tuple] | None = None) -> None:
+        """Sees bucket ``bucket``'s averaged gradient (and its parameters' shapes) before it travels."""
+
+    def busy(self, bucket: int, step: int) -> bool:
+        """Whether ``observe`` or ``codec_for`` does heavy work for this bucket at this step."""
+        return False
 
 
-class StaticPolicy:
+class StaticPolicy(Policy):
     """The same codec for every bucket."""
 
     def __init__(self, codec: Codec) -> None:
@@ -115,8 +140,8 @@ class CommState:
         (which costs a scheduler slice on a host with more busy threads than cores). The order of
         collectives is the same either way: every earlier bucket's were issued before this one's."""
         args = (buf, index, step, shapes, layout)
-        busy = getattr(self.policy, "busy", None)  # a policy with heavy work at this bucket keeps it off the caller
-        if not (self.issues_inline and self._thread.idle()) or (busy is not None and busy(index, step)):
+        # a policy with heavy work at this bucket keeps it off the caller
+        if not (self.issues_inline and self._thread.idle()) or self.policy.busy(index, step):
             return self._thread.submit(self._reduce, *args)
         job = self._prepare(*args)
         if job is None:
@@ -144,9 +169,7 @@ class CommState:
         goes uncompressed (warm-up, small bucket) as a plain fp32 all-reduce."""
         self.bytes_raw += buf.numel() * buf.element_size()
         buf.div_(self.wire.world)
-        observe = getattr(self.policy, "observe", None)
-        if observe is not None:  # online policies (auto) may look at the gradient before it travels
-            observe(index, buf, step, shapes)
+        self.policy.observe(index, buf, step, shapes)  # online policies (auto) look before it travels
         if step < self.warmup_steps or buf.numel() * 4 < self.min_compress_bytes:
             self.counts["fp32"] += 1
             return None
@@ -245,8 +268,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
         state.close()
         raise ValueError(f"thinwire.attach: DDP refused the hook ({e}); a communication hook can be registered only once") from None
     state.param_index = {id(p): i for i, p in enumerate(model.module.parameters())}
-    if hasattr(policy, "bind"):  # online policies (e.g. "auto") measure through the state
-        policy.bind(state, model.module)
+    policy.bind(state, model.module)  # online policies (e.g. "auto") measure through the state
     model._thinwire_state = state
     return state
 
@@ -258,6 +280,7 @@ def _as_policy(codec) -> Policy:
         return StaticPolicy(parse_codec_spec(codec))
     if isinstance(codec, Codec):
         return StaticPolicy(codec)
-    if hasattr(codec, "codec_for"):
+    if isinstance(codec, Policy):
         return codec
-    raise TypeError(f"codec must be a spec string, a Codec or a policy, got {type(codec).__name__}")
+    raise TypeError(f"codec must be a spec string, a Codec or a Policy (thinwire.compress.hook.Policy), got "
+                    f"{type(codec).__name__}; a policy subclasses Policy and defines codec_for and describe")

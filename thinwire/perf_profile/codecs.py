@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from thinwire.compress.codecs import Meta
+from thinwire.compress.feedback import shadow_step
 from thinwire.compress.spec import parse_codec_spec, spec_string
 from thinwire.perf.fit import monotone_line
 from thinwire.perf_profile.file import CodecCost, Cost
@@ -70,17 +71,6 @@ def measure_codecs(specs: list[str], bucket_numels: list[int], reps: int = 5) ->
     """Codec name (its canonical spec string) -> measured cost."""
     sizes = sizes_for(bucket_numels)
     return {spec_string(parse_codec_spec(s)): measure_codec(s, sizes, reps) for s in specs}
-
-
-def shadow_step(codec, g, residual=None):
-    """One step of error feedback in shadow: ``(r, ||r|| / ||g + r_prev||, ||g + r_prev||)`` with ``r = (g + r_prev) -
-    C(g + r_prev)`` for flat ``g`` (``residual``: ``r_prev`` or None). Nothing is sent anywhere."""
-    from thinwire.compress.codecs import Meta
-
-    corrected = g + residual if residual is not None and residual.numel() == g.numel() else g.clone()
-    r = corrected - codec.roundtrip(corrected, Meta(numel=corrected.numel()))
-    norm = float(corrected.norm())
-    return r, (float(r.norm()) / norm if norm > 0 else 0.0), norm
 
 
 def ef_errors(specs: list[str], gradients: list[list]) -> dict[str, float]:

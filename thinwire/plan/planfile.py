@@ -36,6 +36,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
+from thinwire.compress.hook import Policy
 from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, to_dict
 from thinwire.errors import ConfigError, ThinwireError
 
@@ -224,7 +225,7 @@ def loss_weight(rank: int, shares: list[int]) -> float:
     return shares[rank] * len(shares) / sum(shares)
 
 
-class PlanPolicy:
+class PlanPolicy(Policy):
     """The hook's :class:`~thinwire.compress.hook.Policy` for a plan: a fixed codec per bucket index.
 
     Every rank holds the same plan, so every rank answers identically. A bucket whose size differs

@@ -32,26 +32,28 @@ import math
 import time
 
 from thinwire.cluster.spec import ClusterSpec, HostSpec
+from thinwire.compress.spec import default_candidates
 from thinwire.config import check
 from thinwire.errors import ThinwireError
 from thinwire.perf.memory import memory_per_rank, residual_values
 from thinwire.perf.model import Bucket, Compute
 from thinwire.perf_profile.file import DEFAULT_ALPHA_S, Profile
 from thinwire.plan import explain
+from thinwire.plan.choose import MAX_EF_ERROR
 from thinwire.plan.planfile import (Decision, PipelinePlan, Plan, Stage, cluster_fingerprint, host_summary,
                                     normalized_model, workload_fingerprint)
 from thinwire.plan.search import HostModel, Problem, Scored, search, uniform
 from thinwire.sim import inputs
 
-# lightest first: on a tie the lighter codec (closer to fp32 numerics) wins
-DEFAULT_CODECS = ("none", "bf16", "bfp", "int8", "powersgd:rank=4", "topk:ratio=0.01")
 MAX_PIPELINE_UNITS = 64
 
 
 @dataclasses.dataclass(kw_only=True)
 class PlanOptions:
     batch_size: int
-    codecs: tuple[str, ...] = DEFAULT_CODECS
+    # lightest first: on a tie the lighter codec (closer to fp32 numerics) wins; by default the
+    # candidates ``auto`` tries too
+    codecs: tuple[str, ...] = dataclasses.field(default_factory=default_candidates)
     threads: int | None = None            # torch threads per worker (default: the profile's)
     colocated_cores: float | None = None  # all hosts share this many cores (an emulated cluster)
     device: str | None = None             # with mfu: compute from this device's peak, not the profile's time
@@ -59,7 +61,7 @@ class PlanOptions:
     keep: int = 6                         # alternatives kept in the plan file
     min_gain: float = 0.02
     optimizer: str = "adamw"
-    max_error: float = 0.5                # accuracy guard: the cap on a codec's relative error with error feedback
+    max_error: float = MAX_EF_ERROR       # accuracy guard: the cap on a codec's relative error with error feedback
 
     def __post_init__(self) -> None:
         check(self.batch_size >= 1, "--batch-size", self.batch_size, "an integer >= 1")
@@ -71,7 +73,7 @@ class PlanOptions:
         check((self.device is None) == (self.mfu is None), "--mfu", self.mfu, "given together with --device")
         check(self.mfu is None or 0 < self.mfu <= 1, "--mfu", self.mfu, "a fraction of peak in (0, 1]")
         check(self.keep >= 1, "keep", self.keep, "an integer >= 1")
-        check(self.max_error > 0, "--max-error", self.max_error, "a relative error > 0 (default 0.5)")
+        check(self.max_error > 0, "--max-error", self.max_error, f"a relative error > 0 (default {MAX_EF_ERROR})")
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
@@ -138,7 +140,7 @@ def host_models(spec: ClusterSpec, profile: Profile, opts: PlanOptions) -> list[
             for h, s, c in zip(hosts, speeds, cores)]
 
 
-def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = 0.5) -> tuple[dict, list[str]]:
+def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = MAX_EF_ERROR) -> tuple[dict, list[str]]:
     """Codec models priced with the profile's measured costs; codecs it did not measure are dropped
     (with a note), unless it measured none at all (then bytes only). The accuracy guard: a codec
     whose measured relative error with error feedback on this workload's gradients (the profile's

@@ -13,9 +13,10 @@ Every candidate is priced with the performance model (:mod:`thinwire.perf`), no 
    hierarchical over bandwidth tiers inside groups (a host behind a slow access link becomes its own
    group). Hierarchical: dense fp32 all-reduce inside each group, the codec between group leaders,
    broadcast back inside each group.
-4. **Codecs** (:func:`best_codecs`): each candidate codec on every bucket, then coordinate descent
-   per bucket from the best single one (last bucket first: the least hidden behind backward); a
-   codec must beat the current one by ``min_gain`` to replace it, so ties go to the lighter codec.
+4. **Codecs** (:func:`best_codecs`): each candidate codec on every bucket, then the per-bucket
+   coordinate descent ``auto`` runs too (:func:`thinwire.plan.choose.descend`) from the best single
+   one (last bucket first: the least hidden behind backward); a codec must beat the current one by
+   ``min_gain`` to replace it, so ties go to the lighter codec.
 5. **Prune**: a subset's balanced compute time is a lower bound of its step; subsets are tried in
    order of that bound and skipped once it cannot reach the ``keep``-th best step found.
 
@@ -36,6 +37,7 @@ from thinwire.perf import collectives as coll
 from thinwire.perf.model import Bucket, CodecModel, Compute, Network, bucket_cost
 from thinwire.perf.straggler import blom_z
 from thinwire.perf.timeline import Timeline, overlap_timeline
+from thinwire.plan.choose import descend
 
 MAX_THRESHOLDS = 8
 TIER_RATIO = 2.0  # hosts whose access links differ by more than this are in different bandwidth tiers
@@ -252,19 +254,14 @@ def best_codecs(pb: Problem, lay: Layout, allowed: Sequence[str], passes: int = 
     for s in singles[1:]:  # lightest first: a heavier codec must gain min_gain to win
         if s.step_s < best.step_s * (1 - pb.min_gain):
             best = s
-    for _ in range(passes if len(pb.buckets) > 1 and len(allowed) > 1 else 0):
-        changed = False
-        for i in reversed(range(len(pb.buckets))):
-            for c in allowed:
-                if c == best.layout.codecs[i]:
-                    continue
-                codecs = best.layout.codecs[:i] + (c,) + best.layout.codecs[i + 1:]
-                s = score(pb, dataclasses.replace(best.layout, codecs=codecs))
-                if s.step_s < best.step_s * (1 - pb.min_gain):
-                    best, changed = s, True
-        if not changed:
-            break
-    return best
+    passes = passes if len(pb.buckets) > 1 and len(allowed) > 1 else 0
+    start = best.layout
+
+    def price(codecs: tuple[str, ...]) -> Scored:
+        return score(pb, dataclasses.replace(start, codecs=codecs))
+
+    return descend(start.codecs, best, allowed, price, seconds=lambda s: s.step_s, min_gain=pb.min_gain,
+                   passes=passes)[1]
 
 
 def uniform(pb: Problem, codec: str, idx: Sequence[int] | None = None) -> Scored | None:

@@ -61,8 +61,8 @@ class LinkMeter:
         """(alpha seconds per message, beta seconds per byte); beta = inf-like before any sample.
 
         A collective's time on a busy host is its transfer plus any wait for a late peer or a core,
-        so a least-squares line through a few dozen such samples can come out at any slope (seen:
-        230 Gbit/s on a 10 Gbit/s link). Instead, alpha is taken as ``DEFAULT_ALPHA_S`` per message
+        so a least-squares line through a few dozen such samples can come out at any slope
+        (``docs/auto.md``). Instead, alpha is taken as ``DEFAULT_ALPHA_S`` per message
         (a ring of ``p`` ranks sends ``2 (p - 1)`` in a row) and beta is the median of
         ``(t - messages * alpha) / bytes`` over the collectives where that alpha is at most half the
         time (all of them if none is that large)."""

@@ -1,0 +1,49 @@
+"""``auto``: an online plan that picks each bucket's codec from measured link, compute and codec costs.
+
+A :class:`~thinwire.compress.hook.Policy` (:class:`AutoPolicy`); every rank answers identically.
+Why each step and each default is what it is, with the runs that showed it: ``docs/auto.md``.
+
+0. **Start light.** Until its first decision ``auto`` sends ``start``: bf16 where it is a candidate
+   (the default), else none. bf16 halves fp32's bytes for one cast, with the smallest error of any
+   codec; ``auto:start=none`` sends fp32 until the first decision.
+1. **Measure, passively, on every rank** (:mod:`.meters`). Once bound to the hook's state and the
+   model (:meth:`AutoPolicy.bind`), it times every collective the hook issues, the forward start and
+   the first and last gradient of each backward (autograd hooks), and, through error feedback's
+   ``update``, what each compressed bucket holds back.
+2. **Agree** (:mod:`.agree`). After ``warmup_steps``, then ``baseline_steps`` more steps sent as at
+   the start, and every ``check_every`` steps from then on, one all-reduce merges the ranks'
+   measurements into one :class:`~thinwire.auto.agree.Measurements` record, the same on every rank.
+3. **Decide** (:mod:`.decide`) with the performance model and the planner's per-bucket search: the
+   candidate that minimizes the predicted step, per bucket. It decides after the baseline window,
+   again when the measured link rate moves by more than ``rebalance_change`` (30%) from the rate of
+   the last decision, and when the accuracy guard bans a codec from a bucket.
+4. **Guard accuracy**, before and after. The guarded quantity is the relative compression error
+   with error feedback, ``||r|| / ||g + r_prev||``, capped at ``max_error``
+   (:data:`~thinwire.plan.choose.MAX_EF_ERROR`, 0.1, the planner's cap too). Before any codec is
+   used, every lossy candidate runs in shadow on the warm-up's real gradients (:mod:`.shadow`); one
+   above the cap is not considered for that bucket. Once used, the same quantity averaged over the
+   window is checked at every check: above the cap the codec is banned from the bucket and the
+   plan is re-decided. ``auto:max_error=0.5`` trades loss for speed (admits PowerSGD rank 8).
+5. **Switch only for a real gain.** Every change of plan costs a trial and the model is good to a
+   few percent, so a candidate must be predicted ``min_gain`` (10%) faster than the plan in use.
+6. **Keep a switch only if the clock agrees** (:mod:`.trial`): the next window's median step (less
+   ``auto``'s own work) must be ``keep_gain`` (5%) faster, and its steps faster by a one-sided
+   Mann-Whitney U test at ``keep_p`` (0.05); else the plan is reverted, or, faster by the median but
+   not surely, the two plans are timed in alternating windows for up to ``trial_windows`` (3).
+
+Costs: one all-reduce of a few hundred float64 values per check; encode and decode of every lossy
+candidate per bucket in the warm-up, and one fp32 residual per candidate and bucket while its shadow
+runs; timing each codec once (a few milliseconds). Every decision is logged (``thinwire.plan``
+logger) with its reason and kept in ``decisions``.
+
+Example::
+
+    policy = AutoPolicy(AutoConfig(candidates=("none", "bf16", "topk:ratio=0.01")))
+    state = thinwire.attach(ddp_model, policy)      # attach calls policy.bind(state, model)
+    # or: thinwire.attach(ddp_model, "auto:max_error=0.3")
+"""
+
+from thinwire.auto.policy import AutoPolicy
+from thinwire.auto.spec import AutoConfig, parse_auto_spec
+
+__all__ = ["AutoConfig", "AutoPolicy", "parse_auto_spec"]

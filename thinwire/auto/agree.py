@@ -1,0 +1,68 @@
+"""The agreement of measurements across ranks: one all-reduce makes every input of a decision identical.
+
+Each rank measures its own link, compute, codec costs, errors and step times (:mod:`.meters`,
+:mod:`.shadow`). At a check, on the communication thread at the first bucket of the step (all ranks
+reach it in the same place of the same collective sequence), :func:`agree` packs a rank's
+:class:`Measurements` into one float64 tensor and all-reduces it with MAX: the slowest rank's
+compute, codec costs, errors and step times, and the fastest rank's transfer time per byte (its
+entry is negated, so MAX gives the MIN: the others' include waiting for late peers). From then on
+every rank decides from the same record, so every rank decides the same.
+
+Cost: one all-reduce of ``5 + 2 c + b (1 + l) + w`` float64 values (``c`` compressing candidates,
+``b`` buckets, ``l`` lossy candidates, ``w`` steps of a window) per check.
+
+    >>> m = Measurements(alpha=1e-4, beta=8e-9, pre_s=0.02, backward_s=0.04, step_s=0.1, errors={0: 0.01},
+    ...                  shadow={0: {"int8": 0.008}}, window=[0.1, 0.11], costs={"int8": (1e-9, 1e-9)})
+    >>> agree(m, window=3, group=None, world=1) == m
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """One rank's measurements over a window, or (after :func:`agree`) every rank's merged."""
+
+    alpha: float                          # seconds per message
+    beta: float                           # seconds per byte
+    pre_s: float                          # forward start -> first gradient
+    backward_s: float                     # first -> last gradient
+    step_s: float                         # median step of the window
+    errors: dict[int, float]              # bucket -> its codec's error with error feedback, in use
+    shadow: dict[int, dict[str, float]]   # bucket -> lossy candidate -> its error in shadow (warm-up)
+    window: list[float]                   # the window's step times
+    costs: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)  # spec -> encode, decode s/byte
+
+
+def agree(local: Measurements, *, window: int, group, world: int) -> Measurements:
+    """Every rank's ``local`` merged with one MAX all-reduce (see the module docstring); ``window``:
+    how many step times each rank contributes (the last ones, padded)."""
+    specs, keys = list(local.costs), sorted(local.errors)
+    lossy = list(next(iter(local.shadow.values()), {}))
+    t = torch.tensor(_pack(local, specs, keys, lossy, window), dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return _unpack(t.tolist(), specs, keys, lossy, window)
+
+
+def _pack(m: Measurements, specs: list[str], keys: list[int], lossy: list[str], window: int) -> list[float]:
+    steps = (m.window[-window:] + [-1.0] * window)[:window]  # one length on every rank
+    return [m.alpha, -m.beta, m.pre_s, m.backward_s, m.step_s, *[v for s in specs for v in m.costs[s]],
+            *[m.errors[i] for i in keys], *[m.shadow[i][s] for i in keys for s in lossy], *steps]
+
+
+def _unpack(v: list[float], specs: list[str], keys: list[int], lossy: list[str], window: int) -> Measurements:
+    k = 5 + 2 * len(specs)
+    flat = v[k + len(keys):len(v) - window]
+    return Measurements(
+        alpha=v[0], beta=-v[1], pre_s=v[2], backward_s=v[3], step_s=v[4],
+        costs={s: (v[5 + 2 * j], v[6 + 2 * j]) for j, s in enumerate(specs)},
+        errors=dict(zip(keys, v[k:k + len(keys)])),
+        shadow={i: dict(zip(lossy, flat[j * len(lossy):(j + 1) * len(lossy)])) for j, i in enumerate(keys)},
+        window=[w for w in v[len(v) - window:] if w >= 0])

@@ -1,0 +1,202 @@
+"""``AutoPolicy``: measure, agree, guard, decide, and keep a change only if the clock agrees.
+
+The steps are described in :mod:`thinwire.auto`; this module wires its parts to the hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from thinwire.auto import decide as deciding
+from thinwire.auto.agree import Measurements, agree
+from thinwire.auto.meters import ComputeMeter, ErrorMeter, LinkMeter
+from thinwire.auto.shadow import ShadowRuns
+from thinwire.auto.spec import AutoConfig, parse_auto_spec
+from thinwire.auto.trial import Trial, forget_rejections
+from thinwire.compress.codecs import Codec
+from thinwire.compress.hook import Policy
+from thinwire.compress.spec import parse_codec_spec
+
+log = logging.getLogger("thinwire.plan")
+
+
+class AutoPolicy(Policy):
+    """Per-bucket codec choice from measurements (see :mod:`thinwire.auto`)."""
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "AutoPolicy":
+        return cls(parse_auto_spec(spec))
+
+    def __init__(self, config: AutoConfig | None = None) -> None:
+        self.config = config or AutoConfig()
+        self.codecs: dict[str, Codec] = {c: parse_codec_spec(c) for c in self.config.candidates}
+        self.choices: dict[int, str] = {}
+        self.numels: dict[int, int] = {}
+        self.banned: dict[int, set[str]] = {}         # by the accuracy guard, for good
+        self.tried: dict[int, dict[str, float]] = {}  # trials the clock rejected -> link rate then
+        self.trial: Trial | None = None
+        self.decisions: list[dict] = []
+        self.costs: dict[str, tuple[float, float]] | None = None
+        self.last_shadow: dict[int, dict[str, float]] = {}
+        self.decided_bps: float | None = None
+        self.step_times: list[float] = []  # first bucket to first bucket of the next step, less auto's own work
+        self._last_step, self._state, self._step_t0, self._aside = -1, None, None, 0.0
+        self.link, self.compute, self.errors = LinkMeter(), ComputeMeter(), ErrorMeter()
+        self.shadows = ShadowRuns(self.codecs, window=self.config.check_every)
+
+    # -- the Policy hooks ----------------------------------------------------------------------------
+    def bind(self, state, model: torch.nn.Module | None = None) -> None:
+        """Start measuring: the hook's collectives, error feedback, and (given ``model``) its compute."""
+        self._state = state
+        self.link.wrap(state.wire)
+        if state.feedback is not None:
+            self.errors.wrap(state.feedback)
+        if model is not None:
+            self.compute.attach(model)
+
+    def codec_for(self, bucket: int, numel: int, step: int) -> Codec:
+        if step != self._last_step:
+            now = time.perf_counter()
+            if step == self._last_step + 1 and self._step_t0 is not None:  # one whole step since the last
+                self.step_times.append(now - self._step_t0 - self._aside)
+            self._last_step, self._step_t0, self._aside = step, now, 0.0
+            if self._state is not None and self._due(step):
+                self._check(step)
+                self.shadows.keep_needed(self.choices, step)
+                self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
+        self.numels[bucket] = numel
+        return self.codecs[self._plan(bucket)]
+
+    def busy(self, bucket: int, step: int) -> bool:
+        """Shadow runs (the warm-up, a low-rank codec's first window) and checks (the step's first
+        bucket) are heavy: the hook runs them on its communication thread, off the backward pass."""
+        if step < self.config.warmup_steps or (step != self._last_step and self._due(step)):
+            return True
+        return self.shadows.in_first_window(bucket, self._plan(bucket), step)
+
+    def observe(self, bucket: int, buf: torch.Tensor, step: int, shapes: list[tuple] | None = None) -> None:
+        """Run the bucket's shadows (:class:`~thinwire.auto.shadow.ShadowRuns`) on its gradient."""
+        if shapes is not None:
+            self.shadows.shapes[bucket] = [tuple(s) for s in shapes]
+        warm, current = step < self.config.warmup_steps, self._plan(bucket)
+        if buf.numel() * 4 < 4096 or not self.shadows.wanted(bucket, step, current, warm):
+            return
+        self.numels.setdefault(bucket, buf.numel())
+        t0 = time.perf_counter()
+        self.shadows.run(bucket, buf, warm=warm, current=current)
+        self._aside += time.perf_counter() - t0  # not part of the plan's step time
+
+    def describe(self) -> str:
+        if not self.choices:
+            return "auto (measuring)"
+        return "auto[" + ", ".join(f"{i}:{c}" for i, c in sorted(self.choices.items())) + "]"
+
+    # -- measuring and deciding ----------------------------------------------------------------------
+    def _plan(self, bucket: int) -> str:
+        """The codec spec this bucket is sent with now: its choice, or ``start`` before the first."""
+        return self.choices.get(bucket, self.config.start)
+
+    def _due(self, step: int) -> bool:
+        """The warm-up's end (the baseline window starts), then every ``check_every`` steps from the
+        end of the baseline window; the same steps on every rank."""
+        c = self.config
+        first = c.warmup_steps + c.baseline_steps
+        return (c.baseline_steps > 0 and step == c.warmup_steps) or (step >= first and (step - first) % c.check_every == 0)
+
+    def _check(self, step: int) -> None:
+        if self.costs is None:
+            self.costs = deciding.codec_costs(self.config.candidates, max(self.numels.values(), default=1 << 16))
+        if self.config.baseline_steps > 0 and step == self.config.warmup_steps:
+            self.step_times = []  # the warm-up's steps (start-up, shadow runs) are no baseline
+            return
+        shared = self._agree()
+        bps = 8 / shared.beta
+        guard = self._guard(shared)
+        if guard:  # accuracy first: no trial, no clock
+            self.trial = None
+            self._decide(step, shared, bps, guard, trial=False)
+        elif self.trial is not None:
+            self._verify(step, shared, bps)
+        elif reason := self._reason(bps):
+            self._decide(step, shared, bps, reason, trial=True)
+
+    def _guard(self, shared: Measurements) -> str | None:
+        for i, err in shared.errors.items():
+            current = self._plan(i)
+            if err > self.config.max_error and current != "none":
+                self.banned.setdefault(i, set()).add(current)
+                return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
+        return None
+
+    def _reason(self, bps: float) -> str | None:
+        if self.decided_bps is None:
+            return "warm-up done"
+        change = abs(bps - self.decided_bps) / self.decided_bps
+        if change > self.config.rebalance_change:
+            self._forget_rejections(bps)  # what the clock rejected may pay on this link
+            return f"link moved {change:.0%}: {self.decided_bps / 1e6:.1f} -> {bps / 1e6:.1f} Mbit/s"
+        return None
+
+    def _forget_rejections(self, bps: float) -> None:
+        forget_rejections(self.tried, bps, self.config.rebalance_change, plan=self._plan,
+                          bytes_of=lambda i, spec: self.codecs[spec].payload_bytes(self.numels.get(i, 1 << 16)))
+
+    def _verify(self, step: int, shared: Measurements, bps: float) -> None:
+        """A window of the trial has ended: keep, revert, or time the other plan again."""
+        cfg = self.config
+        verdict = self.trial.judge(shared.window or [shared.step_s], keep_gain=cfg.keep_gain, keep_p=cfg.keep_p,
+                                   trial_windows=cfg.trial_windows)
+        if verdict.outcome == "keep":
+            self.decided_bps = bps
+        elif verdict.outcome == "revert":
+            for i, codec in self.trial.changed().items():
+                self.tried.setdefault(i, {})[codec] = bps
+        if verdict.outcome != "again":
+            self.trial = None
+        previous, self.choices = self.choices, verdict.plan
+        self.decisions.append({"step": step, "reason": verdict.reason, "choices": dict(self.choices), "link_bps": bps,
+                               "measured_step_s": verdict.now, "measured_before_s": verdict.before})
+        changed = ", ".join(f"bucket {i} -> {c}" for i, c in sorted(self.choices.items())
+                            if previous.get(i, cfg.start) != c)
+        log.info("auto at step %d (%s)%s", step, verdict.reason, ": " + changed if changed else "")
+
+    def _decide(self, step: int, shared: Measurements, bps: float, reason: str, trial: bool) -> None:
+        guards = deciding.Guards(banned=self.banned, tried=self.tried, max_error=self.config.max_error)
+        self.last_shadow = shared.shadow
+        old = dict(self.choices)
+        self.choices, decision = deciding.decide(
+            numels=self.numels, shapes=self.shadows.shapes, plan={i: self._plan(i) for i in self.numels},
+            candidates=self.config.candidates, costs=self.costs or {}, shared=shared, guards=guards,
+            world=self._state.wire.world, min_gain=self.config.min_gain)
+        self.decided_bps = bps
+        start = self.config.start
+        if trial and any(old.get(i, start) != c for i, c in self.choices.items()):
+            self.trial = Trial(old={i: old.get(i, start) for i in self.choices}, new=dict(self.choices),
+                               steps={"old": list(shared.window or [shared.step_s]), "new": []})
+        self.decisions.append(deciding.record(step, reason, old=old, choices=self.choices, bps=bps, decision=decision,
+                                              trial=self.trial is not None, shadow=self.last_shadow))
+
+    # -- agreement across ranks ---------------------------------------------------------------------
+    def _agree(self) -> Measurements:
+        """This rank's measurements over the window, merged with every rank's (:mod:`thinwire.auto.agree`)."""
+        shared = agree(self._measured(), window=self.config.check_every, group=self._state.wire.group,
+                       world=self._state.wire.world)
+        self.costs = shared.costs
+        return shared
+
+    def _measured(self) -> Measurements:
+        alpha, beta = self.link.estimate(self._state.wire.world)
+        pre, backward = self.compute.estimate()
+        window, self.step_times = self.step_times, []
+        keys = sorted(self.numels)
+        errors = dict(zip(keys, self.errors.window_errors([str(i) for i in keys])))
+        lossy = [s for s in self.config.candidates if s != "none" and not self.codecs[s].lossless]
+        return Measurements(alpha=alpha, beta=beta, pre_s=pre, backward_s=backward,
+                            step_s=statistics.median(window) if window else 0.0,
+                            errors=self.shadows.in_use_errors(errors, self._plan),
+                            shadow=self.shadows.warmup_errors(keys, lossy), window=window,
+                            costs={s: self.costs[s] for s in self.config.candidates if s != "none"})
