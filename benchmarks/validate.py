@@ -62,9 +62,9 @@ from pathlib import Path
 
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
-from thinwire.perf_profile.file import save_profile
-from thinwire.perf_profile.network import probe_network
-from thinwire.perf_profile.run import profile_workload
+from thinwire.measure.file import save_profile
+from thinwire.measure.network import probe_network
+from thinwire.measure.run import profile_workload
 from thinwire.sim.sweep import SimOptions
 from thinwire.validation import remeasure, validate
 
@@ -288,7 +288,7 @@ def fill_compute(rows: list[dict], profile, args) -> None:
 
 
 def rerender(args) -> None:
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
 
     data = json.loads((args.results / "validation.json").read_text())
     profile = load_profile(args.profile or args.results / "validation-profile.yaml")
@@ -307,7 +307,7 @@ def without_timesharing(args) -> dict:
     prediction. Nothing is run; the summary is ``summarize``'s."""
     import copy
 
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
     from thinwire.sim.sweep import simulate
     from thinwire.validation import at_bandwidth, colocation_cost, scaled_spec
 
@@ -356,12 +356,12 @@ def main(argv=None) -> None:
         print(f"warning: load average {os.getloadavg()[0]:.2f}: other processes will slow the hosts", flush=True)
     batches = sorted({args.batch_size // p for p in args.hosts} | ({args.batch_size // 3} if args.hetero else set()))
     if args.profile:
-        from thinwire.perf_profile.file import load_profile
+        from thinwire.measure.file import load_profile
 
         profile = load_profile(args.profile)
         check_profile(profile, args, batches)
     else:
-        from thinwire.perf_profile.foreign import wait_quiet
+        from thinwire.measure.foreign import wait_quiet
 
         wait_quiet(args.max_foreign)
         profile = calibrate(args, batches)

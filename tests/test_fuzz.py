@@ -22,7 +22,7 @@ from thinwire.cluster.spec import load_cluster_spec, parse_duration, parse_loss,
 from thinwire.compress.spec import parse_codec_spec
 from thinwire.config import dump_yaml
 from thinwire.errors import MAX_MESSAGE, ThinwireError
-from thinwire.perf_profile.file import load_profile
+from thinwire.measure.file import load_profile
 from thinwire.plan.planfile import read_plan
 from thinwire.train.config import load_train_config
 from thinwire.train.peers import parse_peer

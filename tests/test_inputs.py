@@ -13,7 +13,7 @@ from thinwire.cluster.spec import ClusterSpec, load_cluster_spec
 from thinwire.compress.spec import parse_codec_spec
 from thinwire.config import MAX_DEPTH, dump_yaml, from_dict, parse_yaml
 from thinwire.errors import MAX_MESSAGE, ConfigError, ThinwireError
-from thinwire.perf_profile.file import load_profile
+from thinwire.measure.file import load_profile
 from thinwire.plan.planfile import cluster_fingerprint, load_plan, read_plan, workload_fingerprint
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import load_train_config

@@ -213,7 +213,7 @@ def _thinwire_imports(path):
 
 
 def test_auto_sits_above_pricing_and_below_train():
-    """auto/ builds on compress, perf, sim, perf_profile and the planner's pure search; only the
+    """auto/ builds on compress, perf, sim, measure and the planner's pure search; only the
     public API, the trainer and the CLI import it."""
     above = ("thinwire.auto", "thinwire.compress", "thinwire.perf", "thinwire.sim", "thinwire.plan.choose",
              "thinwire.config", "thinwire.errors")
@@ -333,8 +333,8 @@ def test_bytes_priced_exactly_as_the_hook_sends_them(world):
 # ---- profile and simulate -------------------------------------------------------------------------------
 
 def test_profile_measures_ddp_layout_and_costs(tmp_path):
-    from thinwire.perf_profile.file import load_profile, save_profile
-    from thinwire.perf_profile.run import profile_workload
+    from thinwire.measure.file import load_profile, save_profile
+    from thinwire.measure.run import profile_workload
 
     prof = profile_workload(workload="digits", model={"channels": 4, "hidden": 64}, batch_sizes=[8, 4],
                             bucket_mb=0.01, codecs=["none", "bf16"], reps=2, warmup=2, corun=False)
@@ -353,7 +353,7 @@ def test_profile_measures_ddp_layout_and_costs(tmp_path):
 
 
 def test_measure_compute_is_the_profiles_step_at_one_batch():
-    from thinwire.perf_profile.run import measure_compute
+    from thinwire.measure.run import measure_compute
 
     point = measure_compute(workload="digits", model={"channels": 4, "hidden": 64}, batch=4, bucket_mb=0.01,
                             reps=2, warmup=1)
@@ -363,8 +363,8 @@ def test_measure_compute_is_the_profiles_step_at_one_batch():
 def test_profile_corun_is_relative_to_the_fair_share(monkeypatch):
     """n copies on c cores: the profile keeps each copy's speed over its fair share min(1, c/n), for
     n from c (every core busy) to 2c (time-sharing), so the model multiplies it onto the share."""
-    import thinwire.perf_profile.corun as corun
-    from thinwire.perf_profile.run import profile_workload
+    import thinwire.measure.corun as corun
+    from thinwire.measure.run import profile_workload
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     monkeypatch.setattr(corun, "corun_speed", lambda *, n, **_: {2: 0.9, 3: 0.5, 4: 0.4}[n])
@@ -527,7 +527,7 @@ def test_auto_decides_identically_on_every_rank_and_logs_why():
 def test_validation_keeps_the_least_disturbed_attempt(tmp_path, monkeypatch):
     import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
     from thinwire.sim.sweep import SimOptions
 
     foreign = iter([0.9, 0.4, 0.6])
@@ -548,7 +548,7 @@ def test_validation_predicts_with_the_step_measured_again_before_each_run(tmp_pa
 
     import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
     from thinwire.sim.sweep import SimOptions
 
     monkeypatch.setattr(v, "run_real", lambda real, where, **kw: (0.2, 1000.0, 0.0))
@@ -590,7 +590,7 @@ def test_validation_compute_diagnostic_reads_the_run_and_skips_mixed_cpus(tmp_pa
 def test_colocation_calibration_keeps_the_median_of_its_repeats(tmp_path, monkeypatch):
     import thinwire.validation as v
     from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
     from thinwire.sim.sweep import SimOptions
 
     steps = {"hosts2-bf16-cal-10gbit": 0.30, "hosts2-bf16-cal-10gbit-1": 0.90, "hosts2-bf16-cal-10gbit-2": 0.40,

@@ -13,7 +13,7 @@ from torch import nn
 from tests.distributed import run_ranks
 from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec, LinkSpec, load_cluster_spec
 from thinwire.errors import ConfigError, ThinwireError
-from thinwire.perf_profile.file import BucketRecord, CodecCost, ComputePoint, Cost, Profile, save_profile
+from thinwire.measure.file import BucketRecord, CodecCost, ComputePoint, Cost, Profile, save_profile
 from thinwire.plan.planfile import PlanPolicy, load_plan, loss_weight, read_plan, save_plan
 from thinwire.plan.planner import PlanOptions, make_plan
 
@@ -357,7 +357,7 @@ def test_accuracy_guard_leaves_out_codecs_that_leave_most_of_the_gradient_behind
 def test_profile_measures_each_codecs_error_with_error_feedback_on_real_gradients():
     import torch
 
-    from thinwire.perf_profile.codecs import ef_errors
+    from thinwire.measure.codec_costs import ef_errors
 
     g = torch.Generator().manual_seed(0)
     steps = [[torch.randn(50_000, generator=g), torch.randn(20_000, generator=g)] for _ in range(4)]

@@ -13,7 +13,7 @@ compute, codec costs and, when probed, the network's alpha and efficiency). With
 profile's compute at the point's per-rank batch is measured again just before the run (still one
 process alone, not the run). Because this machine
 may be shared, the CPU other processes used during each run is measured too
-(:class:`~thinwire.perf_profile.foreign.ForeignCpu`) and reported with a *diagnostic* second
+(:class:`~thinwire.measure.foreign.ForeignCpu`) and reported with a *diagnostic* second
 prediction that takes those cores away; it explains an error, it is not the prediction.
 """
 
@@ -36,9 +36,9 @@ from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec, spec_to_dict
 from thinwire.config import check
 from thinwire.errors import ThinwireError
-from thinwire.perf_profile.file import ComputePoint, Profile
+from thinwire.measure.file import ComputePoint, Profile
 from thinwire.sim import inputs
-from thinwire.perf_profile.foreign import ForeignCpu, wait_quiet
+from thinwire.measure.foreign import ForeignCpu, wait_quiet
 from thinwire.sim.sweep import SimOptions, simulate
 from thinwire.train.metrics import read_metrics
 
@@ -54,7 +54,7 @@ class Comparison:
     predicted_bytes: int
     measured_bytes: float
     out: str
-    foreign_cores: float = 0.0   # cores other processes used during the run (thinwire.perf_profile.foreign)
+    foreign_cores: float = 0.0   # cores other processes used during the run (thinwire.measure.foreign)
     attempts: int = 1
     predicted_loaded_s: float | None = None  # diagnostic: the prediction with those cores taken away
     model_s: float | None = None     # the model alone, without the measured co-location cost
@@ -229,7 +229,7 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
     needed +32 to +43 ms).
 
     With ``recompute`` (per-rank batch -> a :class:`ComputePoint` measured now, e.g.
-    :func:`thinwire.perf_profile.run.measure_compute`), the profile's step at the point's per-rank
+    :func:`thinwire.measure.run.measure_compute`), the profile's step at the point's per-rank
     batch is measured again right before each calibration and each point, and that prediction uses
     it (:func:`with_fresh_compute`; ``compute_drift`` records how far it moved): on a machine whose
     speed drifts within the hour, a profile taken at the start of a long grid no longer describes
@@ -280,7 +280,7 @@ def validate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, workload:
 def remeasure(profile: Profile, reps: int = 10) -> Callable[[int], ComputePoint]:
     """Per-rank batch -> the profile's workload step measured now, as the profile measured it
     (same workload, options, data, bucket cap and threads)."""
-    from thinwire.perf_profile.run import measure_compute
+    from thinwire.measure.run import measure_compute
 
     return lambda batch: measure_compute(workload=profile.workload, model=profile.model, data=profile.data,
                                          batch=batch, bucket_mb=profile.bucket_mb, threads=profile.threads, reps=reps)

@@ -26,7 +26,7 @@ import torch
 
 from thinwire.auto.agree import Measurements
 from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
-from thinwire.plan.choose import Decision, choose
+from thinwire.plan.choose import BucketCodecs, choose
 
 log = logging.getLogger("thinwire.plan")
 
@@ -43,7 +43,7 @@ class Guards:
 
 def decide(*, numels: dict[int, int], shapes: dict[int, list[tuple]], plan: dict[int, str], candidates: tuple[str, ...],
            costs: dict[str, tuple[float, float]], shared: Measurements, guards: Guards, world: int,
-           min_gain: float) -> tuple[dict[int, str], Decision]:
+           min_gain: float) -> tuple[dict[int, str], BucketCodecs]:
     """The new choice per bucket index and the search's decision (see the module docstring).
     ``plan``: the spec each bucket is sent with now; ``costs``: the agreed codec costs."""
     order = sorted(numels)
@@ -59,7 +59,7 @@ def decide(*, numels: dict[int, int], shapes: dict[int, list[tuple]], plan: dict
     return dict(zip(order, decision.choices)), decision
 
 
-def record(step: int, reason: str, *, old: dict[int, str], choices: dict[int, str], bps: float, decision: Decision,
+def record(step: int, reason: str, *, old: dict[int, str], choices: dict[int, str], bps: float, decision: BucketCodecs,
            trial: bool, shadow: dict[int, dict[str, float]]) -> dict:
     """A decision's entry in ``AutoPolicy.decisions``, logged with what changed since ``old``."""
     changed = ", ".join(f"bucket {i} -> {c}" for i, c in sorted(choices.items()) if old.get(i) != c)
@@ -100,7 +100,7 @@ def costs_for(spec: str, costs: dict[str, tuple[float, float]]) -> dict:
 def codec_costs(candidates: tuple[str, ...], numel: int) -> dict[str, tuple[float, float]]:
     """This rank's encode/decode seconds per byte of each compressing candidate at ``numel`` values
     (three repetitions each: a few milliseconds per codec at a bucket of a million values)."""
-    from thinwire.perf_profile.codecs import measure_codec
+    from thinwire.measure.codec_costs import measure_codec
 
     out = {}
     for spec in candidates:

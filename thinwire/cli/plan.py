@@ -90,11 +90,11 @@ def _default_batch(args, model: dict) -> int:
 
 
 def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...]):
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
 
     if args.profile:
         return load_profile(args.profile)
-    from thinwire.perf_profile.run import profile_workload
+    from thinwire.measure.run import profile_workload
 
     per = max(1, math.ceil(batch / hosts))
     sizes = sorted({max(1, per // 2), per, min(batch, 2 * per)}, reverse=True)

@@ -55,9 +55,9 @@ def batch_sizes(args, default_batch: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from thinwire.compress.spec import parse_codec_spec
-    from thinwire.perf_profile.file import save_profile
+    from thinwire.measure.file import save_profile
     from thinwire.compress.spec import REGISTRY
-    from thinwire.perf_profile.run import profile_workload
+    from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(args.workload)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = batch_sizes(args, default_batch)
     network = None
     if network_spec is not None:
-        from thinwire.perf_profile.network import probe_network
+        from thinwire.measure.network import probe_network
 
         network = probe_network(network_spec)
     prof = profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,

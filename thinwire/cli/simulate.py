@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _profile(args, model: dict):
-    from thinwire.perf_profile.file import load_profile
+    from thinwire.measure.file import load_profile
     from thinwire.sim.inputs import check_profile_matches
     from thinwire.workloads.registry import build_workload
 
@@ -112,7 +112,7 @@ def _profile(args, model: dict):
         check_profile_matches(profile, args.workload, model)
         return profile, default_batch
     from thinwire.cli.profile import batch_sizes
-    from thinwire.perf_profile.run import profile_workload
+    from thinwire.measure.run import profile_workload
 
     Console(stderr=True).print("no --profile: measuring this machine now (save one with `thinwire profile`)")
     sizes = batch_sizes(argparse.Namespace(batch_sizes=None, batch_size=args.batch_size), default_batch)

@@ -50,7 +50,7 @@ Priced = TypeVar("Priced")
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class BucketCodecs:
     choices: list[str]            # codec spec per bucket
     step_s: float                 # predicted step with these choices
     baseline_s: float             # predicted step with every bucket uncompressed
@@ -61,7 +61,7 @@ class Decision:
 def choose(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[float], network: Network,
            candidates: Mapping[str, CodecModel], banned: Mapping[int, set[str]] | None = None,
            min_gain: float = 0.02, passes: int = 3, codec_steals_compute: bool = False,
-           initial: Sequence[str] | None = None) -> Decision:
+           initial: Sequence[str] | None = None) -> BucketCodecs:
     """Per-bucket codec choice (see the module docstring). ``candidates``: spec -> model, light first;
     it must contain ``"none"``."""
     if "none" not in candidates:
@@ -77,7 +77,7 @@ def choose(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[floa
 
     baseline, initial_s = step(["none"] * len(buckets)), step(choice)
     choice, best = descend(choice, initial_s, list(candidates), step, banned=banned, min_gain=min_gain, passes=passes)
-    return Decision(choices=list(choice), step_s=best, baseline_s=baseline, initial_s=initial_s,
+    return BucketCodecs(choices=list(choice), step_s=best, baseline_s=baseline, initial_s=initial_s,
                     prediction=predict_step(codec=[candidates[c] for c in choice], **kw))
 
 

@@ -37,7 +37,7 @@ from thinwire.config import check
 from thinwire.errors import ThinwireError
 from thinwire.perf.memory import memory_per_rank, residual_values
 from thinwire.perf.model import Bucket, Compute
-from thinwire.perf_profile.file import DEFAULT_ALPHA_S, Profile
+from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
 from thinwire.plan import explain
 from thinwire.plan.choose import MAX_EF_ERROR
 from thinwire.plan.planfile import (Decision, PipelinePlan, Plan, Stage, cluster_fingerprint, host_summary,

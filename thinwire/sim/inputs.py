@@ -40,7 +40,7 @@ from thinwire.perf import collectives as coll
 from thinwire.perf.fit import monotone_line
 from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
 from thinwire.perf.straggler import corun_factor, cpu_shares
-from thinwire.perf_profile.file import DEFAULT_ALPHA_S, TCP_EFFICIENCY, Cost, Profile
+from thinwire.measure.file import DEFAULT_ALPHA_S, TCP_EFFICIENCY, Cost, Profile
 
 MAX_HOSTS = 65536
 

@@ -24,7 +24,7 @@ from thinwire.perf.devices import get_device
 from thinwire.perf.energy import EnergyEstimate, J_PER_BIT_INTERNET, run_energy, step_energy
 from thinwire.perf.memory import MemoryEstimate, memory_per_rank
 from thinwire.perf.model import StepPrediction, predict_step
-from thinwire.perf_profile.file import Profile
+from thinwire.measure.file import Profile
 from thinwire.sim import inputs
 
 

@@ -8,7 +8,7 @@ alone. ``corun_speed(n)`` starts ``n`` copies of the workload's training step (o
 lines them up on a barrier and returns the median step time of one running alone divided by the
 median of the concurrent ones (1.0 = no slowdown).
 
-Run as a module it is one copy: ``python -m thinwire.perf_profile.corun --workload charlm ...``.
+Run as a module it is one copy: ``python -m thinwire.measure.corun --workload charlm ...``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 def _copy(args: argparse.Namespace) -> None:
     import torch
 
-    from thinwire.perf_profile.compute import StepTimer, single_process_group
+    from thinwire.measure.compute import StepTimer, single_process_group
     from thinwire.workloads.registry import build_workload
 
     torch.set_num_threads(args.threads)
@@ -49,7 +49,7 @@ def _copy(args: argparse.Namespace) -> None:
 
 def _run(n: int, argv: list[str], timeout: float) -> float:
     with tempfile.TemporaryDirectory() as barrier:
-        cmd = [sys.executable, "-m", "thinwire.perf_profile.corun", *argv, "--n", str(n), "--barrier", barrier]
+        cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(n), "--barrier", barrier]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -63,7 +63,7 @@ def corun_speed(*, workload: str, model: dict, data: str | None, batch: int, thr
     Other processes on the machine would make the copies look slower than they are: a measurement
     during which they used more than ``max_foreign`` cores is repeated (up to ``tries`` in all) and
     the least disturbed one is kept."""
-    from thinwire.perf_profile.foreign import ForeignCpu
+    from thinwire.measure.foreign import ForeignCpu
 
     argv = ["--workload", workload, "--model", json.dumps(model), "--batch", str(batch), "--threads", str(threads),
             "--steps", str(steps)] + (["--data", data] if data else [])

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.perf_profile.file import BucketRecord, ComputePoint
+from thinwire.measure.file import BucketRecord, ComputePoint
 from thinwire.workloads.base import GlobalSampler, collate
 
 

@@ -21,7 +21,7 @@ from thinwire.compress.codecs import Meta
 from thinwire.compress.feedback import shadow_step
 from thinwire.compress.spec import parse_codec_spec, spec_string
 from thinwire.perf.fit import monotone_line
-from thinwire.perf_profile.file import CodecCost, Cost
+from thinwire.measure.file import CodecCost, Cost
 
 SMALL_NUMEL = 16_384
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from thinwire.cluster.bench import _run_workers, bus_factor, default_sizes
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec
-from thinwire.perf_profile.file import NetworkRecord
+from thinwire.measure.file import NetworkRecord
 
 SMALL_BYTES = 4096
 

@@ -4,8 +4,8 @@ Steps: (1) the training step at each per-rank batch size, in DDP on one rank, wi
 layout and each bucket's readiness (:mod:`.compute`); (2) FLOPs and saved-activation bytes per
 sample; (3) how fast the step runs when all cores are busy at once, and when up to twice as many
 single-thread copies as cores time-share them (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
-bucket sizes (:mod:`.codecs`), and each codec's relative error with error feedback on the workload's
-own gradients over a few steps (:func:`.codecs.ef_errors`, the planner's accuracy guard); (5) optionally the network's alpha and beta on a running emulated
+bucket sizes (:mod:`.codec_costs`), and each codec's relative error with error feedback on the workload's
+own gradients over a few steps (:func:`.codec_costs.ef_errors`, the planner's accuracy guard); (5) optionally the network's alpha and beta on a running emulated
 cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
 
 Example::
@@ -23,9 +23,9 @@ from typing import Sequence
 import torch
 
 from thinwire.config import check
-from thinwire.perf_profile.codecs import ef_errors, measure_codecs, measure_kernels, sizes_for
-from thinwire.perf_profile.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
-from thinwire.perf_profile.file import ComputePoint, Profile
+from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, sizes_for
+from thinwire.measure.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
+from thinwire.measure.file import ComputePoint, Profile
 
 EF_STEPS = 6  # training steps whose gradients each codec compresses in shadow (its error with error feedback)
 
@@ -70,7 +70,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
     corun_speed = {}
     cores = os.cpu_count() or 1
     if corun and cores > 1:
-        from thinwire.perf_profile.corun import corun_speed as measure_corun
+        from thinwire.measure.corun import corun_speed as measure_corun
 
         # n concurrent copies of the step, each relative to its fair share min(1, cores/n) of one alone:
         # every core busy, and (one thread each) up to twice as many copies as cores, time-sharing them

@@ -58,7 +58,7 @@ class CodecCost:
     encode: Cost
     decode: Cost
     # relative compression error with error feedback on the workload's own gradients: ||r|| / ||g + r_prev||
-    # after a few steps in shadow (thinwire.perf_profile.codecs.ef_errors); None if not measured
+    # after a few steps in shadow (thinwire.measure.codec_costs.ef_errors); None if not measured
     ef_error: float | None = None
 
     def __post_init__(self) -> None:
