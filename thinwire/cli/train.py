@@ -9,6 +9,7 @@ from pathlib import Path
 
 from thinwire.errors import ThinwireError
 from thinwire.train import checkpoint as ckpt
+from thinwire.train import runfolder
 from thinwire.train.config import TrainConfig, load_train_config, save_config
 
 EPILOG = """examples:
@@ -60,23 +61,29 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.train.distenv import read_env
 
     cfg = resolve_config(args)
-    if read_env().launched:  # under the user's torchrun: this process is a worker
-        return _train_here(cfg, save=read_env().rank == 0)
-    preflight(cfg)
-    out = Path(cfg.out)
+    env = read_env()
+    if env.launched:  # under the user's torchrun: this process is a worker
+        return _train_as_worker(cfg, env)
+    folder = preflight(cfg, runfolder.new_run_id())
+    _prepare(cfg, folder)
     if cfg.cluster:
         from thinwire.cluster.launch import launch_cluster
 
-        _prepare(cfg, out)
-        launch_cluster(cfg, out / "config.yaml")
+        launch_cluster(cfg, Path(cfg.out) / "config.yaml")
         return 0
     if cfg.nproc == 1 and cfg.max_restarts == 0:
-        return _train_here(cfg, save=True)
+        return _train_here(cfg)
     from thinwire.train.launch import launch_local
 
-    _prepare(cfg, out)
-    launch_local(cfg, out / "config.yaml")
+    launch_local(cfg, Path(cfg.out) / "config.yaml")  # this process keeps the folder's lock while they run
     return 0
+
+
+def _train_as_worker(cfg: TrainConfig, env) -> int:
+    """Rank 0 writes the run folder, so it runs the same checks as the CLI's own launch, at every (re)start."""
+    if env.rank == 0:
+        _prepare(cfg, preflight(cfg, runfolder.torchrun_run_id(), world=env.world))
+    return _train_here(cfg)
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
@@ -94,35 +101,41 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Every check that can fail before a worker starts, so bad input never leaves half a run."""
-    from thinwire.compress.spec import parse_codec_spec
+def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfolder.RunFolder:
+    """Every check that can fail before a worker starts, so bad input never leaves half a run.
+
+    Returns the run folder, checked and locked for ``run_id`` but not yet written (see
+    :mod:`thinwire.train.runfolder`)."""
     from thinwire.train.loop import check_batch, resolve
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(cfg.workload)
-    if cfg.compression.startswith("torch:"):
-        from thinwire.train.peers import parse_peer
-
-        parse_peer(cfg.compression)
-    else:
-        from thinwire.api import resolve_codec
-
-        codec = resolve_codec(cfg.compression)  # "auto" builds its policy, which checks its options
-        if isinstance(codec, str):
-            parse_codec_spec(codec)
+    _check_compression(cfg)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     if cfg.plan:
         _check_plan(cfg)
     else:
-        check_batch(batch, _world_size(cfg))
-    out = Path(cfg.out)
+        check_batch(batch, world or _world_size(cfg))
+    folder = runfolder.RunFolder(cfg, run_id)
     if cfg.resume:
         _check_resume(cfg, wl)
-    elif (out / "metrics.jsonl").exists() or ckpt.latest(out):
-        raise ThinwireError(f"out: folder {str(out)!r} already holds a run. Continue it with --resume {out}, "
-                            "or pass another --out; nothing was changed.")
+    return folder
+
+
+def _check_compression(cfg: TrainConfig) -> None:
+    from thinwire.compress.spec import parse_codec_spec
+
+    if cfg.compression.startswith("torch:"):
+        from thinwire.train.peers import parse_peer
+
+        parse_peer(cfg.compression)
+        return
+    from thinwire.api import resolve_codec
+
+    codec = resolve_codec(cfg.compression)  # "auto" builds its policy, which checks its options
+    if isinstance(codec, str):
+        parse_codec_spec(codec)
 
 
 def _check_plan(cfg: TrainConfig) -> None:
@@ -152,16 +165,13 @@ def _check_resume(cfg: TrainConfig, wl) -> None:
     ckpt.check_signature(found, state["signature"], ckpt.model_signature(wl.model))
 
 
-def _prepare(cfg: TrainConfig, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+def _prepare(cfg: TrainConfig, folder: runfolder.RunFolder) -> None:
+    folder.claim()  # the marker first: from here on the folder is this run's
+    save_config(cfg, folder.out / "config.yaml")
 
 
-def _train_here(cfg: TrainConfig, save: bool) -> int:
+def _train_here(cfg: TrainConfig) -> int:
     from thinwire.train.loop import train
 
-    out = Path(cfg.out)
-    if save:
-        _prepare(cfg, out)
-    train(cfg, out)
+    train(cfg, Path(cfg.out))
     return 0

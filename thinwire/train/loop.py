@@ -249,7 +249,9 @@ class Trainer:
     def _resume_source(self) -> Path | None:
         if not self.env.is_main:
             return None
-        if self.env.restart_count > 0 and ckpt.latest(self.out):
+        # The run folder was checked before anything was written (thinwire.train.runfolder): it is new,
+        # this run's own (restarted), or the folder being resumed in place; a checkpoint there is ours.
+        if ckpt.latest(self.out):
             return ckpt.latest(self.out)
         if self.cfg.resume:
             found = ckpt.latest(Path(self.cfg.resume))
