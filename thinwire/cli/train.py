@@ -16,7 +16,8 @@ EPILOG = """examples:
   thinwire train                                   # charlm on the Python standard library, 1 process
   thinwire train --nproc 2 --compression int8      # 2 local workers, int8 gradients on the wire
   thinwire train --workload digits --steps 300 --out runs/digits
-  thinwire train --resume runs/digits --steps 600  # continue a run where it stopped
+  thinwire train --resume runs/digits --steps 600  # continue a run where it stopped (LR horizon kept)
+  thinwire train --resume runs/digits --steps 600 --reschedule  # ... with the LR schedule fit to 600 steps
   thinwire train --workload mypkg.mod:make --set model.width=64
 multi-node (run on every node; rank 0 writes the run folder):
   torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
@@ -33,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int, help="global batch per step, split evenly across workers")
     p.add_argument("--lr", type=float)
+    p.add_argument("--reschedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="on --resume with other --steps: fit the LR schedule to the new total (default: keep the "
+                        "horizon of the run's first start)")
     p.add_argument("--nproc", type=int, help="local worker processes (default 1)")
     p.add_argument("--max-restarts", type=int, help="restart all workers up to K times after a failure")
     p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
@@ -52,7 +56,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-FLAGS = ("workload", "data", "steps", "batch_size", "lr", "nproc", "max_restarts", "out", "resume", "compression",
+FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan")
 

@@ -85,6 +85,7 @@ class Trainer:
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
         self.clock = GradReadyClock(model)
@@ -113,7 +114,7 @@ class Trainer:
             return (step + 1) / warm
         if self.cfg.schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warm) / max(1, self.steps - warm))
+        progress = min(1.0, (step - warm) / max(1, self.horizon - warm))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     # -- the run -------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ class Trainer:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
                  "model": self.ddp.module.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "signature": ckpt.model_signature(self.ddp.module),
+                 "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon, "signature": ckpt.model_signature(self.ddp.module),
                  "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
 
@@ -266,6 +267,7 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
+        self._load_horizon(state)
         ranks = state["ranks"]
         if len(ranks) == self.env.world:
             mine = ranks[self.env.rank]
@@ -279,6 +281,20 @@ class Trainer:
             console.print(f"[yellow]checkpoint has {len(ranks)} ranks, this job {self.env.world}: "
                           "error-feedback residuals and RNG streams start fresh[/yellow]")
 
+    def _load_horizon(self, state: dict) -> None:
+        """Keep the schedule's horizon from the first start, or fit it to this launch's steps (reschedule).
+
+        Checkpoints from before ``lr_horizon`` existed: the steps their run was configured with."""
+        saved = int(state.get("lr_horizon") or state["config"].get("steps") or self.wl.steps)
+        self.horizon = self.steps if self.cfg.reschedule else saved
+        if self.horizon != saved:  # the next step's LR as a straight run of the new length has it
+            for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
+                group["lr"] = base * self._lr_factor(self.step)
+            self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]
+        if self.env.is_main and self.horizon != self.steps and self.cfg.schedule == "cosine":
+            console.print(f"LR schedule: horizon kept at {self.horizon} steps (this run has {self.steps}); "
+                          "--reschedule fits it to the new total")
+
     # -- the end -------------------------------------------------------------------------------------
     def _finish(self) -> dict:
         totals = torch.tensor([float(self.comm.wire.bytes_sent)], dtype=torch.float64)
@@ -291,7 +307,7 @@ class Trainer:
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
             "compression": self.comm.policy.describe(), "compression_stats": self.comm.stats(),
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
-            "precision": self.cfg.precision, "restarts": self.restarts,
+            "precision": self.cfg.precision, "restarts": self.restarts, "lr_horizon": self.horizon,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
