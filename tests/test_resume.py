@@ -43,6 +43,8 @@ def test_resume_is_bit_identical(tmp_path, nproc, compression):
         assert a["ranks"][0]["comm"]["residuals"]["params"], "top-k must have left residuals"
     events = [json.loads(l).get("event") for l in (split / "metrics.jsonl").read_text().splitlines()]
     assert events.count("resume") == 1
+    counts = [json.loads((o / "summary.json").read_text())["compression_stats"]["counts"] for o in (straight, split)]
+    assert counts[0] == counts[1] and sum(counts[0].values()) >= 12, counts  # the whole run, not the resumed part
 
 
 def _worker_pids(config: Path) -> list[int]:

@@ -91,6 +91,7 @@ class Trainer:
         self.clock = GradReadyClock(model)
         self.metrics = MetricsWriter(out, env.is_main)
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
+        self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
         torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
         self.step_times: list[float] = []
         self.waits: list[float] = []
@@ -227,7 +228,8 @@ class Trainer:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
                  "model": self.ddp.module.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon, "signature": ckpt.model_signature(self.ddp.module),
+                 "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
+                 "compression_counts": self._compression_counts(), "signature": ckpt.model_signature(self.ddp.module),
                  "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
 
@@ -268,6 +270,7 @@ class Trainer:
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
         self._load_horizon(state)
+        self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
         ranks = state["ranks"]
         if len(ranks) == self.env.world:
             mine = ranks[self.env.rank]
@@ -295,6 +298,19 @@ class Trainer:
             console.print(f"LR schedule: horizon kept at {self.horizon} steps (this run has {self.steps}); "
                           "--reschedule fits it to the new total")
 
+    def _compression_counts(self) -> dict[str, int]:
+        """How often each codec ran, over the whole run: the hook counts only since this process started."""
+        counts = dict(self.counts_before)
+        for name, n in self.comm.stats().get("counts", {}).items():
+            counts[name] = counts.get(name, 0) + int(n)
+        return counts
+
+    def _compression_stats(self) -> dict:
+        stats = self.comm.stats()
+        if "counts" in stats:
+            stats["counts"] = self._compression_counts()
+        return stats
+
     # -- the end -------------------------------------------------------------------------------------
     def _finish(self) -> dict:
         totals = torch.tensor([float(self.comm.wire.bytes_sent)], dtype=torch.float64)
@@ -305,7 +321,7 @@ class Trainer:
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
-            "compression": self.comm.policy.describe(), "compression_stats": self.comm.stats(),
+            "compression": self.comm.policy.describe(), "compression_stats": self._compression_stats(),
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
             "precision": self.cfg.precision, "restarts": self.restarts, "lr_horizon": self.horizon,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),

@@ -14,7 +14,8 @@
 
 ``OUT/summary.json`` at the end: ``steps``, ``world_size``, ``wall_s``, ``val_loss`` (and
 ``val_accuracy`` / ``val_bpb``), ``bytes_sent_total`` (rank 0), ``bytes_sent_total_all_ranks``,
-``compression``, ``precision``, ``peak_memory_bytes``, ``precision_report`` (which layers run in
+``compression``, ``compression_stats`` (``counts`` over the whole run, resumes included), ``lr_horizon``,
+``precision``, ``peak_memory_bytes``, ``precision_report`` (which layers run in
 int8, the micro-batch plan under a memory budget), ``restarts``, ``workload`` info and the resolved
 ``config``.
 """
