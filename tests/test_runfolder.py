@@ -48,8 +48,8 @@ def test_restart_of_own_run_accepted_another_run_refused(tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     before = hashes(out)
     assert _kind_in_child(out, "torchrun-job-a") == "own"
-    assert _kind_in_child(out, "torchrun-job-b").startswith("out: folder '") and "already holds a run" in \
-        _kind_in_child(out, "torchrun-job-b")
+    assert _kind_in_child(out, "torchrun-job-b") == f"out: folder '{out}' already holds a run. Continue it with " \
+        f"--resume {out}, or pass another --out; nothing was changed."
     assert _kind_in_child(out, "torchrun-job-b", resume=out) == "continue"
     assert hashes(out) == before
 
@@ -70,13 +70,19 @@ def test_never_started_folder_is_taken_over_nonempty_refused(tmp_path):
     stale.mkdir()
     (stale / MARKER).write_text('{"run_id": "thinwire-old"}')
     (stale / "config.yaml").write_text("steps: 3\n")
-    assert RunFolder(_cfg(stale), "thinwire-new").kind == "taken over"
+    assert _kind_in_child(stale, "thinwire-new") == "taken over"
+    (stale / "hosts").mkdir()  # a --cluster launch whose workers were refused: host logs, no step
+    assert _kind_in_child(stale, "thinwire-new") == "taken over"
+    (stale / "metrics.jsonl").write_text("")
+    assert "already holds a run" in _kind_in_child(stale, "thinwire-new")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(ThinwireError, match=r"out: folder '.*other' is not empty \(it holds notes.txt\); a run "
                                             r"starts in a new or empty folder"):
         RunFolder(_cfg(other), "r1")
+    (other / "notes.txt").unlink()  # a refused folder is not left locked
+    assert RunFolder(_cfg(other), "r1").kind == "new"
     (tmp_path / "file").write_text("x")
     with pytest.raises(ThinwireError, match=r"out: '.*file' is a file, not a folder"):
         RunFolder(_cfg(tmp_path / "file"), "r1")

@@ -8,7 +8,7 @@ train`` running as a worker of the user's own ``torchrun``, at every start and r
 2. its marker ``OUT/.thinwire-run`` names this run: the run restarting (torchrun restarted its
    workers), which continues from its own latest checkpoint;
 3. ``--resume DIR`` with ``--out DIR`` (the default ``--out`` of a resume): the run continues in place;
-4. the folder holds only a marker and ``config.yaml``: a run was claimed there but never started
+4. the folder holds only a marker, ``config.yaml`` and ``hosts/``: a run was claimed there but never started
    (a launch that failed, a check inside a worker that refused it), and is taken over.
 
 Anything else is refused and left as it was. While the run writes, the process that claimed the
@@ -39,7 +39,7 @@ from thinwire.errors import ThinwireError
 
 MARKER = ".thinwire-run"
 RUN_FILES = (MARKER, "metrics.jsonl", "summary.json", "config.yaml", "checkpoints")
-NEVER_STARTED = {MARKER, "config.yaml"}  # what a run writes before its first record
+NEVER_STARTED = {MARKER, "config.yaml", "hosts"}  # what a run writes before its first record (hosts: --cluster logs)
 
 
 def new_run_id() -> str:
@@ -88,7 +88,11 @@ class RunFolder:
                                 "nothing was changed.")
         if self.out.is_dir():
             self._lock()
-        self.kind = _classify(cfg, self.out, run_id)
+        try:
+            self.kind = _classify(cfg, self.out, run_id)
+        except ThinwireError:
+            self.release()
+            raise
 
     def claim(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
