@@ -33,3 +33,72 @@ def test_report_writes_pngs(tmp_path):
 def test_report_refuses_folder_without_metrics(tmp_path):
     with pytest.raises(ThinwireError, match=r"report: '.*' holds no metrics.jsonl"):
         report([str(tmp_path)])
+
+
+# -- runs that are not clean: each is plotted, with one note of what was skipped -----------------------
+def _nonfinite(folder):
+    _run(folder, 1.0)
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    for i, bad in zip((5, 6, 7), ('null', '"inf"', '"-inf"')):  # how MetricsWriter writes NaN and inf
+        assert json.loads(lines[i])["step"] == i
+        lines[i] = lines[i].replace(f'"loss": {1.0 / i}', f'"loss": {bad}')
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _partial(folder):
+    _run(folder, 1.0)
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write('{"step": 41, "loss": 0.02, "samp')  # the run is writing this line right now
+
+
+def _no_steps(folder):
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"event": "start", "step": 0, "restart_count": 0}\n')
+
+
+def _non_utf8(folder):
+    _run(folder, 1.0)
+    with open(folder / "metrics.jsonl", "ab") as f:
+        f.write(b'\xff\xfe\x00garbage\n{"event": "resume", "step": 40, "from": "/runs/caf\xe9"}\n')
+
+
+@pytest.mark.parametrize("make, expected", [
+    (_nonfinite, "run nonfinite: skipped 3 non-finite losses"),
+    (_partial, "run partial: skipped 1 partial line"),
+    (_no_steps, "run no_steps: no step records with a finite loss to plot"),
+    (_non_utf8, "run non_utf8: skipped 2 non-UTF-8 lines"),
+])
+def test_report_plots_a_broken_run_and_notes_what_it_skipped(tmp_path, caplog, make, expected):
+    folder = tmp_path / make.__name__.strip("_")
+    make(folder)
+    before = (folder / "metrics.jsonl").read_bytes()
+    paths = report([str(folder)], str(tmp_path / "plots"))
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r.getMessage() for r in caplog.records if r.name == "thinwire.report"] == [expected]
+    assert (folder / "metrics.jsonl").read_bytes() == before
+
+
+def test_report_cli_prints_the_notes_never_a_traceback(tmp_path):
+    from tests.test_cli import thinwire
+
+    runs = []
+    for make in (_nonfinite, _partial, _no_steps, _non_utf8):
+        runs.append(tmp_path / make.__name__.strip("_"))
+        make(runs[-1])
+    _run(tmp_path / "clean", 1.0)
+    proc = thinwire("report", *map(str, runs), str(tmp_path / "clean"), "--out", str(tmp_path / "plots"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "plots" / "loss.png"), str(tmp_path / "plots" / "breakdown.png")]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("thinwire: run ")]
+    assert len(notes) == 4 and not any("clean" in n for n in notes), proc.stderr
+
+
+def test_scan_metrics_never_raises_on_content(tmp_path):
+    from thinwire.train.metrics import scan_metrics
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n' + b"[" * 100_000 + b"\n"
+                                             + b"7" * 5000 + b"\n[1, 2]\n{\"step\": 2, \"loss\": NaN}\n")
+    records, skipped = scan_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert skipped == {"unreadable line": 3}

@@ -43,6 +43,8 @@ def test_resume_is_bit_identical(tmp_path, nproc, compression):
         assert a["ranks"][0]["comm"]["residuals"]["params"], "top-k must have left residuals"
     events = [json.loads(l).get("event") for l in (split / "metrics.jsonl").read_text().splitlines()]
     assert events.count("resume") == 1
+    counts = [json.loads((o / "summary.json").read_text())["compression_stats"]["counts"] for o in (straight, split)]
+    assert counts[0] == counts[1] and sum(counts[0].values()) >= 12, counts  # the whole run, not the resumed part
 
 
 def _worker_pids(config: Path) -> list[int]:
@@ -91,3 +93,38 @@ def test_sigkill_worker_restarts_from_checkpoint(tmp_path):
     final = _final_model(out)
     assert final["step"] == 400 and len(final["ranks"]) == 2
     assert not list((out / "checkpoints").glob(".*.tmp"))
+
+
+def _lrs(out: Path) -> dict[int, float]:
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_resume_extending_steps_keeps_the_lr_horizon_unless_rescheduled(tmp_path):
+    """30 steps resumed to 40: the cosine of the first start goes on (steps 31-40 at its final LR, 10%);
+    with --reschedule each step gets the LR a straight 40-step run has (warm-up 20, cosine to 10%)."""
+    import math
+    import shutil
+
+    base = tmp_path / "base"
+    common = ["--workload", "digits", "--eval-every", "10", "--checkpoint-every", "10"]
+    first = thinwire("train", *common, "--steps", "30", "--out", str(base))
+    assert first.returncode == 0, first.stderr
+    kept, refit = tmp_path / "kept", tmp_path / "refit"
+    shutil.copytree(base, kept)
+    shutil.copytree(base, refit)
+    proc = thinwire("train", "--resume", str(kept), "--steps", "40")
+    assert proc.returncode == 0, proc.stderr
+    assert "horizon kept at 30 steps (this run has 40)" in proc.stdout
+    proc = thinwire("train", "--resume", str(refit), "--steps", "40", "--reschedule")
+    assert proc.returncode == 0, proc.stderr
+    lr, lr_kept, lr_refit = _lrs(base), _lrs(kept), _lrs(refit)
+    peak = lr[30] / 0.1
+    assert lr[30] == pytest.approx(0.0002) and peak == pytest.approx(0.002)  # the issue's numbers
+    for s in range(31, 41):
+        assert lr_kept[s] == pytest.approx(lr[30], rel=1e-12), s
+        straight = peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 20) / 20)))
+        assert lr_refit[s] == pytest.approx(straight, rel=1e-9), s
+    assert lr_refit[31] == pytest.approx(0.00096, rel=1e-3)
+    assert _final_model(kept)["lr_horizon"] == 30 and _final_model(refit)["lr_horizon"] == 40
+    assert json.loads((refit / "summary.json").read_text())["lr_horizon"] == 40

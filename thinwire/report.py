@@ -3,24 +3,101 @@
 * ``loss.png``: training loss (smoothed) and validation loss against step and against wall-clock
   time, one colour per run, so a compressed run can be compared with its fp32 control.
 * ``breakdown.png``: median step time of each run split into compute, communication wait and other.
+
+Any run can be plotted, finished, crashed or still being written: what cannot be drawn (a partial
+last line, a line that is not UTF-8 or not JSON, a non-finite loss written as ``null`` or ``"inf"``)
+is skipped, and each run with something skipped, or no step records at all, gets one note, logged as
+a warning (``thinwire report`` prints it): ``run NAME: skipped 1 partial line, 3 non-finite losses``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from thinwire.errors import ThinwireError
-from thinwire.train.metrics import read_metrics
+from thinwire.train.metrics import METRICS, scan_metrics
+
+log = logging.getLogger("thinwire.report")
+
+# how a note names n skipped things: (one, several)
+NOUNS = {"partial line": ("partial line", "partial lines"), "non-UTF-8 line": ("non-UTF-8 line", "non-UTF-8 lines"),
+         "unreadable line": ("unreadable line", "unreadable lines"),
+         "non-finite loss": ("non-finite loss", "non-finite losses"),
+         "non-finite val_loss": ("non-finite val_loss", "non-finite val_losses"),
+         "record without step or wall_s": ("record without step or wall_s", "records without step or wall_s")}
 
 
-def _runs(paths: list[str]) -> list[tuple[str, list[dict]]]:
-    runs = []
-    for p in paths:
-        records = read_metrics(Path(p))
-        if not records:
-            raise ThinwireError(f"report: {p!r} holds no metrics.jsonl with records. Pass the --out folder of a run.")
-        runs.append((Path(p).name, records))
+@dataclasses.dataclass
+class Run:
+    """What a plot can use of one run: (step, wall_s, loss) points and the step-time breakdown."""
+
+    name: str
+    train: list[tuple[float, float, float]]
+    val: list[tuple[float, float, float]]
+    times: list[tuple[float, float, float]]  # step_time_s, compute_s, comm_wait_s
+    skipped: Counter
+
+
+def _num(v) -> float | None:
+    """A finite number, or None (``null``, ``"inf"``, ``"nan"``, a string, a bool, a missing key)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _points(records: list[dict], key: str, skipped: Counter) -> list[tuple[float, float, float]]:
+    points = []
+    for r in records:
+        if key not in r:
+            continue
+        y, step, wall = _num(r[key]), _num(r.get("step")), _num(r.get("wall_s"))
+        if y is None:
+            skipped[f"non-finite {key}"] += 1
+        elif step is None or wall is None:
+            skipped["record without step or wall_s"] += 1
+        else:
+            points.append((step, wall, y))
+    return points
+
+
+def _times(records: list[dict]) -> list[tuple[float, float, float]]:
+    rows = [tuple(_num(r.get(k)) for k in ("step_time_s", "compute_s", "comm_wait_s")) for r in records
+            if "step_time_s" in r]
+    return [row for row in rows if None not in row]
+
+
+def read_run(path: str) -> Run:
+    folder = Path(path)
+    if not (folder / METRICS).is_file():
+        raise ThinwireError(f"report: {path!r} holds no metrics.jsonl. Pass the --out folder of a run.")
+    records, skipped = scan_metrics(folder)
+    return Run(folder.resolve().name or str(path), _points(records, "loss", skipped),
+               _points(records, "val_loss", skipped), _times(records), skipped)
+
+
+def note(run: Run) -> str | None:
+    """``run NAME: skipped 1 partial line, 3 non-finite losses; no step records``, or None."""
+    parts = [f"{n} {NOUNS[k][n != 1]}" for k, n in sorted(run.skipped.items())]
+    text = f"skipped {', '.join(parts)}" if parts else ""
+    if not run.train:
+        text += ("; " if text else "") + "no step records with a finite loss to plot"
+    return f"run {run.name}: {text}" if text else None
+
+
+def _runs(paths: list[str]) -> list[Run]:
+    runs = [read_run(p) for p in paths]
+    for run in runs:
+        if (text := note(run)) is not None:
+            log.warning(text)
     return runs
 
 
@@ -44,13 +121,12 @@ def report(paths: list[str], out: str | None = None) -> list[Path]:
     folder = Path(out or paths[0])
     folder.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (name, recs), color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
-        steps = [r for r in recs if "loss" in r and "step" in r]
-        vals = [r for r in recs if "val_loss" in r]
-        sm = _smooth([r["loss"] for r in steps], max(1, len(steps) // 50))
-        for ax, x in ((axes[0], "step"), (axes[1], "wall_s")):
-            ax.plot([r[x] for r in steps], sm, color=color, alpha=0.5, lw=1, label=f"{name} train")
-            ax.plot([r[x] for r in vals], [r["val_loss"] for r in vals], "o-", color=color, lw=2, ms=3, label=f"{name} val")
+    for run, color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
+        sm = _smooth([p[2] for p in run.train], max(1, len(run.train) // 50))
+        for ax, x in ((axes[0], 0), (axes[1], 1)):
+            ax.plot([p[x] for p in run.train], sm, color=color, alpha=0.5, lw=1, label=f"{run.name} train")
+            ax.plot([p[x] for p in run.val], [p[2] for p in run.val], "o-", color=color, lw=2, ms=3,
+                    label=f"{run.name} val")
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("wall-clock time (s)")
     for ax in axes:
@@ -66,13 +142,12 @@ def report(paths: list[str], out: str | None = None) -> list[Path]:
 
 def _breakdown(runs, folder: Path, plt) -> Path:
     names, parts = [], {"compute": [], "comm wait": [], "other": []}
-    for name, recs in runs:
-        steps = [r for r in recs if "step_time_s" in r]
-        med = {k: statistics.median(r[k] for r in steps) for k in ("step_time_s", "compute_s", "comm_wait_s")}
-        names.append(name)
-        parts["compute"].append(med["compute_s"] * 1e3)
-        parts["comm wait"].append(med["comm_wait_s"] * 1e3)
-        parts["other"].append(max(0.0, med["step_time_s"] - med["compute_s"] - med["comm_wait_s"]) * 1e3)
+    for run in runs:  # a run without step times gets an empty bar (its note says why)
+        med = [statistics.median(t[i] for t in run.times) if run.times else 0.0 for i in range(3)]
+        names.append(run.name)
+        parts["compute"].append(med[1] * 1e3)
+        parts["comm wait"].append(med[2] * 1e3)
+        parts["other"].append(max(0.0, med[0] - med[1] - med[2]) * 1e3)
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names) + 3), 4))
     bottom = [0.0] * len(names)
     for label, values in parts.items():

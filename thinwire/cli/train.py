@@ -9,13 +9,15 @@ from pathlib import Path
 
 from thinwire.errors import ThinwireError
 from thinwire.train import checkpoint as ckpt
+from thinwire.train import runfolder
 from thinwire.train.config import TrainConfig, load_train_config, save_config
 
 EPILOG = """examples:
   thinwire train                                   # charlm on the Python standard library, 1 process
   thinwire train --nproc 2 --compression int8      # 2 local workers, int8 gradients on the wire
   thinwire train --workload digits --steps 300 --out runs/digits
-  thinwire train --resume runs/digits --steps 600  # continue a run where it stopped
+  thinwire train --resume runs/digits --steps 600  # continue a run where it stopped (LR horizon kept)
+  thinwire train --resume runs/digits --steps 600 --reschedule  # ... with the LR schedule fit to 600 steps
   thinwire train --workload mypkg.mod:make --set model.width=64
 multi-node (run on every node; rank 0 writes the run folder):
   torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
@@ -32,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int, help="global batch per step, split evenly across workers")
     p.add_argument("--lr", type=float)
+    p.add_argument("--reschedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="on --resume with other --steps: fit the LR schedule to the new total (default: keep the "
+                        "horizon of the run's first start)")
     p.add_argument("--nproc", type=int, help="local worker processes (default 1)")
     p.add_argument("--max-restarts", type=int, help="restart all workers up to K times after a failure")
     p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
@@ -51,7 +56,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-FLAGS = ("workload", "data", "steps", "batch_size", "lr", "nproc", "max_restarts", "out", "resume", "compression",
+FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan")
 
@@ -60,23 +65,29 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.train.distenv import read_env
 
     cfg = resolve_config(args)
-    if read_env().launched:  # under the user's torchrun: this process is a worker
-        return _train_here(cfg, save=read_env().rank == 0)
-    preflight(cfg)
-    out = Path(cfg.out)
+    env = read_env()
+    if env.launched:  # under the user's torchrun: this process is a worker
+        return _train_as_worker(cfg, env)
+    folder = preflight(cfg, runfolder.new_run_id())
+    _prepare(cfg, folder)
     if cfg.cluster:
         from thinwire.cluster.launch import launch_cluster
 
-        _prepare(cfg, out)
-        launch_cluster(cfg, out / "config.yaml")
+        launch_cluster(cfg, Path(cfg.out) / "config.yaml")
         return 0
     if cfg.nproc == 1 and cfg.max_restarts == 0:
-        return _train_here(cfg, save=True)
+        return _train_here(cfg)
     from thinwire.train.launch import launch_local
 
-    _prepare(cfg, out)
-    launch_local(cfg, out / "config.yaml")
+    launch_local(cfg, Path(cfg.out) / "config.yaml")  # this process keeps the folder's lock while they run
     return 0
+
+
+def _train_as_worker(cfg: TrainConfig, env) -> int:
+    """Rank 0 writes the run folder, so it runs the same checks as the CLI's own launch, at every (re)start."""
+    if env.rank == 0:
+        _prepare(cfg, preflight(cfg, runfolder.torchrun_run_id(), world=env.world))
+    return _train_here(cfg)
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
@@ -94,35 +105,41 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Every check that can fail before a worker starts, so bad input never leaves half a run."""
-    from thinwire.compress.spec import parse_codec_spec
+def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfolder.RunFolder:
+    """Every check that can fail before a worker starts, so bad input never leaves half a run.
+
+    Returns the run folder, checked and locked for ``run_id`` but not yet written (see
+    :mod:`thinwire.train.runfolder`)."""
     from thinwire.train.loop import check_batch, resolve
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(cfg.workload)
-    if cfg.compression.startswith("torch:"):
-        from thinwire.train.peers import parse_peer
-
-        parse_peer(cfg.compression)
-    else:
-        from thinwire.api import resolve_codec
-
-        codec = resolve_codec(cfg.compression)  # "auto" builds its policy, which checks its options
-        if isinstance(codec, str):
-            parse_codec_spec(codec)
+    _check_compression(cfg)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     if cfg.plan:
         _check_plan(cfg)
     else:
-        check_batch(batch, _world_size(cfg))
-    out = Path(cfg.out)
+        check_batch(batch, world or _world_size(cfg))
+    folder = runfolder.RunFolder(cfg, run_id)
     if cfg.resume:
         _check_resume(cfg, wl)
-    elif (out / "metrics.jsonl").exists() or ckpt.latest(out):
-        raise ThinwireError(f"out: folder {str(out)!r} already holds a run. Continue it with --resume {out}, "
-                            "or pass another --out; nothing was changed.")
+    return folder
+
+
+def _check_compression(cfg: TrainConfig) -> None:
+    from thinwire.compress.spec import parse_codec_spec
+
+    if cfg.compression.startswith("torch:"):
+        from thinwire.train.peers import parse_peer
+
+        parse_peer(cfg.compression)
+        return
+    from thinwire.api import resolve_codec
+
+    codec = resolve_codec(cfg.compression)  # "auto" builds its policy, which checks its options
+    if isinstance(codec, str):
+        parse_codec_spec(codec)
 
 
 def _check_plan(cfg: TrainConfig) -> None:
@@ -152,16 +169,13 @@ def _check_resume(cfg: TrainConfig, wl) -> None:
     ckpt.check_signature(found, state["signature"], ckpt.model_signature(wl.model))
 
 
-def _prepare(cfg: TrainConfig, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+def _prepare(cfg: TrainConfig, folder: runfolder.RunFolder) -> None:
+    folder.claim()  # the marker first: from here on the folder is this run's
+    save_config(cfg, folder.out / "config.yaml")
 
 
-def _train_here(cfg: TrainConfig, save: bool) -> int:
+def _train_here(cfg: TrainConfig) -> int:
     from thinwire.train.loop import train
 
-    out = Path(cfg.out)
-    if save:
-        _prepare(cfg, out)
-    train(cfg, out)
+    train(cfg, Path(cfg.out))
     return 0

@@ -25,6 +25,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 20              # linear LR warm-up, then cosine decay to 10%
     schedule: Literal["cosine", "constant"] = "cosine"
+    # a resume keeps the horizon (total steps) the schedule had at the run's first start; true: the
+    # horizon becomes this launch's steps, the LR of each step then being a straight run's of that length
+    reschedule: bool = False
     grad_clip: float | None = 1.0
     seed: int = 0
     eval_every: int = 100

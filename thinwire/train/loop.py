@@ -85,11 +85,13 @@ class Trainer:
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
         self.clock = GradReadyClock(model)
         self.metrics = MetricsWriter(out, env.is_main)
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
+        self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
         torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
         self.step_times: list[float] = []
         self.waits: list[float] = []
@@ -113,7 +115,7 @@ class Trainer:
             return (step + 1) / warm
         if self.cfg.schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warm) / max(1, self.steps - warm))
+        progress = min(1.0, (step - warm) / max(1, self.horizon - warm))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     # -- the run -------------------------------------------------------------------------------------
@@ -226,7 +228,8 @@ class Trainer:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
                  "model": self.ddp.module.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "signature": ckpt.model_signature(self.ddp.module),
+                 "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
+                 "compression_counts": self._compression_counts(), "signature": ckpt.model_signature(self.ddp.module),
                  "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
 
@@ -249,7 +252,9 @@ class Trainer:
     def _resume_source(self) -> Path | None:
         if not self.env.is_main:
             return None
-        if self.env.restart_count > 0 and ckpt.latest(self.out):
+        # The run folder was checked before anything was written (thinwire.train.runfolder): it is new,
+        # this run's own (restarted), or the folder being resumed in place; a checkpoint there is ours.
+        if ckpt.latest(self.out):
             return ckpt.latest(self.out)
         if self.cfg.resume:
             found = ckpt.latest(Path(self.cfg.resume))
@@ -264,6 +269,8 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
+        self._load_horizon(state)
+        self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
         ranks = state["ranks"]
         if len(ranks) == self.env.world:
             mine = ranks[self.env.rank]
@@ -277,6 +284,33 @@ class Trainer:
             console.print(f"[yellow]checkpoint has {len(ranks)} ranks, this job {self.env.world}: "
                           "error-feedback residuals and RNG streams start fresh[/yellow]")
 
+    def _load_horizon(self, state: dict) -> None:
+        """Keep the schedule's horizon from the first start, or fit it to this launch's steps (reschedule).
+
+        Checkpoints from before ``lr_horizon`` existed: the steps their run was configured with."""
+        saved = int(state.get("lr_horizon") or state["config"].get("steps") or self.wl.steps)
+        self.horizon = self.steps if self.cfg.reschedule else saved
+        if self.horizon != saved:  # the next step's LR as a straight run of the new length has it
+            for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
+                group["lr"] = base * self._lr_factor(self.step)
+            self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]
+        if self.env.is_main and self.horizon != self.steps and self.cfg.schedule == "cosine":
+            console.print(f"LR schedule: horizon kept at {self.horizon} steps (this run has {self.steps}); "
+                          "--reschedule fits it to the new total")
+
+    def _compression_counts(self) -> dict[str, int]:
+        """How often each codec ran, over the whole run: the hook counts only since this process started."""
+        counts = dict(self.counts_before)
+        for name, n in self.comm.stats().get("counts", {}).items():
+            counts[name] = counts.get(name, 0) + int(n)
+        return counts
+
+    def _compression_stats(self) -> dict:
+        stats = self.comm.stats()
+        if "counts" in stats:
+            stats["counts"] = self._compression_counts()
+        return stats
+
     # -- the end -------------------------------------------------------------------------------------
     def _finish(self) -> dict:
         totals = torch.tensor([float(self.comm.wire.bytes_sent)], dtype=torch.float64)
@@ -287,9 +321,9 @@ class Trainer:
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
-            "compression": self.comm.policy.describe(), "compression_stats": self.comm.stats(),
+            "compression": self.comm.policy.describe(), "compression_stats": self._compression_stats(),
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
-            "precision": self.cfg.precision, "restarts": self.restarts,
+            "precision": self.cfg.precision, "restarts": self.restarts, "lr_horizon": self.horizon,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},

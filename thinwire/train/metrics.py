@@ -14,7 +14,8 @@
 
 ``OUT/summary.json`` at the end: ``steps``, ``world_size``, ``wall_s``, ``val_loss`` (and
 ``val_accuracy`` / ``val_bpb``), ``bytes_sent_total`` (rank 0), ``bytes_sent_total_all_ranks``,
-``compression``, ``precision``, ``peak_memory_bytes``, ``precision_report`` (which layers run in
+``compression``, ``compression_stats`` (``counts`` over the whole run, resumes included), ``lr_horizon``,
+``precision``, ``peak_memory_bytes``, ``precision_report`` (which layers run in
 int8, the micro-batch plan under a memory budget), ``restarts``, ``workload`` info and the resolved
 ``config``.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from pathlib import Path
 
 METRICS = "metrics.jsonl"
@@ -62,7 +64,42 @@ def write_summary(out: Path, summary: dict) -> None:
 
 
 def read_metrics(out: Path) -> list[dict]:
+    """The readable records of ``OUT/metrics.jsonl`` (none without one); see :func:`scan_metrics`."""
+    return scan_metrics(out)[0]
+
+
+def scan_metrics(out: Path) -> tuple[list[dict], Counter]:
+    """Every readable record of ``OUT/metrics.jsonl``, and how many lines were skipped, by reason.
+
+    Reads a run finished, crashed or still being written, never raising on its content: a last line
+    cut short (the run is writing it) is a ``partial line``, a line that is not UTF-8 a ``non-UTF-8
+    line``, anything else that is not one JSON object an ``unreadable line``. Values are as written:
+    a non-finite number is ``null`` (NaN) or a string such as ``"inf"``.
+    """
     path = Path(out) / METRICS
+    records: list[dict] = []
+    skipped: Counter = Counter()
     if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return records, skipped
+    lines = path.read_bytes().split(b"\n")  # after a final newline the last item is b""
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        record, why = _parse_line(raw)
+        if why:
+            skipped["partial line" if why == "unreadable line" and i == len(lines) - 1 else why] += 1
+        else:
+            records.append(record)
+    return records, skipped
+
+
+def _parse_line(raw: bytes) -> tuple[dict | None, str]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "non-UTF-8 line"
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer of thousands of digits
+        return None, "unreadable line"
+    return (record, "") if isinstance(record, dict) else (None, "unreadable line")
