@@ -25,7 +25,7 @@ from thinwire.errors import MAX_MESSAGE, ThinwireError
 from thinwire.measure.file import load_profile
 from thinwire.plan.planfile import read_plan
 from thinwire.train.config import load_train_config
-from thinwire.train.peers import parse_peer
+from thinwire.commspec import parse_comm_spec
 from thinwire.workloads.registry import check_workload_name
 
 EXAMPLES = {"config": 900, "set": 700, "codec": 700, "cluster": 800, "plan": 600, "profile": 600,
@@ -140,7 +140,7 @@ CODEC_TEXT = st.one_of(
 @fuzz("codec")
 @given(CODEC_TEXT)
 def test_codec_specs(text):
-    clean(parse_peer if text.startswith("torch:") else parse_codec_spec, text)
+    clean(parse_comm_spec, text)
 
 
 @fuzz("cluster")

@@ -17,7 +17,7 @@ from thinwire.measure.file import load_profile
 from thinwire.plan.planfile import cluster_fingerprint, load_plan, read_plan, workload_fingerprint
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import load_train_config
-from thinwire.train.peers import parse_peer
+from thinwire.commspec import parse_comm_spec
 from thinwire.workloads.registry import check_workload_name
 
 
@@ -100,8 +100,10 @@ def test_train_config_refuses(overrides, sets, match):
 
 
 def test_set_values_are_yaml_1_2_scalars():
-    cfg = load_train_config(None, {}, ["lr=1e-3", "compression=off", "model.width=64", "data=corpus.txt"])
-    assert (cfg.lr, cfg.compression, cfg.model, cfg.data) == (0.001, "off", {"width": 64}, "corpus.txt")
+    cfg = load_train_config(None, {}, ["lr=1e-3", "compression=int8", "model.width=64", "data=corpus.txt"])
+    assert (cfg.lr, cfg.compression, cfg.model, cfg.data) == (0.001, "int8", {"width": 64}, "corpus.txt")
+    with pytest.raises(ConfigError, match=r"compression: must be one of none, .*got 'off'"):  # a string, not False
+        load_train_config(None, {}, ["compression=off"])
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -230,7 +232,7 @@ def test_bad_workload_names(name):
 ])
 def test_torch_peer_specs(spec_text, match):
     with pytest.raises(ConfigError, match=match):
-        parse_peer(spec_text)
+        parse_comm_spec(spec_text)
 
 
 @pytest.mark.parametrize("spec_text, match", [

@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"sim"},                                # pricing inputs and `thinwire simulate`
     {"plan"},                               # the offline planner and plan files
     {"auto"},                               # the online policy
+    {"commspec"},                           # --compression parsed once into a typed spec
     {"api"},                                # thinwire.attach
     {"train"},                              # the loop, checkpoints, launching (also onto the emulator)
     {"report", "validation"},               # read runs back; run simulated configurations for real

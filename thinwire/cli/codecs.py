@@ -1,17 +1,16 @@
-"""``thinwire codecs``: the codecs, their parameters, defaults and allowed ranges."""
+"""``thinwire codecs``: every form of ``--compression``: the codecs with their parameters, defaults and
+allowed ranges, ``auto`` and PyTorch's own hooks."""
 
 from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("codecs", help="list gradient codecs and their parameters")
+    p = sub.add_parser("codecs", help="list every form of --compression: codecs and their parameters, auto, torch:*")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from thinwire.compress.spec import codec_help
+    from thinwire.commspec import comm_help
 
-    print(codec_help())
-    print("auto: pick the codec per bucket from the measured link and compute (thinwire.auto)")
-    print("PyTorch's own hooks, for comparison: torch:none, torch:fp16, torch:bf16, torch:powersgd:rank=R")
+    print(comm_help())
     return 0

@@ -84,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
     check_workload_name(args.workload)
     model = model_options(args.set)
     spec = load_cluster_spec(args.cluster)
-    from thinwire.compress.spec import parse_codec_spec
+    from thinwire.commspec import CodecSpec, parse_comm_spec
 
-    parse_codec_spec(args.compression)
+    comm = parse_comm_spec(args.compression)
+    check(isinstance(comm, CodecSpec), "--compression", args.compression, "a codec spec such as bf16 or int8",
+          "simulate prices one codec on every bucket; for auto's choice run `thinwire plan`.")
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     check(args.validate or not args.recompute, "--recompute", True, "used with --validate",
           "Add --validate, or drop --recompute (it re-measures the step before each real run).")

@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, help="restart all workers up to K times after a failure")
     p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
-    p.add_argument("--compression", help="codec spec, e.g. int8, topk:ratio=0.01, powersgd:rank=4")
+    p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
+                   "torch:none|fp16|bf16|powersgd:rank=R (PyTorch's own hooks); see `thinwire codecs`")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
     p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
@@ -128,18 +129,11 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
 
 
 def _check_compression(cfg: TrainConfig) -> None:
-    from thinwire.compress.spec import parse_codec_spec
+    """The spec was parsed with the config; building its policy checks what only the policy knows."""
+    from thinwire.commspec import TorchSpec
 
-    if cfg.compression.startswith("torch:"):
-        from thinwire.train.peers import parse_peer
-
-        parse_peer(cfg.compression)
-        return
-    from thinwire.api import resolve_codec
-
-    codec = resolve_codec(cfg.compression)  # "auto" builds its policy, which checks its options
-    if isinstance(codec, str):
-        parse_codec_spec(codec)
+    if not isinstance(cfg.comm, TorchSpec):
+        cfg.comm.policy()
 
 
 def _check_plan(cfg: TrainConfig) -> None:

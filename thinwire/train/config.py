@@ -1,7 +1,8 @@
 """The training run's config: one typed dataclass, loaded from YAML with CLI overrides.
 
 Only the trainer reads this. Components own their own sections: ``model:`` is validated by the
-workload's config (``CharLMConfig``, ``DigitsConfig``), ``compression`` by the codec registry.
+workload's config (``CharLMConfig``, ``DigitsConfig``), ``compression`` into a typed spec
+(:func:`thinwire.commspec.parse_comm_spec`, kept as ``TrainConfig.comm``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class TrainConfig:
               "a path to a text file or folder", "Leave --data out to use the default corpus.")
         if self.memory_budget is not None:
             _check_size("memory_budget", self.memory_budget)
+        from thinwire.commspec import parse_comm_spec
+
+        self.comm = parse_comm_spec(self.compression)  # parsed once; below this, nobody reads the string
 
     def _check_counts(self) -> None:
         for name, lo, hi in _COUNTS:

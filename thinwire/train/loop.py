@@ -27,7 +27,8 @@ from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
-from thinwire.train.peers import PeerComm, is_peer, peer_bucket_mb
+from thinwire.commspec import TorchSpec
+from thinwire.train.peers import PeerComm
 from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
@@ -50,6 +51,10 @@ def train(cfg: TrainConfig, out: Path) -> dict:
 
 def resolve(cfg: TrainConfig, wl) -> tuple[int, int, float]:
     return cfg.steps or wl.steps, cfg.batch_size or wl.batch_size, cfg.lr or wl.lr
+
+
+def _bucket_mb(cfg: TrainConfig) -> float:
+    return cfg.comm.bucket_mb(cfg.bucket_mb) if isinstance(cfg.comm, TorchSpec) else cfg.bucket_mb
 
 
 def check_batch(batch: int, world: int) -> None:
@@ -81,7 +86,7 @@ class Trainer:
             optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=cfg.weight_decay), clip=cfg.grad_clip)
         if self.planned:
             self.prec.micro_sizes = self.planned.micro_sizes(env.rank)
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=peer_bucket_mb(cfg.compression, cfg.bucket_mb),
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=_bucket_mb(cfg),
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
@@ -98,8 +103,8 @@ class Trainer:
         self.last_val: dict = {}
 
     def _attach_comm(self):
-        if is_peer(self.cfg.compression):  # PyTorch's own hooks, for head-to-head benchmarks
-            return PeerComm(self.ddp, self.cfg.compression)
+        if isinstance(self.cfg.comm, TorchSpec):  # PyTorch's own hooks, for head-to-head benchmarks
+            return PeerComm(self.ddp, self.cfg.comm)
         # The world group, not a new one: after an elastic restart a new group's store keys can still
         # hold the dead workers' addresses. Safe here because the loop issues its own collectives only
         # between steps, when DDP has waited for every bucket.
@@ -107,7 +112,7 @@ class Trainer:
                       process_group=dist.group.WORLD)
         if self.planned:
             return self.planned.attach(self.ddp, **kwargs)
-        return attach(self.ddp, self.cfg.compression, **kwargs)
+        return attach(self.ddp, self.cfg.comm, **kwargs)
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps

@@ -18,37 +18,13 @@ PowerSGD, from PyTorch's own rule of which tensors it compresses.
 
 from __future__ import annotations
 
-import re
-
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
+from thinwire.commspec import TorchSpec
 from thinwire.compress.wire import ring_allreduce_bytes
-from thinwire.errors import ConfigError
-
-PEERS = ("torch:none", "torch:fp16", "torch:bf16", "torch:powersgd")
-_RANK = re.compile(r"[0-9]{1,6}", re.ASCII)  # ASCII digits only: str.isdigit() also accepts '²'
-MAX_RANK = 4096
-
-
-def is_peer(spec: str) -> bool:
-    return spec.startswith("torch:")
-
-
-def parse_peer(spec: str) -> tuple[str, int]:
-    name, _, params = spec.partition(":")[2].partition(":")
-    rank = 1
-    if name == "powersgd" and params:
-        key, _, value = params.partition("=")
-        if key != "rank" or not _RANK.fullmatch(value) or not 1 <= int(value) <= MAX_RANK:
-            raise ConfigError("compression", spec, f"torch:powersgd:rank=R with an integer R in [1, {MAX_RANK}]")
-        rank = int(value)
-    elif f"torch:{name}" not in PEERS or params:
-        raise ConfigError("compression", spec, "one of " + ", ".join(PEERS) + " (PowerSGD takes :rank=R)")
-    return name, rank
-
 
 class _Counter:
     def __init__(self, world: int) -> None:
@@ -66,9 +42,9 @@ class _Policy:
 class PeerComm:
     """PyTorch's hook (or none) behind the interface the trainer uses for thinwire's ``CommState``."""
 
-    def __init__(self, model: DistributedDataParallel, spec: str) -> None:
-        self.name, self.rank = parse_peer(spec)
-        self.policy = _Policy(spec)
+    def __init__(self, model: DistributedDataParallel, spec: TorchSpec) -> None:
+        self.name, self.rank = spec.hook, spec.rank
+        self.policy = _Policy(spec.text)
         self.wire = _Counter(dist.get_world_size())
         self.psgd_state = None
         self.step = 0
@@ -130,8 +106,3 @@ class PeerComm:
 
     def close(self) -> None:
         pass
-
-
-def peer_bucket_mb(spec: str, default: float) -> float:
-    """PyTorch's PowerSGD hook needs a single DDP bucket on gloo."""
-    return 1e5 if spec.startswith("torch:powersgd") else default

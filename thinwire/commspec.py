@@ -1,0 +1,142 @@
+"""The communication spec: how gradients travel, parsed once from ``--compression`` (or ``compression:``
+in a config, or the string given to :func:`thinwire.attach`) into one typed object.
+
+==========================  =============  ======================================================
+form                        object         what runs
+==========================  =============  ======================================================
+``int8``, ``topk:ratio=…``  :class:`CodecSpec`   thinwire's hook with that codec on every bucket
+``auto``, ``auto:k=v,…``    :class:`AutoSpec`    thinwire's hook, the codec chosen per bucket online
+``torch:none|fp16|bf16``,   :class:`TorchSpec`   PyTorch's own DDP communication (the peers thinwire
+``torch:powersgd:rank=R``                        is measured against)
+==========================  =============  ======================================================
+
+Below this module nobody reads the string again: the trainer, ``attach`` and the CLI receive the
+object. A sync mode (local SGD, DiLoCo, gossip) is a new form with its own object here.
+
+    >>> parse_comm_spec("int8:block=64").text, parse_comm_spec("torch:powersgd:rank=4").rank
+    ('int8:block=64', 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Literal, Union
+
+from thinwire.auto import AutoConfig, AutoPolicy, parse_auto_spec
+from thinwire.compress.codecs.base import Codec
+from thinwire.compress.hook import Policy, StaticPolicy
+from thinwire.compress.spec import REGISTRY, codec_help, parse_codec_spec, spec_string
+from thinwire.errors import ConfigError
+
+TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd")
+MAX_RANK = 4096
+_RANK = re.compile(r"[0-9]{1,6}", re.ASCII)  # ASCII digits only: str.isdigit() also accepts '²'
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """One codec for every bucket, through thinwire's hook."""
+
+    codec: Codec
+
+    @property
+    def text(self) -> str:
+        return spec_string(self.codec)
+
+    def policy(self) -> Policy:
+        return StaticPolicy(self.codec)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """``auto``: the codec of each bucket chosen online (:mod:`thinwire.auto`)."""
+
+    config: AutoConfig
+    text: str
+
+    def policy(self) -> Policy:
+        return AutoPolicy(self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchSpec:
+    """PyTorch's own DDP communication: no hook, or one of its ``default_hooks`` / ``powerSGD_hook``."""
+
+    hook: Literal["none", "fp16", "bf16", "powersgd"]
+    rank: int = 1
+
+    @property
+    def text(self) -> str:
+        return f"torch:{self.hook}" + (f":rank={self.rank}" if self.hook == "powersgd" else "")
+
+    def bucket_mb(self, default: float) -> float:
+        """PyTorch's PowerSGD hook aborts on gloo with more than one DDP bucket: it gets one."""
+        return 1e5 if self.hook == "powersgd" else default
+
+
+CommSpec = Union[CodecSpec, AutoSpec, TorchSpec]
+
+
+def parse_comm_spec(text: str) -> CommSpec:
+    """Any form of the table above to its object; a mistake names every valid form."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("compression", text, "a codec spec, auto[:...] or torch:HOOK", _fix())
+    head = text.partition(":")[0].strip().lower()
+    parse = _FORMS.get(head)
+    if parse is not None:
+        return parse(text.strip())
+    if head not in REGISTRY.names():
+        raise ConfigError("compression", text, "one of " + ", ".join(forms()), _fix())
+    return CodecSpec(parse_codec_spec(text))
+
+
+def _auto(text: str) -> AutoSpec:
+    return AutoSpec(parse_auto_spec(text), text)
+
+
+def _torch(text: str) -> TorchSpec:
+    hook, _, params = text.partition(":")[2].partition(":")
+    hook = hook.strip().lower()
+    if hook not in TORCH_HOOKS:
+        raise ConfigError("compression", text, "torch:" + "|".join(TORCH_HOOKS) + " (powersgd takes :rank=R)")
+    if not params:
+        return TorchSpec(hook)
+    key, _, value = (t.strip() for t in params.partition("="))
+    if hook != "powersgd" or key != "rank" or not _RANK.fullmatch(value) or not 1 <= int(value) <= MAX_RANK:
+        raise ConfigError("compression", text, f"torch:powersgd:rank=R with an integer R in [1, {MAX_RANK}]",
+                          f"torch:{hook} takes no parameters." if hook != "powersgd" else "")
+    return TorchSpec(hook, int(value))
+
+
+_FORMS: dict[str, Callable[[str], CommSpec]] = {"auto": _auto, "torch": _torch}
+
+
+def forms() -> list[str]:
+    """Every valid head of a communication spec: the registered codecs, ``auto``, ``torch:HOOK``."""
+    return [*REGISTRY.names(), "auto", *(f"torch:{h}" for h in TORCH_HOOKS)]
+
+
+def _fix() -> str:
+    return "E.g. int8, topk:ratio=0.01, auto, torch:bf16; `thinwire codecs` lists every codec's parameters."
+
+
+def comm_help() -> str:
+    """``thinwire codecs``: the codec table, then the other forms."""
+    auto = ", ".join(f.name for f in dataclasses.fields(AutoConfig))
+    return "\n".join([
+        codec_help(), "",
+        f"auto[:key=value,...]    pick the codec per bucket from the measured link and compute; keys: {auto}",
+        "torch:none|fp16|bf16    PyTorch's own DDP communication (plain DDP, its fp16/bf16 hooks), as peers",
+        "torch:powersgd:rank=R   PyTorch's PowerSGD hook",
+    ])
+
+
+def as_policy(spec: CommSpec | str) -> Policy:
+    """What :func:`thinwire.compress.hook.attach` runs for ``spec``; a PyTorch peer has no thinwire policy."""
+    spec = parse_comm_spec(spec) if isinstance(spec, str) else spec
+    if isinstance(spec, TorchSpec):
+        raise ConfigError("codec", spec.text, "a thinwire codec or auto",
+                          "PyTorch's hooks are registered with model.register_comm_hook; "
+                          "`thinwire train --compression torch:...` runs them as peers.")
+    return spec.policy()
