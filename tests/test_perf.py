@@ -205,28 +205,6 @@ def test_perf_imports_no_other_thinwire_layer():
                 assert name.split(".")[0] not in ("torch", "numpy"), f"{path.name} imports {name}: keep perf/ pure"
 
 
-def _thinwire_imports(path):
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        yield from (n for n in names if n.startswith("thinwire"))
-
-
-def test_auto_sits_above_pricing_and_below_train():
-    """auto/ builds on compress, perf, sim, measure and the planner's pure search; only the
-    public API, the trainer and the CLI import it."""
-    above = ("thinwire.auto", "thinwire.compress", "thinwire.perf", "thinwire.sim", "thinwire.plan.choose",
-             "thinwire.config", "thinwire.errors")
-    for path in (ROOT / "thinwire" / "auto").glob("*.py"):
-        for name in _thinwire_imports(path):
-            assert name.startswith(above), f"auto/{path.name} imports {name}"
-    for path in (ROOT / "thinwire").rglob("*.py"):
-        rel = path.relative_to(ROOT / "thinwire").as_posix()
-        if rel.startswith(("auto/", "train/", "cli/")) or rel == "api.py":
-            continue
-        assert not any(n.startswith("thinwire.auto") for n in _thinwire_imports(path)), f"{rel} imports auto"
-
-
 # ---- the step model -----------------------------------------------------------------------------------
 
 def _step(p, rate_bps, codec=None, buckets=None):

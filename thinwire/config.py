@@ -101,38 +101,33 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
     return _scalar(tp, value, field)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# annotation -> (accepts the value, what is allowed, the value as the field holds it)
+_SCALARS: dict[Any, tuple[Any, str, Any]] = {
+    Any: (lambda v: True, "", lambda v: v),
+    dict: (lambda v: isinstance(v, dict), "a mapping", lambda v: v),
+    bool: (lambda v: isinstance(v, bool), "true or false", lambda v: v),
+    int: (lambda v: _is_int(v) and abs(v) < 2**63, "an integer", lambda v: v),
+    float: (lambda v: (_is_int(v) or isinstance(v, float)) and _finite(v), "a finite number", float),
+    str: (lambda v: isinstance(v, str), "a string", lambda v: v),
+    Path: (lambda v: isinstance(v, (str, Path)), "a path", Path),
+}
+
+
 def _scalar(tp: Any, value: Any, field: str) -> Any:
-    if tp is Any:
-        return value
-    if tp is dict:
-        if isinstance(value, dict):
-            return value
-        raise ConfigError(field, value, "a mapping")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(field, value, "true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
-            return value
-        raise ConfigError(field, value, "an integer" if not isinstance(value, int) else "an integer of 64 bits")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
-            return float(value)
-        raise ConfigError(field, value, "a finite number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(field, value, "a string")
-    if tp is Path:
-        if isinstance(value, (str, Path)):
-            return Path(value)
-        raise ConfigError(field, value, "a path")
-    raise TypeError(f"config field {field}: unsupported annotation {tp!r}")  # a bug, not user input
+    if tp not in _SCALARS:
+        raise TypeError(f"config field {field}: unsupported annotation {tp!r}")  # a bug, not user input
+    accepts, allowed, convert = _SCALARS[tp]
+    if accepts(value):
+        return convert(value)
+    raise ConfigError(field, value, "an integer of 64 bits" if tp is int and _is_int(value) else allowed)
 
 
 def _is_scalar(tp: Any) -> bool:
-    return tp in (bool, int, float, str, Path, Any)
+    return tp in _SCALARS and tp is not dict
 
 
 def _finite(value: int | float) -> bool:
@@ -345,3 +340,22 @@ def load_yaml(path: str | Path, *, what: str = "config file") -> dict:
     if not isinstance(data, dict):
         raise ConfigError(label, type(data).__name__, "a mapping of field: value")
     return data
+
+
+def save_yaml(obj: Any, path: str | Path) -> Path:
+    """Write config dataclass ``obj`` as YAML, atomically: a temporary file in the same folder, then a
+    rename, so a crash leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(dump_yaml(to_dict(obj)))
+    tmp.replace(path)
+    return path
+
+
+def load_dataclass(cls: type[T], path: str | Path, *, what: str, make: str) -> T:
+    """A ``cls`` read and checked from YAML file ``path``; a missing file says how to ``make`` one."""
+    if not Path(path).is_file():
+        raise ThinwireError(f"{what}: file {short(str(path))} does not exist. {make}")
+    return from_dict(cls, load_yaml(path, what=what), where=what)
+

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, to_dict
+from thinwire.config import check, check_range, load_dataclass, save_yaml
 from thinwire.errors import ThinwireError
 
 VERSION = 1
@@ -158,16 +158,10 @@ class Profile:
 
 
 def save_profile(profile: Profile, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_yaml(to_dict(profile)))
-    return path
+    return save_yaml(profile, path)
 
 
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; a missing file says how to make one."""
-    if not Path(path).is_file():
-        raise ThinwireError(f"profile: file {str(path)!r} does not exist. Make one with "
-                            f"`thinwire profile --workload W --out {path}`, or leave --profile out to measure now.")
-    data = load_yaml(path, what="profile")
-    return from_dict(Profile, data, where="profile")
+    return load_dataclass(Profile, path, what="profile", make=f"Make one with `thinwire profile --workload W --out "
+                          f"{path}`, or leave --profile out to measure now.")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 from thinwire.compress.hook import Policy
-from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, to_dict
+from thinwire.config import check, check_range, load_dataclass, save_yaml
 from thinwire.errors import ConfigError, ThinwireError
 
 log = logging.getLogger("thinwire.plan")
@@ -301,18 +301,13 @@ def workload_fingerprint(workload: str, model: dict) -> str:
 
 # -- reading and writing --------------------------------------------------------------------------
 def save_plan(plan: Plan, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_yaml(to_dict(plan)))
-    return path
+    return save_yaml(plan, path)
 
 
 def read_plan(path: str | Path) -> Plan:
     """Read a plan file without checking it against a cluster or workload."""
-    if not Path(path).is_file():
-        raise ThinwireError(f"plan: file {str(path)!r} does not exist. Make one with "
-                            f"`thinwire plan --cluster SPEC --workload W --out {path}`.")
-    return from_dict(Plan, load_yaml(path, what="plan"), where="plan")
+    return load_dataclass(Plan, path, what="plan",
+                          make=f"Make one with `thinwire plan --cluster SPEC --workload W --out {path}`.")
 
 
 def load_plan(path: str | Path, spec, workload_name: str, model_options: dict, *,

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from thinwire.config import check, check_range, dump_yaml, from_dict, load_yaml, parse_value
+from thinwire.config import check, check_range, from_dict, load_yaml, parse_value, save_yaml
 from thinwire.errors import ConfigError
 
 
@@ -129,6 +129,4 @@ def load_train_config(path: str | None, overrides: dict, sets: list[str]) -> Tra
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
-    from thinwire.config import to_dict
-
-    path.write_text(dump_yaml(to_dict(cfg)))
+    save_yaml(cfg, path)
