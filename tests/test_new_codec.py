@@ -132,3 +132,54 @@ def test_simulate_shows_the_new_codec(int4, tmp_path, capsys):
     per_value = Int4Codec(Int4Config()).payload_bytes(445952) / 445952
     assert [p["hosts"] for p in points] == [2, 4]
     assert points[0]["bytes_per_rank"] < 4 * 445952 * per_value  # int4's bytes, not fp32's
+
+
+def test_the_planner_takes_the_new_codec_by_default(int4):
+    from tests.test_plan import EXAMPLES, profile
+    from thinwire.cluster.spec import load_cluster_spec
+    from thinwire.measure.file import CodecCost, Cost
+    from thinwire.plan.planner import PlanOptions, make_plan
+
+    prof = profile()
+    prof.codecs["int4"] = CodecCost(encode=Cost(per_byte_s=1e-9), decode=Cost(per_byte_s=5e-10), ef_error=0.05)
+    options = PlanOptions(batch_size=32)
+    assert "int4" in options.codecs
+    plan = make_plan(load_cluster_spec(EXAMPLES / "pair-100mbit.yaml"), prof, workload="charlm", model={},
+                     options=options)
+    assert set(plan.chosen.codecs) == {"int4"}  # the fewest bytes of the measured codecs under the cap
+
+
+def _auto_with_int4(rank, world):
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thinwire
+    from thinwire.auto import AutoConfig, AutoPolicy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = DDP(net, bucket_cap_mb=0.25)
+    # 4 bits leave ~0.13 of a random gradient behind with feedback, over the default cap (0.1)
+    policy = AutoPolicy(AutoConfig(warmup_steps=2, baseline_steps=1, check_every=3, max_error=0.2,
+                                   candidates=("none", "bf16", "int4")))
+    state = thinwire.attach(model, policy)
+    policy.link.estimate = lambda p: (1e-4, 8 / 1e6)  # every rank "measures" the same 1 Mbit/s link
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        nn.functional.cross_entropy(model(torch.randn(16, 64, generator=g)),
+                                    torch.randint(0, 10, (16,), generator=g)).backward()
+        model.zero_grad()
+    state.close()
+    return policy.decisions
+
+
+@pytest.mark.slow
+def test_auto_takes_the_new_codec_as_a_candidate(int4):
+    from tests.distributed import run_ranks
+    from thinwire.auto import AutoConfig
+
+    assert "int4" in AutoConfig().candidates
+    decisions, other = run_ranks(_auto_with_int4, 2)
+    assert decisions == other
+    assert "int4" in decisions[0]["shadow_errors"][0]  # guarded like every candidate
+    assert "int4" in decisions[0]["choices"].values()  # a slow link: the strongest candidate under the cap
