@@ -125,7 +125,7 @@ def comm_help() -> str:
     """``thinwire codecs``: the codec table, then the other forms."""
     auto = ", ".join(f.name for f in dataclasses.fields(AutoConfig))
     return "\n".join([
-        codec_help(), "",
+        codec_help(), "", "Other forms of --compression:",
         f"auto[:key=value,...]    pick the codec per bucket from the measured link and compute; keys: {auto}",
         "torch:none|fp16|bf16    PyTorch's own DDP communication (plain DDP, its fp16/bf16 hooks), as peers",
         "torch:powersgd:rank=R   PyTorch's PowerSGD hook",

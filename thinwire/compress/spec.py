@@ -260,8 +260,7 @@ def codec_help() -> str:
         params = [_param_help(f) for f in dataclasses.fields(cls.config_cls)] or ["-"]
         lines.append(f"{cls.name:<10}{per_value:<13}{'yes' if cls.summable else 'no':<10}{params[0]}")
         lines += [" " * 33 + p for p in params[1:]]
-    others = "".join(f"\n  {form}" for form in OTHER_FORMS)
-    return "\n".join(lines) + f"\n\nSpec: {_FORMAT}.\nOther forms of --compression:{others}"
+    return "\n".join(lines) + f"\n\nSpec: {_FORMAT}."
 
 
 def _param_help(f: dataclasses.Field) -> str:

@@ -32,6 +32,14 @@ def alltoall_bytes(nbytes_total: int, p: int) -> int:
     return 0 if p <= 1 else ((p - 1) * nbytes_total) // p
 
 
+COLLECTIVE_BYTES = {"all-reduce": ring_allreduce_bytes, "all-gather": allgather_bytes, "all-to-all": alltoall_bytes}
+
+
+def collective_bytes(kind: str, nbytes: int, p: int) -> int:
+    """Bytes this rank sends in collective ``kind`` of size argument ``nbytes`` (as :class:`Wire` counts)."""
+    return COLLECTIVE_BYTES[kind](nbytes, p)
+
+
 class Wire:
     """Blocking collectives on one process group, with a running count of bytes sent."""
 

@@ -7,9 +7,9 @@ and its measured cost.
 
 How a bucket travels is not decided here: each :class:`CodecModel` carries a ``traffic`` callable
 (built above perf/ from the scheme that runs the bucket, :mod:`thinwire.compress.schemes`) that
-states the bucket's collectives, in order, and the codec work before and after the last of them, as
-(kernel, fp32 bytes, times). This module prices them: bytes per rank as ``Wire`` counts them, wire
-seconds, and codec seconds from the measured kernel costs.
+states the bucket's collectives, in order, the bytes they put on the wire (as ``Wire`` counts them),
+and the codec work before and after the last of them, as (kernel, fp32 bytes, times). This module
+prices them: wire seconds from the collectives, codec seconds from the measured kernel costs.
 
 Collective times are the alpha-beta formulas of :mod:`thinwire.perf.collectives` (gloo runs ring
 all-reduce and ring all-gather). Codec seconds are ``fixed + per_byte * bytes`` measured on one
@@ -18,7 +18,8 @@ core, divided by the codec's speed. The step is the overlap timeline of
 
 Example (one 1 MB bucket, two hosts, 100 Mbit/s, no codec)::
 
-    >>> fp32 = lambda index, numel, p: Traffic(scheme="fp32", collectives=(("all-reduce", 4 * numel),))
+    >>> fp32 = lambda index, numel, p: Traffic(scheme="fp32", collectives=(("all-reduce", 4 * numel),),
+    ...                                        bytes_sent=2 * (p - 1) * 4 * numel // p)
     >>> codec = CodecModel(name="none", traffic=fp32)
     >>> pred = predict_step(buckets=[Bucket(numel=250_000, ready_frac=1.0)],
     ...                     compute=Compute(pre_s=0.05, backward_s=0.1, post_s=0.01), speeds=[1.0, 1.0],
@@ -43,7 +44,8 @@ class Traffic:
 
     ``collectives``: (all-reduce | all-gather | all-to-all, size argument in bytes), in order;
     ``before`` / ``after``: codec work before and after the last collective, as (kernel: encode |
-    decode | add | feedback, fp32 bytes, times); ``residual_values``: fp32 entries error feedback keeps.
+    decode | add | feedback, fp32 bytes, times); ``residual_values``: fp32 entries error feedback keeps;
+    ``bytes_sent``: what one rank puts on the wire for the bucket.
     """
 
     scheme: str
@@ -51,6 +53,7 @@ class Traffic:
     before: tuple[tuple[str, int, float], ...] = ()
     after: tuple[tuple[str, int, float], ...] = ()
     residual_values: int = 0
+    bytes_sent: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,19 +159,6 @@ class StepPrediction:
         return sum(b.bytes_sent for b in self.buckets)
 
 
-def _ring_bytes(n: int, p: int) -> int:
-    return 0 if p <= 1 else (2 * (p - 1) * n) // p
-
-
-def _allgather_bytes(s: int, p: int) -> int:
-    return (p - 1) * s
-
-
-def _alltoall_bytes(n: int, p: int) -> int:
-    return 0 if p <= 1 else ((p - 1) * n) // p
-
-
-_BYTES = {"all-reduce": _ring_bytes, "all-gather": _allgather_bytes, "all-to-all": _alltoall_bytes}
 _TIME = {"all-reduce": coll.ring_allreduce_s, "all-gather": coll.allgather_s, "all-to-all": coll.alltoall_s}
 
 
@@ -177,10 +167,9 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     """Bytes, wire seconds and codec seconds of one bucket (see the module docstring)."""
     t = codec.traffic(index, numel, p)
     ops = tuple(t.collectives)
-    sent = sum(_BYTES[kind](size, p) for kind, size in ops)
     comm = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
-    return BucketCost(numel, t.scheme, ops, sent, comm, before / codec_speed, after / codec_speed, t.residual_values)
+    return BucketCost(numel, t.scheme, ops, t.bytes_sent, comm, before / codec_speed, after / codec_speed, t.residual_values)
 
 
 def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[float], network: Network,

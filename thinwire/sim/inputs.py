@@ -148,9 +148,8 @@ def codec_model(spec: str | Codec, profile: Profile | None, *, min_compress_byte
         shapes = [b.shapes for b in profile.buckets] if profile is not None else []
 
     def traffic(index: int, numel: int, p: int):
-        if codec.lossless or numel * 4 < min_compress_bytes:
-            return schemes.FP32.traffic(codec, numel, p)
-        return schemes.traffic(codec, numel, p, shapes[index] if index < len(shapes) else None)
+        small = codec.lossless or numel * 4 < min_compress_bytes
+        return schemes.traffic(codec, numel, p, shapes[index] if index < len(shapes) else None, uncompressed=small)
 
     return CodecModel(name=name, traffic=traffic, **_measured_costs(name, codec, profile))
 

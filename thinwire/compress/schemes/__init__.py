@@ -37,6 +37,7 @@ from torch import Tensor
 from thinwire.compress.codecs.base import Codec
 from thinwire.compress.codecs.common import all_finite
 from thinwire.compress.schemes.base import BucketJob, Pending, Scheme, Traffic
+from thinwire.compress.wire import collective_bytes
 from thinwire.compress.schemes.decoded import Decoded
 from thinwire.compress.schemes.lowrank import LowRank
 from thinwire.compress.schemes.summed import Fp32, Summed, flag_bytes
@@ -64,9 +65,12 @@ def run(job: BucketJob) -> tuple[Tensor, bool]:
     return scheme_for(job.codec).run(job)
 
 
-def traffic(codec: Codec, numel: int, p: int, shapes: Sequence[Sequence[int]] | None = None) -> Traffic:
-    """How a bucket of ``numel`` fp32 values travels with ``codec`` on ``p`` ranks (see :class:`Traffic`)."""
-    return scheme_for(codec).traffic(codec, numel, p, shapes)
+def traffic(codec: Codec, numel: int, p: int, shapes: Sequence[Sequence[int]] | None = None, *,
+            uncompressed: bool = False) -> Traffic:
+    """How a bucket of ``numel`` fp32 values travels with ``codec`` on ``p`` ranks (see :class:`Traffic`);
+    ``uncompressed``: as the hook sends a bucket during warm-up or under ``min_compress_bytes`` (fp32)."""
+    t = (FP32 if uncompressed else scheme_for(codec)).traffic(codec, numel, p, shapes)
+    return t._replace(bytes_sent=sum(collective_bytes(kind, size, p) for kind, size in t.collectives))
 
 
 __all__ = ["BucketJob", "Pending", "Scheme", "Traffic", "SCHEMES", "FP32", "scheme_for", "start", "run", "traffic",

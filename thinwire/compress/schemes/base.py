@@ -44,7 +44,9 @@ class Traffic(NamedTuple):
     ``collectives``: (all-reduce | all-gather | all-to-all, the size argument in bytes), in order;
     ``before`` / ``after``: the codec work on this rank before the last collective and after it, as
     (kernel, fp32 bytes it runs over, how many times); ``residual_values``: fp32 entries error
-    feedback keeps for the bucket (when the hook runs with error feedback).
+    feedback keeps for the bucket (when the hook runs with error feedback); ``bytes_sent``: what this
+    rank puts on the wire, counted as :class:`~thinwire.compress.wire.Wire` counts it (filled in by
+    :func:`thinwire.compress.schemes.traffic`).
     """
 
     scheme: str
@@ -52,6 +54,7 @@ class Traffic(NamedTuple):
     before: Work = ()
     after: Work = ()
     residual_values: int = 0
+    bytes_sent: int = 0
 
 
 class Scheme(ABC):
