@@ -32,6 +32,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     seed: int = 0
     eval_every: int = 100
+    eval_batches: int = 20              # validate on this many global batches of the validation set (0: all of it)
     log_every: int = 1
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
@@ -88,7 +89,7 @@ MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _COUNTS = (  # (field, smallest, largest); None (the workload's default) passes
     ("steps", 1, MAX_STEPS), ("batch_size", 1, 10**9), ("warmup_steps", 0, MAX_STEPS),
-    ("eval_every", 1, MAX_STEPS), ("log_every", 1, MAX_STEPS), ("checkpoint_every", 1, MAX_STEPS),
+    ("eval_every", 1, MAX_STEPS), ("eval_batches", 0, 10**9), ("log_every", 1, MAX_STEPS), ("checkpoint_every", 1, MAX_STEPS),
     ("keep_checkpoints", 1, 10**6), ("max_restarts", 0, 10**6), ("compression_warmup", 0, MAX_STEPS),
 )
 

@@ -32,8 +32,11 @@ from thinwire.train.peers import PeerComm
 from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
-from thinwire.workloads.base import GlobalSampler, collate, even_shares
+from thinwire.workloads.base import GlobalSampler, collate, eval_subset, even_shares
 from thinwire.workloads.registry import build_workload
+
+
+VALIDATION_NOTE_S = 5.0  # a validation running longer than this logs its progress
 
 
 def train(cfg: TrainConfig, out: Path) -> dict:
@@ -193,10 +196,14 @@ class Trainer:
     def _validate(self, bar: ProgressBar) -> None:
         model, val = self.ddp.module, self.wl.val
         model.eval()
-        mine = list(range(self.env.rank, len(val), self.env.world))
+        mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[self.env.rank :: self.env.world]
         per = max(1, self.shares[self.env.rank])
         totals = torch.zeros(3, dtype=torch.float64)
+        said = time.perf_counter()
         for i in range(0, len(mine), per):
+            if time.perf_counter() - said > VALIDATION_NOTE_S:  # a long validation says how far it is
+                bar.log(f"step {self.step}: validating, {i} of {len(mine)} items on this rank")
+                said = time.perf_counter()
             x, y = collate(val, mine[i : i + per])
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():

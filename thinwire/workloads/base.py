@@ -50,6 +50,22 @@ def collate(dataset: SizedDataset, indices: list[int]) -> tuple[Tensor, Tensor]:
     return torch.utils.data.default_collate([dataset[i] for i in indices])
 
 
+def eval_subset(n: int, batches: int, global_batch: int) -> list[int]:
+    """The validation items every evaluation uses: ``batches`` global batches' worth, evenly spaced over
+    the ``n`` items (all of them when ``batches`` is 0 or they are fewer). A pure function of its
+    arguments, so the subset is the same at every evaluation, after a restart and at any world size
+    (each rank takes every ``world``-th item of it). Evenly spaced rather than the first ones: a
+    validation set cut from consecutive files or classes would otherwise be judged by its head.
+
+    >>> eval_subset(10, 1, 4), eval_subset(3, 1, 4)
+    ([0, 3, 6, 9], [0, 1, 2])
+    """
+    want = n if batches == 0 else min(n, batches * global_batch)
+    if want >= n:
+        return list(range(n))
+    return [round(i * (n - 1) / (want - 1)) for i in range(want)] if want > 1 else [0]
+
+
 class GlobalSampler:
     """Indices of the global batch at step ``s``: a pure function of (seed, step), never of history.
 
