@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
                    "torch:none|fp16|bf16|powersgd:rank=R (PyTorch's own hooks); see `thinwire codecs`")
+    p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
+                   "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9]")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
     p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
@@ -57,7 +59,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression",
+FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression", "sync",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan")
 
