@@ -92,7 +92,7 @@ def _ddp_sgd() -> dict:
     return w
 
 
-@pytest.mark.parametrize("mode", ["local:period=1,warmup=0", "local:period=1,warmup=3",
+@pytest.mark.parametrize("mode", ["allreduce", "local:period=1,warmup=0", "local:period=1,warmup=3",
                                   "diloco:period=1,outer_lr=1,outer_momentum=0"])
 def test_period_one_equals_ddp_sgd(mode):
     out = run_ranks(_train, 2, mode, "none")
@@ -196,9 +196,12 @@ def test_cli_refuses_bad_sync_before_starting(tmp_path):
 
 # -- resume in the middle of a period -----------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, codec", [("delayed", "int8"), ("local:period=5,warmup=2", "int8"),
-                                         ("diloco:period=4", "topk:ratio=0.05")])
-def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec):
+@pytest.mark.parametrize("mode, codec, averaged", [
+    ("delayed", "int8", None),  # issued on the communication thread: which step's record counts them is a race
+    ("local:period=5,warmup=2", "int8", {1, 2, 7}),   # 2 synchronous steps, then an average after 5 local ones
+    ("diloco:period=4", "topk:ratio=0.05", {4, 8}),
+])
+def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     from tests.test_cli import thinwire as cli
 
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", mode, "--eval-every", "5"]
@@ -218,6 +221,12 @@ def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec):
         _assert_equal(ra.get("model"), rb.get("model"))
     sent = [json.loads((o / "summary.json").read_text())["bytes_sent_total"] for o in (straight, split)]
     assert sent[0] == sent[1] > 0
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    if averaged is not None:
+        assert {r["step"] for r in records if r.get("bytes_sent")} == averaged  # the trainer's wire, step by step
+    else:
+        counts = json.loads((straight / "summary.json").read_text())["compression_stats"]["counts"]
+        assert sum(counts.values()) == 10, counts  # every step's gradient averaged once (2 fp32 warm-up steps)
 
 
 def _assert_equal(x, y) -> None:
