@@ -15,6 +15,8 @@ from thinwire.train.config import TrainConfig, load_train_config, save_config
 EPILOG = """examples:
   thinwire train                                   # charlm on the Python standard library, 1 process
   thinwire train --nproc 2 --compression int8      # 2 local workers, int8 gradients on the wire
+  thinwire train --nproc 2 --compression int8 --sync delayed           # averaging overlaps the next step
+  thinwire train --nproc 2 --compression int8 --sync diloco:period=100  # DiLoCo: average every 100 steps
   thinwire train --workload digits --steps 300 --out runs/digits
   thinwire train --resume runs/digits --steps 600  # continue a run where it stopped (LR horizon kept)
   thinwire train --resume runs/digits --steps 600 --reschedule  # ... with the LR schedule fit to 600 steps
