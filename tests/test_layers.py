@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"plan"},                               # the offline planner and plan files
     {"auto"},                               # the online policy
     {"commspec"},                           # --compression parsed once into a typed spec
+    {"syncspec"},                           # --sync parsed once into a typed spec
     {"api"},                                # thinwire.attach
     {"train"},                              # the loop, checkpoints, launching (also onto the emulator)
     {"report", "validation"},               # read runs back; run simulated configurations for real

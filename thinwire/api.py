@@ -25,3 +25,26 @@ def attach(model, codec="none", **kwargs) -> CommState:
     if isinstance(codec, (str, CodecSpec, AutoSpec, TorchSpec)):
         codec = as_policy(codec)
     return _attach(model, codec, **kwargs)
+
+
+def sync(model, mode="allreduce", codec="none", **kwargs):
+    """A sync mode on a DDP model: when gradients or parameters are averaged (``thinwire sync`` forms:
+    ``"allreduce"``, ``"delayed"``, ``"local:period=8"``, ``"diloco:period=100"``; see
+    :mod:`thinwire.syncspec`), each average through ``codec`` with error feedback. Returns a
+    :class:`~thinwire.compress.sync.SyncMode`; its ``comm`` counts bytes and holds the residuals.
+
+    Example (three lines in a DDP loop)::
+
+        mode = thinwire.sync(ddp_model, "diloco:period=100", codec="int8")
+        with mode.no_sync():
+            loss_fn(ddp_model(x), y).backward()
+        mode.step(optimizer)          # instead of optimizer.step()
+    """
+    from thinwire.commspec import parse_comm_spec
+    from thinwire.compress.sync import create
+    from thinwire.syncspec import check_pairing, parse_sync_spec
+
+    spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
+    comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
+    check_pairing(spec, comm)
+    return create(model, spec, as_policy(comm), **kwargs)

@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     add_workload_args(p)
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
     p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
+    p.add_argument("--sync", default="allreduce", metavar="MODE",
+                   help="also price a sync mode: delayed, local:period=H, diloco:period=H (columns next to allreduce's)")
     p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
     p.add_argument("--scaling", default="weak", choices=["weak", "strong"],
@@ -92,10 +94,16 @@ def run(args: argparse.Namespace) -> int:
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     check(args.validate or not args.recompute, "--recompute", True, "used with --validate",
           "Add --validate, or drop --recompute (it re-measures the step before each real run).")
+    from thinwire.syncspec import check_pairing, parse_sync_spec
+
+    sync = parse_sync_spec(args.sync)
+    check_pairing(sync, comm)
+    check(not (args.validate and sync.mode != "allreduce"), "--sync", args.sync, "allreduce with --validate",
+          "--validate runs allreduce only; simulate the mode without it.")
     hosts = parse_hosts(args.hosts) if args.hosts else None
     opts = SimOptions(codec=args.compression, hosts=hosts, batch_size=args.batch_size, scaling=args.scaling,
                       threads=args.threads, colocated_cores=args.colocated, device=args.device, mfu=args.mfu,
-                      steps=args.steps or 1000, **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
+                      steps=args.steps or 1000, sync_mode=sync.mode, sync_period=sync.period, **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
     profile, default_batch = _profile(args, model)
     out = Path(args.out or Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     if args.validate:
@@ -129,7 +137,7 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     t0 = time.perf_counter()
     points = simulate(spec, profile, opts, default_batch=default_batch)
     elapsed = time.perf_counter() - t0
-    meta = {"cluster": spec.name, "workload": args.workload, "compression": opts.codec, "scaling": opts.scaling,
+    meta = {"cluster": spec.name, "workload": args.workload, "compression": opts.codec, "sync": args.sync, "scaling": opts.scaling,
             "device": opts.device, "steps": opts.steps, "simulate_seconds": elapsed,
             "profile": args.profile, "colocated_cores": opts.colocated_cores}
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ from thinwire.train.config import TrainConfig, load_train_config, save_config
 EPILOG = """examples:
   thinwire train                                   # charlm on the Python standard library, 1 process
   thinwire train --nproc 2 --compression int8      # 2 local workers, int8 gradients on the wire
+  thinwire train --nproc 2 --compression int8 --sync delayed           # averaging overlaps the next step
+  thinwire train --nproc 2 --compression int8 --sync diloco:period=100  # DiLoCo: average every 100 steps
   thinwire train --workload digits --steps 300 --out runs/digits
   thinwire train --resume runs/digits --steps 600  # continue a run where it stopped (LR horizon kept)
   thinwire train --resume runs/digits --steps 600 --reschedule  # ... with the LR schedule fit to 600 steps
@@ -43,6 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
                    "torch:none|fp16|bf16|powersgd:rank=R (PyTorch's own hooks); see `thinwire codecs`")
+    p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
+                   "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9]")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
     p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
@@ -57,7 +61,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression",
+FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression", "sync",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan")
 

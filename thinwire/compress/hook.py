@@ -133,6 +133,12 @@ class CommState:
         layout = tuple((self.param_index.get(id(p), -1), p.numel()) for p in params)
         return self._send(bucket.buffer(), index, step, shapes, layout)
 
+    def send(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> torch.futures.Future:
+        """Average ``buf`` (one flat fp32 bucket) across ranks as the hook averages a DDP bucket: a
+        future of the result. For the sync modes (:mod:`thinwire.compress.sync`), which average
+        outside DDP's backward; ``layout``: (parameter index, numel) in bucket order."""
+        return self._send(buf, index, step, shapes, layout)
+
     def _send(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> torch.futures.Future:
         """Hand the bucket to the communication thread, or, when that thread has nothing left to
         issue and the bucket needs only all-reduces (fp32, bf16, fp16, random-k), issue them here,

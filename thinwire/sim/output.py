@@ -27,11 +27,17 @@ def table(points: list[Point], title: str) -> Table:
     for col in ("hosts", "b/host", "step", "compute", "exposed", "codec", "wire", "speedup", "eff.", "J/step",
                 "mem/rank"):
         t.add_column(col, justify="right")
+    mode = points[0].sync_mode if points else "allreduce"
+    if mode != "allreduce":  # the mode's own step next to allreduce's (thinwire.perf.sync)
+        for col in (f"step {mode}", "wire/step", f"speedup {mode}"):
+            t.add_column(col, justify="right")
     for pt in points:
         pr = pt.prediction
+        extra = ([_ms(pt.sync_step_s), _bytes(pt.sync_bytes_per_step), f"{pt.sync_speedup:.3g}"]
+                 if mode != "allreduce" else [])
         t.add_row(str(pt.p), f"{pt.batch_per_host:.3g}", _ms(pr.step_s), _ms(pr.compute_s), _ms(pr.exposed_comm_s),
                   _ms(pr.codec_s), _bytes(pr.bytes_per_rank), f"{pt.speedup:.3g}", f"{pt.efficiency:.0%}",
-                  f"{pt.energy_step.total_j:.3g}", _bytes(pt.memory.total))
+                  f"{pt.energy_step.total_j:.3g}", _bytes(pt.memory.total), *extra)
     return t
 
 

@@ -24,6 +24,7 @@ from thinwire.perf.devices import get_device
 from thinwire.perf.energy import EnergyEstimate, J_PER_BIT_INTERNET, run_energy, step_energy
 from thinwire.perf.memory import MemoryEstimate, memory_per_rank
 from thinwire.perf.model import StepPrediction, predict_step
+from thinwire.perf.sync import bytes_per_step, sync_step_s
 from thinwire.measure.file import Profile
 from thinwire.sim import inputs
 
@@ -41,6 +42,8 @@ class SimOptions:
     j_per_bit: float = J_PER_BIT_INTERNET
     steps: int = 1000
     bucket_mb: float | None = None
+    sync_mode: str = "allreduce"          # allreduce, delayed, local, diloco (a parsed --sync's mode)
+    sync_period: int = 1                  # local and diloco: steps between averages
 
     def __post_init__(self) -> None:
         check(self.scaling in ("weak", "strong"), "--scaling", self.scaling, "weak or strong")
@@ -75,6 +78,13 @@ class Point:
     energy_run: EnergyEstimate
     memory: MemoryEstimate
     dense_allreduce_s: dict[str, float]
+    sync_mode: str = "allreduce"
+    sync_step_s: float = 0.0            # the step of the sync mode (allreduce: the predicted step)
+    sync_bytes_per_step: float = 0.0    # bytes each rank sends per step in that mode
+
+    @property
+    def sync_speedup(self) -> float:
+        return self.speedup * self.prediction.step_s / self.sync_step_s
 
     def to_dict(self) -> dict:
         pr = self.prediction
@@ -89,7 +99,8 @@ class Point:
                          "encode_s": b.encode_s, "decode_s": b.decode_s, "collectives": b.collectives,
                          "ready_s": s.ready_s, "start_s": s.start_s, "done_s": s.done_s}
                         for b, s in zip(pr.buckets, pr.timeline.buckets)],
-            "backward_end_s": pr.timeline.backward_s, "pre_s": pr.timeline.pre_s, "post_s": pr.timeline.post_s,
+            "sync": self.sync_mode, "sync_step_s": self.sync_step_s, "sync_bytes_per_step": self.sync_bytes_per_step,
+            "sync_speedup": self.sync_speedup, "backward_end_s": pr.timeline.backward_s, "pre_s": pr.timeline.pre_s, "post_s": pr.timeline.post_s,
         }
 
 
@@ -121,8 +132,20 @@ def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_b
         steals = cores[speeds.index(min(speeds))] < threads + 1
         pred = predict_step(buckets=buckets, compute=compute, speeds=speeds, network=net, codec=codec,
                             codec_steals_compute=steals)
-        out.append(_point(p, b, pred, compute.total_s, reference_s, speeds, cores, hosts, device, opts, profile, codec, net, spec))
+        point = _point(p, b, pred, compute.total_s, reference_s, speeds, cores, hosts, device, opts, profile, codec, net, spec)
+        out.append(_with_sync(point, opts, steals))
     return out
+
+
+def _with_sync(point: Point, opts: SimOptions, steals: bool) -> Point:
+    """The sync mode's step (:mod:`thinwire.perf.sync`) from the predicted allreduce step's parts."""
+    pr = point.prediction
+    point.sync_mode = opts.sync_mode
+    point.sync_step_s = sync_step_s(opts.sync_mode, allreduce_step_s=pr.step_s, compute_s=pr.compute_s + pr.noise_s,
+                                    comm_s=pr.comm_s, codec_s=pr.codec_s, period=opts.sync_period,
+                                    codec_steals_compute=steals)
+    point.sync_bytes_per_step = bytes_per_step(opts.sync_mode, pr.bytes_per_rank, opts.sync_period)
+    return point
 
 
 def _point(p, b, pred, compute_unit_s, reference_s, speeds, cores, hosts, device, opts, profile, codec, net, spec) -> Point:

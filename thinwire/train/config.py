@@ -40,6 +40,8 @@ class TrainConfig:
     max_restarts: int = 0
     threads: int | None = None          # torch threads per worker; None: cores / local workers
     compression: str = "none"
+    # when averaging happens: allreduce, delayed, local:period=H, diloco:period=H (thinwire.syncspec)
+    sync: str = "allreduce"
     error_feedback: bool = True
     # steps sent uncompressed before the codec starts: Adam's moment estimates start from true
     # gradients (without it PowerSGD from step 0 ends a short charlm run ~2% higher); 2 is also the
@@ -64,6 +66,10 @@ class TrainConfig:
         from thinwire.commspec import parse_comm_spec
 
         self.comm = parse_comm_spec(self.compression)  # parsed once; below this, nobody reads the string
+        from thinwire.syncspec import check_pairing, parse_sync_spec
+
+        self.sync_spec = parse_sync_spec(self.sync)
+        check_pairing(self.sync_spec, self.comm, precision=self.precision, plan=self.plan)
 
     def _check_counts(self) -> None:
         for name, lo, hi in _COUNTS:

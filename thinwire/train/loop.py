@@ -9,7 +9,6 @@ validate and checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
@@ -28,6 +27,7 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
 from thinwire.commspec import TorchSpec
+from thinwire.compress.sync import SyncMode, create as create_sync
 from thinwire.train.peers import PeerComm
 from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
@@ -106,6 +106,13 @@ class Trainer:
         self.last_val: dict = {}
 
     def _attach_comm(self):
+        comm = self._attach_hook() if self.cfg.sync_spec.mode == "allreduce" else None
+        self.sync = SyncMode(self.ddp, comm) if comm is not None else create_sync(
+            self.ddp, self.cfg.sync_spec, self.cfg.comm.policy(), error_feedback=self.cfg.error_feedback,
+            warmup_steps=self.cfg.compression_warmup, process_group=dist.group.WORLD, bucket_mb=self.cfg.bucket_mb)
+        return self.sync.comm
+
+    def _attach_hook(self):
         if isinstance(self.cfg.comm, TorchSpec):  # PyTorch's own hooks, for head-to-head benchmarks
             return PeerComm(self.ddp, self.cfg.comm)
         # The world group, not a new one: after an elastic restart a new group's store keys can still
@@ -142,6 +149,7 @@ class Trainer:
                     self._checkpoint()
         finally:
             bar.close()
+            self.sync.flush()
             self.comm.close()
         return self._finish()
 
@@ -154,17 +162,18 @@ class Trainer:
         with self.prec.measure(self.opt, x, y):  # peak memory of the first steps, for the summary
             loss, n = torch.zeros((), device=self.device), len(self.prec.micro_sizes)
             for i, (xm, ym) in enumerate(zip(x.split(self.prec.micro_sizes), y.split(self.prec.micro_sizes))):
-                with self.ddp.no_sync() if i < n - 1 else contextlib.nullcontext():  # all-reduce once, at the end
+                with self.ddp.no_sync() if i < n - 1 else self.sync.no_sync():  # all-reduce once, at the end
                     with self._autocast():
                         part = self.wl.loss(self.ddp(xm), ym) * (len(ym) / len(y) * self.loss_weight)
                     t2 = time.perf_counter()
                     self.prec.runner.backward(part)
                 loss += part.detach()
-            t3 = time.perf_counter()
             if isinstance(self.comm, PeerComm):
                 self.comm.count_step_without_hook()
-            wait = self.clock.exposed_wait(t3, t2)
+            self.sync.before_step()  # delayed: the last step's average becomes the gradient
+            wait = self.clock.exposed_wait(time.perf_counter(), t2)
             skipped = self.prec.runner.step(self.opt, self.ddp.parameters(), self.cfg.grad_clip)
+            self.sync.after_step()  # local, diloco: parameters averaged every H steps
             self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         t4 = time.perf_counter()
@@ -228,7 +237,10 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _rank_state(self) -> dict:
-        s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict(), "precision": self.prec.runner.state_dict()}
+        s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict(), "precision": self.prec.runner.state_dict(),
+             "sync": self.sync.state_dict()}
+        if self.sync.diverges:  # ranks' parameters and optimizer states differ between averages
+            s["model"], s["optimizer"] = self.ddp.module.state_dict(), self.opt.state_dict()
         if self.device.type == "cuda":
             s["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return s
@@ -290,6 +302,10 @@ class Trainer:
             if "cuda_rng" in mine and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
             self.comm.load_state_dict(mine["comm"])
+            self.sync.load_state_dict(mine.get("sync", {}))
+            if "model" in mine:  # a mode whose ranks differ mid-period: this rank's own
+                self.ddp.module.load_state_dict(mine["model"])
+                self.opt.load_state_dict(mine["optimizer"])
             if mine.get("precision"):
                 self.prec.runner.load_state_dict(mine["precision"])  # fp16 loss scale
         elif self.env.is_main:

@@ -1,0 +1,296 @@
+"""Sync modes (thinwire.compress.sync) on 2 gloo ranks against closed-form references, their specs'
+refusals, the bytes they put on the wire, and a mid-period resume through ``thinwire train``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import thinwire
+from thinwire.errors import ConfigError
+from thinwire.syncspec import SyncSpec, parse_sync_spec
+from tests.distributed import run_ranks
+
+LR, STEPS = 0.1, 6
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(5, 3)
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _grads(w: dict, step: int, world: int) -> dict:
+    """The rank-average of the gradient at parameters ``w`` on step ``step``'s data (closed form, autograd)."""
+    net = _net()
+    net.load_state_dict(w)
+    for r in range(world):
+        x, y = _data(step, r)
+        (_loss(net, x, y) / world).backward()
+    return {k: p.grad.clone() for k, p in net.named_parameters()}
+
+
+def _train(rank: int, world: int, mode: str, codec: str, opt_name: str = "sgd") -> dict:
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, mode, codec=codec)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    sent = []
+    for step in range(STEPS):
+        before = sync.comm.wire.bytes_sent
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+        sent.append(sync.comm.wire.bytes_sent - before)
+    sync.close()
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent}
+
+
+def _sgd(w: dict, g: dict, lr: float = LR) -> dict:
+    return {k: w[k] - lr * g[k] for k in w}
+
+
+def test_delayed_equals_one_step_stale_sgd():
+    """Step t applies the average of step t-1's gradients (taken at step t-1's parameters); step 0 applies nothing."""
+    out = run_ranks(_train, 2, "delayed", "none")
+    w, previous = _net().state_dict(), None
+    for step in range(STEPS):
+        g = _grads(w, step, 2)
+        w = _sgd(w, previous) if previous is not None else w
+        previous = g
+    for r in out:
+        for k in w:
+            torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
+    assert all(s > 0 for s in out[0]["sent"])  # every step's gradient went on the wire
+
+
+def test_delayed_works_with_a_lossy_codec_and_keeps_ranks_identical():
+    out = run_ranks(_train, 2, "delayed", "int8")
+    fp32 = run_ranks(_train, 2, "delayed", "none")
+    for k in out[0]["params"]:
+        assert torch.equal(out[0]["params"][k], out[1]["params"][k]), k
+        torch.testing.assert_close(out[0]["params"][k], fp32[0]["params"][k], rtol=0.05, atol=0.02)
+
+
+def _ddp_sgd() -> dict:
+    w = _net().state_dict()
+    for step in range(STEPS):
+        w = _sgd(w, _grads(w, step, 2))
+    return w
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "local:period=1,warmup=0", "local:period=1,warmup=3",
+                                  "diloco:period=1,outer_lr=1,outer_momentum=0"])
+def test_period_one_equals_ddp_sgd(mode):
+    out = run_ranks(_train, 2, mode, "none")
+    w = _ddp_sgd()
+    for r in out:
+        for k in w:
+            torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_equals_its_outer_nesterov_reference():
+    """H=3 inner SGD steps per rank from the anchor, then a = a - lr (d + mu m), m = mu m + d (torch's Nesterov)."""
+    out = run_ranks(_train, 2, "diloco:period=3,outer_lr=0.7,outer_momentum=0.9", "none")
+    anchor, m = _net().state_dict(), None
+    for start in range(0, STEPS, 3):
+        deltas = []
+        for r in range(2):
+            w = dict(anchor)
+            for step in range(start, start + 3):
+                w = _sgd(w, _grads_one(w, step, r))
+            deltas.append({k: anchor[k] - w[k] for k in w})
+        d = {k: (deltas[0][k] + deltas[1][k]) / 2 for k in anchor}
+        m = d if m is None else {k: 0.9 * m[k] + d[k] for k in d}
+        anchor = {k: anchor[k] - 0.7 * (d[k] + 0.9 * m[k]) for k in anchor}
+    for r in out:
+        for k in anchor:
+            torch.testing.assert_close(r["params"][k], anchor[k], rtol=1e-5, atol=1e-6)
+
+
+def _grads_one(w: dict, step: int, rank: int) -> dict:
+    net = _net()
+    net.load_state_dict(w)
+    x, y = _data(step, rank)
+    _loss(net, x, y).backward()
+    return {k: p.grad.clone() for k, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["local:period=3,warmup=0", "diloco:period=3"])
+def test_parameters_travel_once_per_period(mode):
+    """Bytes are counted on the wire at steps 3 and 6 only: a mode that silently skipped averaging fails."""
+    out = run_ranks(_train, 2, mode, "none")
+    numel = 5 * 3 + 3
+    assert out[0]["sent"] == [0, 0, 4 * numel, 0, 0, 4 * numel]  # ring all-reduce on 2 ranks: 2(p-1)/p * 4n
+    for k in out[0]["params"]:
+        assert torch.equal(out[0]["params"][k], out[1]["params"][k]), k  # the average makes ranks equal
+
+
+def test_local_warmup_averages_gradients_every_step():
+    out = run_ranks(_train, 2, "local:period=4,warmup=2", "none")
+    numel = 5 * 3 + 3
+    assert out[0]["sent"] == [4 * numel, 4 * numel, 0, 0, 0, 4 * numel]
+
+
+# -- the spec -----------------------------------------------------------------------------------------
+def test_spec_defaults_and_text():
+    assert parse_sync_spec("allreduce") == SyncSpec()
+    d = parse_sync_spec("diloco")
+    assert (d.period, d.outer_lr, d.outer_momentum, d.warmup) == (100, 0.7, 0.9, 0)
+    assert parse_sync_spec(" Local:period=8 ").text == "local:period=8,warmup=100"
+    assert parse_sync_spec(parse_sync_spec("diloco:period=5,outer_lr=0.5").text).outer_lr == 0.5
+
+
+@pytest.mark.parametrize("text, match", [
+    ("local:period=0", r"sync\.period: must be an integer in \[1, 1000000000\], got 0"),
+    ("local", r"sync\.period: must be given: local:period=N, got 'local'"),
+    ("diloco:outer_lr=0", r"sync\.outer_lr: must be a number in \(0, 10\], got 0\.0\. DiLoCo uses 0\.7"),
+    ("diloco:outer_lr=nan", r"sync\.outer_lr: must be a number in \(0, 10\]"),
+    ("diloco:outer_momentum=1", r"sync\.outer_momentum: must be a number in \[0, 1\), got 1\.0"),
+    ("diloco:outer_momentum=-0.1", r"sync\.outer_momentum: must be a number in \[0, 1\)"),
+    ("local:period=4,fragments=2", r"sync: must be local with keys period, warmup"),
+    ("delayed:period=2", r"sync: must be delayed with no parameters"),
+    ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
+    ("gossip", r"sync: must be one of allreduce, delayed, local, diloco, got 'gossip'"),
+    ("", r"sync: must be one of"),
+])
+def test_bad_spec_is_refused(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_sync_spec(text)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"sync": "local:period=4", "compression": "torch:bf16"}, r"compression: must be a thinwire codec .* with --sync local"),
+    ({"sync": "diloco", "compression": "auto"}, r"compression: must be a thinwire codec .* with --sync diloco.*auto run only"),
+    ({"sync": "delayed", "precision": "fp16"}, r"precision: must be fp32, bf16 or int8 with --sync delayed"),
+    ({"sync": "local:period=0"}, r"sync\.period: must be an integer in \[1"),
+])
+def test_train_config_refuses_what_a_mode_cannot_run(fields, match):
+    from thinwire.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**fields)
+
+
+def test_cli_refuses_bad_sync_before_starting(tmp_path):
+    from tests.test_cli import thinwire as cli
+
+    proc = cli("train", "--workload", "digits", "--sync", "local:period=4", "--compression", "torch:bf16",
+               "--out", str(tmp_path / "run"))
+    assert proc.returncode != 0 and "with --sync local" in proc.stderr + proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+# -- resume in the middle of a period -----------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, codec, averaged", [
+    ("delayed", "int8", None),  # issued on the communication thread: which step's record counts them is a race
+    ("local:period=5,warmup=2", "int8", {1, 2, 7}),   # 2 synchronous steps, then an average after 5 local ones
+    ("diloco:period=4", "topk:ratio=0.05", {4, 8}),
+])
+def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
+    from tests.test_cli import thinwire as cli
+
+    common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", mode, "--eval-every", "5"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    proc = cli("train", *common, "--steps", "10", "--out", str(straight))
+    assert proc.returncode == 0, proc.stderr
+    assert cli("train", *common, "--steps", "6", "--out", str(split)).returncode == 0
+    proc = cli("train", "--resume", str(split), "--steps", "10")
+    assert proc.returncode == 0, proc.stderr
+    a, b = (torch.load(sorted((o / "checkpoints").glob("step_*.pt"))[-1], weights_only=True) for o in (straight, split))
+    assert a["step"] == b["step"] == 10
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for ra, rb in zip(a["ranks"], b["ranks"]):
+        _assert_equal(ra["sync"], rb["sync"])
+        _assert_equal(ra["comm"]["residuals"], rb["comm"]["residuals"])
+        _assert_equal(ra.get("model"), rb.get("model"))
+    sent = [json.loads((o / "summary.json").read_text())["bytes_sent_total"] for o in (straight, split)]
+    assert sent[0] == sent[1] > 0
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    if averaged is not None:
+        assert {r["step"] for r in records if r.get("bytes_sent")} == averaged  # the trainer's wire, step by step
+    else:
+        counts = json.loads((straight / "summary.json").read_text())["compression_stats"]["counts"]
+        assert sum(counts.values()) == 10, counts  # every step's gradient averaged once (2 fp32 warm-up steps)
+
+
+def _assert_equal(x, y) -> None:
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y)
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys()
+        for k in x:
+            _assert_equal(x[k], y[k])
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y)
+        for u, v in zip(x, y):
+            _assert_equal(u, v)
+    else:
+        assert x == y
+
+
+# -- pricing (thinwire.perf.sync) and `thinwire simulate --sync` ----------------------------------------
+def test_delayed_step_is_the_slower_pipeline():
+    from thinwire.perf.sync import delayed_step_s
+
+    assert delayed_step_s(compute_s=0.100, comm_s=0.150, codec_s=0.010) == pytest.approx(0.160)  # wire-bound
+    assert delayed_step_s(compute_s=0.200, comm_s=0.150, codec_s=0.010) == pytest.approx(0.200)  # compute-bound
+    # no spare core: the communication thread's 10 ms of codec work is taken from compute
+    assert delayed_step_s(compute_s=0.200, comm_s=0.150, codec_s=0.010, codec_steals_compute=True) == pytest.approx(0.210)
+
+
+def test_periodic_step_spreads_one_average_over_the_period():
+    from thinwire.perf.sync import bytes_per_step, periodic_step_s, sync_step_s
+
+    assert periodic_step_s(compute_s=0.100, average_s=0.160, period=8) == pytest.approx(0.120)
+    parts = dict(allreduce_step_s=0.230, compute_s=0.100, comm_s=0.150, codec_s=0.010)
+    assert sync_step_s("allreduce", **parts) == 0.230
+    assert sync_step_s("diloco", period=16, **parts) == pytest.approx(0.110)
+    assert sync_step_s("local", period=1, **parts) == pytest.approx(0.260)  # no overlap with backward at all
+    assert bytes_per_step("local", 1_000_000, 4) == 250_000 and bytes_per_step("delayed", 1_000_000, 4) == 1_000_000
+    with pytest.raises(ValueError, match="period must be an integer >= 1, got 0"):
+        periodic_step_s(compute_s=0.1, average_s=0.1, period=0)
+
+
+def test_simulate_prices_each_mode(tmp_path, capsys):
+    from tests.test_cli import ROOT
+    from tests.test_perf import _cli, _profile_file
+
+    prof, pts = _profile_file(tmp_path), {}
+    for mode in ("allreduce", "delayed", "local:period=4", "diloco:period=16"):
+        rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", prof,
+                  "--compression", "bf16", "--sync", mode, "--out", tmp_path / "sim", "--json")
+        assert rc == 0
+        pts[mode.partition(":")[0]] = json.loads(capsys.readouterr().out)["points"][0]
+    a = pts["allreduce"]
+    assert a["sync_step_s"] == a["step_s"]
+    compute = a["compute_s"] + a["noise_s"]
+    # one core per host, one torch thread: the communication thread's codec work is taken from compute
+    assert pts["delayed"]["sync_step_s"] == pytest.approx(max(compute + a["codec_s"], a["comm_s"] + a["codec_s"]))
+    assert pts["local"]["sync_step_s"] == pytest.approx(compute + (a["comm_s"] + a["codec_s"]) / 4)
+    assert pts["diloco"]["sync_bytes_per_step"] == pytest.approx(a["bytes_per_rank"] / 16)
+    assert pts["diloco"]["sync_step_s"] < pts["local"]["sync_step_s"] < a["step_s"]
+
+
+def test_simulate_refuses_a_bad_sync(tmp_path, capsys):
+    from tests.test_cli import ROOT
+    from tests.test_perf import _cli, _profile_file
+
+    rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile",
+              _profile_file(tmp_path), "--sync", "local:period=0", "--out", tmp_path / "sim")
+    assert rc == 2 and "sync.period: must be an integer in [1" in capsys.readouterr().err

@@ -1,0 +1,46 @@
+"""Sync modes: *when* averaging happens (see :mod:`thinwire.syncspec` for the forms and their sources).
+
+==============  ========================================  ===========================================
+mode            module                                    averages
+==============  ========================================  ===========================================
+``allreduce``   :mod:`.base` (the DDP hook)               gradients, in backward
+``delayed``     :mod:`.delayed`                           gradients, overlapped with the next step
+``local``       :mod:`.local`                             parameter changes, every H steps
+``diloco``      :mod:`.diloco`                            pseudo-gradients, every H steps (outer Nesterov)
+==============  ========================================  ===========================================
+
+Every mode averages through a :class:`~thinwire.compress.hook.CommState` (codec, error feedback,
+bytes counted on the wire). :func:`create` builds one; ``thinwire.sync`` is the public entry.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from thinwire.compress.hook import CommState, Policy, attach
+from thinwire.compress.sync.base import SyncMode
+from thinwire.compress.sync.delayed import Delayed
+from thinwire.compress.sync.diloco import DiLoCo
+from thinwire.compress.sync.local import LocalSGD
+
+MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "local": LocalSGD, "diloco": DiLoCo}
+
+
+def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_steps: int = 0,
+           process_group=None, bucket_mb: float = 25.0) -> SyncMode:
+    """The sync mode ``spec.mode`` (a parsed spec: mode, period, warmup, outer_lr, outer_momentum) on a
+    DDP ``model``, averaging with ``policy``'s codec. ``allreduce`` attaches the DDP hook; the others
+    average outside backward. ``delayed`` always gets a new process group: its averaging stays in
+    flight while the loop issues its own collectives."""
+    if spec.mode == "allreduce":
+        return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
+                                      process_group=process_group), spec)
+    if spec.mode == "delayed" or process_group is None:
+        process_group = dist.new_group(backend=dist.get_backend())
+    comm = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=4096,
+                     nonfinite="skip", group=process_group)
+    policy.bind(comm, model.module)
+    return MODES[spec.mode](model, comm, spec, bucket_mb=bucket_mb)
+
+
+__all__ = ["MODES", "SyncMode", "Delayed", "LocalSGD", "DiLoCo", "create"]

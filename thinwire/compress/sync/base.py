@@ -1,0 +1,127 @@
+"""What every sync mode shares: the small :class:`SyncMode` interface the trainer (and a user's loop)
+calls around the optimizer step, the ``allreduce`` mode (today's DDP hook), and :class:`Buckets`, the
+fixed grouping of parameters into flat fp32 buckets in which the other modes average.
+
+A training loop with any mode::
+
+    mode = thinwire.sync(ddp_model, "local:period=8", codec="int8")
+    with mode.no_sync():          # modes that average outside backward keep DDP from all-reducing
+        loss_fn(ddp_model(x), y).backward()
+    mode.step(optimizer)          # before_step, optimizer.step, after_step
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.hook import CommState
+
+
+class Buckets:
+    """Parameters in model order, grouped into flat buckets of at most ``cap_bytes`` fp32 bytes.
+
+    Fixed for the run (unlike DDP's, which are rebuilt after the first step), so the error-feedback
+    residual of each bucket keeps its key and layout across steps and resumes."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cap_bytes: int) -> None:
+        self.params = params
+        self.groups: list[list[int]] = []
+        size = cap_bytes
+        for i, p in enumerate(params):
+            if size + p.numel() * 4 > cap_bytes and (not self.groups or self.groups[-1]):
+                self.groups.append([])
+                size = 0
+            self.groups[-1].append(i)
+            size += p.numel() * 4
+
+    def layout(self, b: int) -> tuple:
+        return tuple((i, self.params[i].numel()) for i in self.groups[b])
+
+    def shapes(self, b: int) -> list[tuple]:
+        return [tuple(self.params[i].shape) for i in self.groups[b]]
+
+    def flatten(self, tensors: list[Tensor | None]) -> list[Tensor]:
+        """One new flat fp32 tensor per bucket from per-parameter tensors (None: zeros)."""
+        out = []
+        for group in self.groups:
+            parts = [tensors[i].detach().reshape(-1).float() if tensors[i] is not None
+                     else torch.zeros(self.params[i].numel(), device=self.params[i].device) for i in group]
+            out.append(torch.cat(parts))
+        return out
+
+    def unflatten(self, flats: list[Tensor]) -> list[Tensor]:
+        """Per-parameter views (parameter shapes and dtypes) of flat buckets."""
+        out: list[Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for group, flat in zip(self.groups, flats):
+            offset = 0
+            for i in group:
+                p = self.params[i]
+                out[i] = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+        return out
+
+    def average(self, comm: CommState, flats: list[Tensor]) -> list[torch.futures.Future]:
+        """Start averaging each flat bucket through ``comm`` (its codec, error feedback, wire count)."""
+        step = comm.step
+        comm.step += 1
+        return [comm.send(flat, b, step, self.shapes(b), self.layout(b)) for b, flat in enumerate(flats)]
+
+
+class SyncMode:
+    """When averaging happens. Subclasses override the hooks; this base is ``allreduce``: DDP's
+    backward averages gradients through thinwire's hook, nothing else to do.
+
+    ``comm``: the :class:`CommState` that counts bytes and holds error-feedback residuals;
+    ``diverges``: ranks hold different parameters between averages (the trainer then checkpoints
+    every rank's parameters and optimizer state)."""
+
+    name = "allreduce"
+    diverges = False
+
+    def __init__(self, model, comm: CommState, spec=None) -> None:
+        self.model, self.comm, self.spec = model, comm, spec
+
+    def no_sync(self):
+        """The context backward runs in: DDP all-reduces (through the hook) unless a mode averages itself."""
+        return contextlib.nullcontext()
+
+    def before_step(self) -> None:
+        """After backward, before the optimizer: the gradients the optimizer applies are set here."""
+
+    def after_step(self) -> None:
+        """After the optimizer step: parameter averaging happens here."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop."""
+        self.before_step()
+        optimizer.step()
+        self.after_step()
+
+    def flush(self) -> None:
+        """Wait for averaging in flight (before the loop's own collectives or a checkpoint)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        self.flush()
+        self.comm.close()
+
+
+def params_of(model) -> list[torch.nn.Parameter]:
+    module = getattr(model, "module", model)
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def cpu_list(tensors: list[Tensor] | None) -> list[Tensor] | None:
+    return None if tensors is None else [t.detach().cpu().clone() for t in tensors]
+
+
+def on_device(tensors: list[Tensor] | None, like: list[Tensor]) -> list[Tensor] | None:
+    return None if tensors is None else [t.to(x.device).clone() for t, x in zip(tensors, like)]

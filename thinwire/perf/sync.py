@@ -1,0 +1,59 @@
+"""The step time of each sync mode, from one predicted ``allreduce`` step's parts (pure functions).
+
+Inputs are plain seconds from :func:`thinwire.perf.model.predict_step`: ``compute_s`` (the slowest
+host's compute with its noise), ``comm_s`` (wire seconds of every bucket, back to back) and
+``codec_s`` (encode + decode seconds on the communication thread).
+
+* ``allreduce``: the overlap timeline's step, as predicted (communication overlaps backward only).
+* ``delayed``: Pipe-SGD's pipelined step (Li et al. 2018, https://arxiv.org/abs/1811.03619, eq. for
+  K=1): step t's averaging runs while step t+1 computes, so a step takes the slower of the two
+  pipelines, ``max(compute, comm + codec)``. When the host has no spare core for the communication
+  thread (``codec_steals_compute``), its codec work is CPU taken from compute:
+  ``max(compute + codec, comm + codec)``.
+* ``local``, ``diloco``: H steps of compute alone, then one average of all parameters (the same
+  bytes and codec work as one gradient average) with nothing to overlap it:
+  ``compute + (comm + codec) / H`` (Lin et al. 2020; Douillard et al. 2023, whose communication cost
+  is that of data parallelism divided by H).
+
+Example: 100 ms compute, 150 ms wire, 10 ms codec::
+
+    >>> round(delayed_step_s(compute_s=0.1, comm_s=0.15, codec_s=0.01), 3)
+    0.16
+    >>> round(periodic_step_s(compute_s=0.1, average_s=0.16, period=8), 3)
+    0.12
+"""
+
+from __future__ import annotations
+
+PERIODIC = ("local", "diloco")
+
+
+def delayed_step_s(*, compute_s: float, comm_s: float, codec_s: float, codec_steals_compute: bool = False) -> float:
+    """One step of one-step-stale averaging: the slower of compute and communication (see module)."""
+    busy = compute_s + (codec_s if codec_steals_compute else 0.0)
+    return max(busy, comm_s + codec_s)
+
+
+def periodic_step_s(*, compute_s: float, average_s: float, period: int) -> float:
+    """One step of local SGD or DiLoCo: compute, plus one parameter average spread over ``period`` steps."""
+    if period < 1:
+        raise ValueError(f"period must be an integer >= 1, got {period}")
+    return compute_s + average_s / period
+
+
+def sync_step_s(mode: str, *, allreduce_step_s: float, compute_s: float, comm_s: float, codec_s: float,
+                period: int = 1, codec_steals_compute: bool = False) -> float:
+    """The step of ``mode`` (allreduce, delayed, local, diloco) from a predicted allreduce step's parts."""
+    if mode == "allreduce":
+        return allreduce_step_s
+    if mode == "delayed":
+        return delayed_step_s(compute_s=compute_s, comm_s=comm_s, codec_s=codec_s,
+                              codec_steals_compute=codec_steals_compute)
+    if mode in PERIODIC:
+        return periodic_step_s(compute_s=compute_s, average_s=comm_s + codec_s, period=period)
+    raise ValueError(f"sync mode must be one of allreduce, delayed, {', '.join(PERIODIC)}, got {mode!r}")
+
+
+def bytes_per_step(mode: str, bytes_per_average: int, period: int = 1) -> float:
+    """Bytes one rank sends per step: one average per step, or one per ``period`` steps."""
+    return bytes_per_average / period if mode in PERIODIC else float(bytes_per_average)

@@ -1,0 +1,139 @@
+"""The sync mode: *when* gradients or parameters are averaged, parsed once from ``--sync`` (or ``sync:``
+in a config, or the string given to :func:`thinwire.sync`) into one typed :class:`SyncSpec`.
+
+=============================================  =====================================================
+form                                           what runs (:mod:`thinwire.compress.sync`)
+=============================================  =====================================================
+``allreduce``                                  today's DDP hook: gradients averaged in backward
+``delayed``                                    step t's gradient averaged while step t+1 computes and
+                                               applied at step t+1 (staleness 1; Pipe-SGD, Li et al.
+                                               2018); the first step applies nothing
+``local:period=H[,warmup=W]``                  post-local SGD (Lin et al. 2020; PyTorch's
+                                               ``PostLocalSGDState`` + ``PeriodicModelAverager``):
+                                               W synchronous steps, then local steps and parameters
+                                               averaged every H steps
+``diloco:period=H[,outer_lr=,outer_momentum=   DiLoCo (Douillard et al. 2023): the training optimizer
+,warmup=]``                                    inside, every H steps the averaged pseudo-gradient
+                                               (anchor - params) takes an outer Nesterov SGD step
+=============================================  =====================================================
+
+Defaults and their sources: ``local`` warm-up 100 steps and no default period (PyTorch's
+post-local-SGD example uses ``start_localSGD_iter=100``, ``warmup_steps=100``, ``period=4``; its
+``PeriodicModelAverager`` has no default period either). ``diloco`` ``outer_lr=0.7``,
+``outer_momentum=0.9`` (Nesterov) as in the paper; its period defaults to 100, not the paper's 500:
+the paper chose H=500 for runs of ~88k inner steps starting from a pre-trained model, and its own
+sweep of H (50 ... 2000) shows quality improving as H falls; a default must still average dozens of
+times in a run of a few thousand steps from scratch. Every average goes through the codec of
+``--compression`` with error feedback.
+
+    >>> parse_sync_spec("diloco:period=50").outer_lr, parse_sync_spec("local:period=8").text
+    (0.7, 'local:period=8,warmup=100')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Literal
+
+from thinwire.errors import ConfigError
+
+MODES = ("allreduce", "delayed", "local", "diloco")
+MAX_PERIOD = 10**9
+_INT = re.compile(r"[0-9]{1,10}", re.ASCII)
+# per mode: key -> (kind, default); None: required
+_KEYS: dict[str, dict[str, tuple[type, object]]] = {
+    "allreduce": {}, "delayed": {},
+    "local": {"period": (int, None), "warmup": (int, 100)},
+    "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0)},
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+    """A parsed sync mode; ``local`` is DiLoCo's outer step with lr 1 and no momentum (plain averaging)."""
+
+    mode: Literal["allreduce", "delayed", "local", "diloco"] = "allreduce"
+    period: int = 1
+    warmup: int = 0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
+        _check(1 <= self.period <= MAX_PERIOD, "period", self.period, f"an integer in [1, {MAX_PERIOD}]",
+               "period=1 averages after every step; larger periods send less.")
+        _check(0 <= self.warmup <= MAX_PERIOD, "warmup", self.warmup, f"an integer in [0, {MAX_PERIOD}]")
+        _check(math.isfinite(self.outer_lr) and 0 < self.outer_lr <= 10, "outer_lr", self.outer_lr,
+               "a number in (0, 10]", "DiLoCo uses 0.7.")
+        _check(math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1, "outer_momentum",
+               self.outer_momentum, "a number in [0, 1)", "DiLoCo uses 0.9; 0 turns momentum off.")
+
+    @property
+    def periodic(self) -> bool:
+        """Whether ranks step locally and average parameters every ``period`` steps."""
+        return self.mode in ("local", "diloco")
+
+    @property
+    def text(self) -> str:
+        keys = _KEYS[self.mode]
+        return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
+
+
+def _check(cond: bool, key: str, value: object, allowed: str, fix: str = "") -> None:
+    if not cond:
+        raise ConfigError(f"sync.{key}", value, allowed, fix)
+
+
+def parse_sync_spec(text: str) -> SyncSpec:
+    """``MODE[:key=value,...]`` to its :class:`SyncSpec`; a mistake names the key, the value and what is allowed."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("sync", text, "one of " + ", ".join(MODES), _FIX)
+    head, _, params = text.strip().partition(":")
+    mode = head.strip().lower()
+    if mode not in _KEYS:
+        raise ConfigError("sync", text, "one of " + ", ".join(MODES), _FIX)
+    keys = _KEYS[mode]
+    values = {k: d for k, (_, d) in keys.items()}
+    for item in filter(None, (p.strip() for p in params.split(","))):
+        key, sep, raw = (t.strip() for t in item.partition("="))
+        if key not in keys or not sep:
+            allowed = f"keys {', '.join(keys)}" if keys else "no parameters"
+            raise ConfigError("sync", text, f"{mode} with {allowed} (key=value, comma-separated)", _FIX)
+        values[key] = _number(mode, key, raw, keys[key][0])
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise ConfigError(f"sync.{missing[0]}", text, f"given: {mode}:{missing[0]}=N", _FIX)
+    return SyncSpec(mode=mode, **values)
+
+
+def _number(mode: str, key: str, raw: str, kind: type) -> float | int:
+    if kind is int:
+        if not _INT.fullmatch(raw):
+            raise ConfigError(f"sync.{key}", raw, "a whole number", _FIX)
+        return int(raw)
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"sync.{key}", raw, "a number", _FIX) from None
+
+
+_FIX = "E.g. delayed, local:period=8, diloco:period=100,outer_lr=0.7,outer_momentum=0.9"
+
+
+def check_pairing(sync: SyncSpec, comm, *, precision: str = "fp32", plan: str | None = None) -> None:
+    """Refuse a sync mode with what it cannot run: PyTorch's hooks or ``auto`` (a DDP-hook policy),
+    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook)."""
+    if sync.mode == "allreduce":
+        return
+    from thinwire.commspec import CodecSpec
+
+    if not isinstance(comm, CodecSpec):
+        raise ConfigError("compression", comm.text, f"a thinwire codec (none, bf16, int8, topk:ratio=...) with "
+                          f"--sync {sync.mode}", "PyTorch's hooks and auto run only with --sync allreduce.")
+    if precision == "fp16":
+        raise ConfigError("precision", precision, f"fp32, bf16 or int8 with --sync {sync.mode}",
+                          "fp16's loss scale changes between steps; use bf16.")
+    if plan:
+        raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")
