@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import yaml
 
 from thinwire.cluster import emulator as emulator_mod
 from thinwire.cluster import netns
@@ -37,11 +39,14 @@ PROBE = ("import socket, sys\n"
 
 def make_spec(suffix: str, **extra) -> ClusterSpec:
     """a1, a2 in group A on 50 Mbit/s; b1 in group B on 200 Mbit/s behind a 20 Mbit/s A-B link."""
-    data = {"name": f"t{os.getpid()}-{suffix}", "defaults": {"bandwidth": RATE},
+    return from_dict(ClusterSpec, spec_data(suffix, **extra), where="")
+
+
+def spec_data(suffix: str, **extra) -> dict:
+    return {"name": f"t{os.getpid()}-{suffix}", "defaults": {"bandwidth": RATE},
             "hosts": [{"name": "a1", "group": "A"}, {"name": "a2", "group": "A", "memory": "256MiB"},
                       {"name": "b1", "group": "B", "bandwidth": "200mbit", "cpu": 0.2}],
             "links": [{"between": ["A", "B"], "bandwidth": "20mbit"}], **extra}
-    return from_dict(ClusterSpec, data, where="")
 
 
 def root_links() -> set[str]:
@@ -149,3 +154,32 @@ def test_commands_need_the_cluster_up():
     c = EmulatedCluster(make_spec("absent"))
     with pytest.raises(ThinwireError, match=r"cluster 't\d+-absent' is not up; start it with `thinwire cluster up SPEC`"):
         c.status()
+
+
+# `thinwire cluster up`, with every tc call slowed down so a signal surely lands half-way through
+SLOW_UP = ("import sys, time\nfrom thinwire.cluster import netns\nshape = netns.shape\n"
+           "netns.shape = lambda *a, **k: (time.sleep(0.3), shape(*a, **k))\n"
+           "from thinwire.cli.main import main\nsys.exit(main(['cluster', 'up', sys.argv[1]]))\n")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_stop_signal_during_up_removes_everything(tmp_path, signum):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_data(f"sig{int(signum)}")))
+    c = EmulatedCluster(make_spec(f"sig{int(signum)}"))
+    before = root_links()
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_UP, str(spec_file)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while c.namespace("a1") not in netns.list_namespaces():  # half-way: hosts being built
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert_nothing_left(c)
+        assert {l.split(":")[1] for l in root_links() - before} == set()
+    finally:
+        c.down()  # only when the checks above fail
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err and err.strip().endswith(f"stopped by {signal.Signals(signum).name}; "
+                                                          "everything already saved is kept"), err
