@@ -67,6 +67,23 @@ def run_in(cluster: EmulatedCluster, host: str, argv: list[str]) -> str:
     return out
 
 
+LOW, HIGH, TRIES = 0.85, 1.05, 3  # measured / configured rate; tbf's header overhead alone gives ~0.94
+
+
+def measure(cluster: EmulatedCluster, hosts: list[str], sizes: list[int]):
+    """The all-reduce benchmark, repeated (up to TRIES in all) while it measures below LOW.
+
+    A busy machine (the full suite on 2 cores measured 0.836) can only slow the gloo workers down;
+    the tbf caps the rate from above whatever the load. So a low measurement is retried, and a high
+    one is never: a link shaped at twice its rate fails HIGH at once, and one at half its rate
+    measures at most ~0.5 on every try and still fails LOW."""
+    for _ in range(TRIES):
+        result = bench(cluster, hosts=hosts, sizes=sizes, reps=3)
+        if result.ratio >= LOW:
+            break
+    return result
+
+
 @pytest.fixture
 def cluster():
     before = root_links()
@@ -92,12 +109,12 @@ def test_up_shapes_limits_runs_and_tears_down(cluster):
     assert out.count(f"tw-{cluster.tag}/a2") == 2  # both cpu and memory groups
 
     # access links: a1 <-> a2 limited by 50 Mbit/s; group link: a1 <-> b1 by 20 Mbit/s
-    same_group = bench(cluster, hosts=["a1", "a2"], sizes=[1_500_000, 3_000_000], reps=3)
+    same_group = measure(cluster, ["a1", "a2"], [1_500_000, 3_000_000])
     assert same_group.expected_bps == RATE
-    assert 0.85 <= same_group.ratio <= 1.05, same_group
-    cross = bench(cluster, hosts=["a1", "a2", "b1"][::2], sizes=[600_000, 1_200_000], reps=3)
+    assert LOW <= same_group.ratio <= HIGH, same_group
+    cross = measure(cluster, ["a1", "b1"], [600_000, 1_200_000])
     assert cross.expected_bps == 20e6
-    assert 0.85 <= cross.ratio <= 1.05, cross
+    assert LOW <= cross.ratio <= HIGH, cross
 
     # the cpu quota really throttles b1
     throttled = cluster.cgroups.controllers["cpu"].parent / f"tw-{cluster.tag}" / "b1" / "cpu.stat"
