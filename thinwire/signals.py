@@ -44,14 +44,23 @@ def _raise(signum: int, frame) -> None:
     raise Stopped(signum)
 
 
-def signum_of(exc: BaseException) -> int | None:
-    """The stop signal behind ``exc`` (Stopped, KeyboardInterrupt, torchelastic's SignalException)."""
-    if isinstance(exc, Stopped):
-        return exc.signum
-    if isinstance(exc, KeyboardInterrupt):
-        return signal.SIGINT
-    sigval = getattr(exc, "sigval", None)  # torch.distributed.elastic.multiprocessing.api.SignalException
-    return int(sigval) if sigval is not None else None
+def signum_of(exc: BaseException | None) -> int | None:
+    """The stop signal behind ``exc`` (Stopped, KeyboardInterrupt, torchelastic's SignalException).
+
+    Follows the chain of exceptions: a signal inside ``torch.save`` surfaces as the RuntimeError its
+    zip writer raises while unwinding, with the Stopped as its context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, Stopped):
+            return exc.signum
+        if isinstance(exc, KeyboardInterrupt):
+            return signal.SIGINT
+        sigval = getattr(exc, "sigval", None)  # torch.distributed.elastic.multiprocessing.api.SignalException
+        if sigval is not None:
+            return int(sigval)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
-    except (Stopped, KeyboardInterrupt) as e:
+    except BaseException as e:  # a stop signal, maybe wrapped by the code it interrupted (torch.save)
+        if signum_of(e) is None:
+            raise
         stopped = Stopped(signum_of(e))
         print(f"thinwire: {stopped}; everything already saved is kept", file=sys.stderr)
         return stopped.exit_code

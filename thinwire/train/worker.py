@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from thinwire.config import from_dict, load_yaml
 from thinwire.errors import ThinwireError
-from thinwire.signals import Stopped, signum_of, stop_signals_raise
+from thinwire.signals import signum_of, stop_signals_raise
 from thinwire.train.config import TrainConfig
 
 
@@ -33,7 +33,9 @@ def main(argv: list[str]) -> int:
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
-    except (Stopped, KeyboardInterrupt) as e:  # the agent (or a terminal) stops the run: it reports it, once
+    except BaseException as e:  # stopped by the agent (or a terminal), which reports it once: leave quietly
+        if signum_of(e) is None:
+            raise
         _leave(signum_of(e) + 128)
     _leave(0)
 
