@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import yaml
 
 from thinwire.cluster import emulator as emulator_mod
 from thinwire.cluster import netns
@@ -37,11 +39,14 @@ PROBE = ("import socket, sys\n"
 
 def make_spec(suffix: str, **extra) -> ClusterSpec:
     """a1, a2 in group A on 50 Mbit/s; b1 in group B on 200 Mbit/s behind a 20 Mbit/s A-B link."""
-    data = {"name": f"t{os.getpid()}-{suffix}", "defaults": {"bandwidth": RATE},
+    return from_dict(ClusterSpec, spec_data(suffix, **extra), where="")
+
+
+def spec_data(suffix: str, **extra) -> dict:
+    return {"name": f"t{os.getpid()}-{suffix}", "defaults": {"bandwidth": RATE},
             "hosts": [{"name": "a1", "group": "A"}, {"name": "a2", "group": "A", "memory": "256MiB"},
                       {"name": "b1", "group": "B", "bandwidth": "200mbit", "cpu": 0.2}],
             "links": [{"between": ["A", "B"], "bandwidth": "20mbit"}], **extra}
-    return from_dict(ClusterSpec, data, where="")
 
 
 def root_links() -> set[str]:
@@ -60,6 +65,23 @@ def run_in(cluster: EmulatedCluster, host: str, argv: list[str]) -> str:
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     return out
+
+
+LOW, HIGH, TRIES = 0.85, 1.05, 3  # measured / configured rate; tbf's header overhead alone gives ~0.94
+
+
+def measure(cluster: EmulatedCluster, hosts: list[str], sizes: list[int]):
+    """The all-reduce benchmark, repeated (up to TRIES in all) while it measures below LOW.
+
+    A busy machine (the full suite on 2 cores measured 0.836) can only slow the gloo workers down;
+    the tbf caps the rate from above whatever the load. So a low measurement is retried, and a high
+    one is never: a link shaped at twice its rate fails HIGH at once, and one at half its rate
+    measures at most ~0.5 on every try and still fails LOW."""
+    for _ in range(TRIES):
+        result = bench(cluster, hosts=hosts, sizes=sizes, reps=3)
+        if result.ratio >= LOW:
+            break
+    return result
 
 
 @pytest.fixture
@@ -87,12 +109,12 @@ def test_up_shapes_limits_runs_and_tears_down(cluster):
     assert out.count(f"tw-{cluster.tag}/a2") == 2  # both cpu and memory groups
 
     # access links: a1 <-> a2 limited by 50 Mbit/s; group link: a1 <-> b1 by 20 Mbit/s
-    same_group = bench(cluster, hosts=["a1", "a2"], sizes=[1_500_000, 3_000_000], reps=3)
+    same_group = measure(cluster, ["a1", "a2"], [1_500_000, 3_000_000])
     assert same_group.expected_bps == RATE
-    assert 0.85 <= same_group.ratio <= 1.05, same_group
-    cross = bench(cluster, hosts=["a1", "a2", "b1"][::2], sizes=[600_000, 1_200_000], reps=3)
+    assert LOW <= same_group.ratio <= HIGH, same_group
+    cross = measure(cluster, ["a1", "b1"], [600_000, 1_200_000])
     assert cross.expected_bps == 20e6
-    assert 0.85 <= cross.ratio <= 1.05, cross
+    assert LOW <= cross.ratio <= HIGH, cross
 
     # the cpu quota really throttles b1
     throttled = cluster.cgroups.controllers["cpu"].parent / f"tw-{cluster.tag}" / "b1" / "cpu.stat"
@@ -149,3 +171,32 @@ def test_commands_need_the_cluster_up():
     c = EmulatedCluster(make_spec("absent"))
     with pytest.raises(ThinwireError, match=r"cluster 't\d+-absent' is not up; start it with `thinwire cluster up SPEC`"):
         c.status()
+
+
+# `thinwire cluster up`, with every tc call slowed down so a signal surely lands half-way through
+SLOW_UP = ("import sys, time\nfrom thinwire.cluster import netns\nshape = netns.shape\n"
+           "netns.shape = lambda *a, **k: (time.sleep(0.3), shape(*a, **k))\n"
+           "from thinwire.cli.main import main\nsys.exit(main(['cluster', 'up', sys.argv[1]]))\n")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_stop_signal_during_up_removes_everything(tmp_path, signum):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_data(f"sig{int(signum)}")))
+    c = EmulatedCluster(make_spec(f"sig{int(signum)}"))
+    before = root_links()
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_UP, str(spec_file)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while c.namespace("a1") not in netns.list_namespaces():  # half-way: hosts being built
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert_nothing_left(c)
+        assert {l.split(":")[1] for l in root_links() - before} == set()
+    finally:
+        c.down()  # only when the checks above fail
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err and err.strip().endswith(f"stopped by {signal.Signals(signum).name}; "
+                                                          "everything already saved is kept"), err

@@ -195,3 +195,27 @@ def test_cli_parses_every_subcommand():
     assert (args.host, args.state, args.func.__name__) == ("a1", "down", "cmd_link")
     args = parser.parse_args(["cluster", "bench", "s.yaml", "--sizes", "1MiB,4MiB", "--reps", "3"])
     assert (args.sizes, args.reps, args.func.__name__) == ("1MiB,4MiB", 3, "cmd_bench")
+
+
+def test_cgroup_v2_controller_thinwire_enabled_is_turned_off_with_the_last_cluster(tmp_path, monkeypatch):
+    """A fake cgroup v2 root: ``+cpu`` written by thinwire is reverted once no ``tw-*`` group remains."""
+    from thinwire.cluster import cgroup
+
+    monkeypatch.setattr(cgroup, "ENABLED_FILE", tmp_path / "run" / "cgroup-enabled.json")
+    root, other = tmp_path / "root", tmp_path / "other"
+    for d, on in ((root, ""), (other, "cpu memory")):
+        d.mkdir()
+        (d / "cgroup.subtree_control").write_text(on)
+    for d in (root, other):
+        if cgroup._enable(d, "cpu"):
+            cgroup._remember(d, "cpu")
+    assert (root / "cgroup.subtree_control").read_text() == "+cpu"  # turned on by us
+    assert (other / "cgroup.subtree_control").read_text() == "cpu memory"  # already on: not ours
+    (root / "tw-a").mkdir()
+    cgroup.revert_enabled()  # a cluster still runs under root: keep it on
+    assert (root / "cgroup.subtree_control").read_text() == "+cpu"
+    (root / "tw-a").rmdir()
+    cgroup.revert_enabled()
+    assert (root / "cgroup.subtree_control").read_text() == "-cpu"
+    assert (other / "cgroup.subtree_control").read_text() == "cpu memory"
+    assert not cgroup.ENABLED_FILE.exists()

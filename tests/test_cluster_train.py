@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import ROOT
+from thinwire.cluster import netns
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec
 from thinwire.train import checkpoint as ckpt
@@ -102,3 +104,39 @@ def test_restarts_after_link_restored(cluster, tmp_path):
     assert summary["steps"] == 300 and summary["restarts"] >= 1
     events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if "event" in l]
     assert any(e["event"] == "restart" for e in events)
+
+
+def _left_in_hosts(c: EmulatedCluster) -> list[int]:
+    """Processes still inside the hosts' namespaces or cgroups."""
+    pids = set()
+    for h in c.hosts():
+        pids |= set(netns.run("ip", "netns", "pids", h.namespace, check=False).split())
+        for procs in h.cgroup_procs:
+            pids |= set(Path(procs).read_text().split())
+    return sorted(map(int, pids))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_stop_signal_leaves_nothing_running_in_the_hosts(cluster, tmp_path, signum):
+    """SIGTERM/SIGHUP to `train --cluster` stop every host's agent and worker; the cluster stays up as
+    `thinwire cluster up` left it, and the checkpoints written so far load."""
+    spec, c = cluster
+    out = tmp_path / "run"
+    proc = _start(spec, out)
+    try:
+        _wait_step(out, 25, proc)
+        proc.send_signal(signum)
+        proc.wait(timeout=60)  # thinwire itself; its output pipe may stay open while hosts run on
+        deadline = time.monotonic() + 5  # the kernel drops exited tasks from cgroup.procs shortly after
+        while _left_in_hosts(c) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _left_in_hosts(c) == []
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert f"thinwire: stopped by {signal.Signals(signum).name}" in err
+    assert c.is_up()
+    ckpt.load(ckpt.latest(out))

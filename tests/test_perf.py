@@ -900,3 +900,24 @@ def test_powersgd_shadow_prices_the_per_matrix_scheme_and_runs_one_window_in_use
     policy.shadows.keep_needed(policy.choices, 9)
     policy.observe(0, noise(), 9, shapes)
     assert len(policy.shadows.lowrank_errors[0]) == 1
+
+
+def test_corun_timeout_kills_and_reaps_its_copies():
+    """Copies still importing torch when the timeout passes are killed and reaped, not left running."""
+    import subprocess
+
+    from thinwire.measure import corun
+
+    def children() -> list[int]:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+    with pytest.raises(subprocess.TimeoutExpired):
+        corun._run(2, ["--workload", "digits", "--batch", "8"], timeout=0.3)
+    assert children() == []

@@ -91,7 +91,13 @@ def cmd_exec(args: argparse.Namespace) -> int:
         raise ThinwireError("exec needs a command: `thinwire cluster exec SPEC HOST -- CMD [ARGS...]`.")
     cluster = _cluster(args)
     cluster.require_up()
-    return cluster.host(args.host).spawn(command).wait()
+    proc = cluster.host(args.host).spawn(command)
+    try:
+        return proc.wait()
+    finally:  # stopped (Ctrl-C, SIGTERM, SIGHUP): leave nothing running inside the host
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from thinwire.errors import ThinwireError
+from thinwire.signals import Stopped, signum_of, stop_signals_raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,13 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="thinwire: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with stop_signals_raise():  # SIGTERM and SIGHUP unwind through every cleanup, as Ctrl-C does
+            return int(args.func(args) or 0)
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("thinwire: interrupted", file=sys.stderr)
-        return 130
+    except BaseException as e:  # a stop signal, maybe wrapped by the code it interrupted (torch.save)
+        if signum_of(e) is None:
+            raise
+        stopped = Stopped(signum_of(e))
+        print(f"thinwire: {stopped}; everything already saved is kept", file=sys.stderr)
+        return stopped.exit_code
 
 
 if __name__ == "__main__":

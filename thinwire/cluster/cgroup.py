@@ -19,6 +19,8 @@ quarter of a core takes 192 ms (``benchmarks/cpu_quota.py``). Memory: ``memory.l
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import math
 import os
 import time
@@ -28,6 +30,10 @@ from pathlib import Path
 from thinwire.cluster.netns import kill_pids
 from thinwire.errors import ThinwireError
 
+# controllers thinwire turned on in a v2 parent's cgroup.subtree_control, to turn off again when the
+# last thinwire cluster under that parent goes (shared by all clusters, like the parent itself)
+ENABLED_FILE = Path("/run/thinwire/cgroup-enabled.json")
+log = logging.getLogger(__name__)
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000  # the kernel refuses smaller quotas
 MAX_PERIOD_US = 1_000_000  # and longer periods
@@ -112,7 +118,8 @@ class HostCgroups:
             base = c.parent / self.dirname
             base.mkdir(exist_ok=True)
             if c.version == 2:
-                _enable(c.parent, c.name)
+                if _enable(c.parent, c.name):
+                    _remember(c.parent, c.name)
                 _enable(base, c.name)
             (base / host).mkdir(exist_ok=True)
             for fname, value in c.limit_files(cpu, memory).items():
@@ -147,6 +154,7 @@ class HostCgroups:
                 kill_pids(int(p) for p in (host_dir / "cgroup.procs").read_text().split())
                 _rmdir(host_dir)
             _rmdir(base)
+        revert_enabled()
 
 
 def _read_cpu(d: Path, version: int) -> tuple[int, int]:
@@ -156,10 +164,48 @@ def _read_cpu(d: Path, version: int) -> tuple[int, int]:
     return (-1 if quota == "max" else int(quota)), int(period)
 
 
-def _enable(d: Path, name: str) -> None:
+def _enable(d: Path, name: str) -> bool:
+    """Turn controller ``name`` on for ``d``'s children; True if this call turned it on."""
     control = d / "cgroup.subtree_control"
-    if name not in control.read_text().split():
-        control.write_text(f"+{name}")
+    if name in control.read_text().split():
+        return False
+    control.write_text(f"+{name}")
+    return True
+
+
+def _enabled_records() -> list[list[str]]:
+    try:
+        return json.loads(ENABLED_FILE.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def _remember(parent: Path, name: str) -> None:
+    records = _enabled_records()
+    if [str(parent), name] not in records:
+        ENABLED_FILE.parent.mkdir(parents=True, exist_ok=True)
+        ENABLED_FILE.write_text(json.dumps(records + [[str(parent), name]]))
+
+
+def revert_enabled() -> None:
+    """Turn off the controllers thinwire turned on, under parents that hold no thinwire cluster now.
+
+    A controller still in use below the parent (by something else since) makes the kernel refuse
+    (EBUSY); then it stays on, with a warning, and the record is kept for the next ``down``."""
+    keep = []
+    for parent, name in _enabled_records():
+        if any(Path(parent).glob("tw-*")):
+            keep.append([parent, name])
+            continue
+        try:
+            (Path(parent) / "cgroup.subtree_control").write_text(f"-{name}")
+        except OSError as e:
+            log.warning("could not turn the %s controller off again in %s (%s); it stays on", name, parent, e)
+            keep.append([parent, name])
+    if keep:
+        ENABLED_FILE.write_text(json.dumps(keep))
+    else:
+        ENABLED_FILE.unlink(missing_ok=True)
 
 
 def _rmdir(d: Path) -> None:

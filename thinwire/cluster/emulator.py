@@ -45,6 +45,7 @@ from thinwire.cluster import netns
 from thinwire.cluster.cgroup import HostCgroups
 from thinwire.cluster.spec import ClusterSpec, HostSpec, LinkSpec, spec_to_dict
 from thinwire.errors import ThinwireError
+from thinwire.signals import deferred
 
 HOST_IF = "eth0"
 CORE_BRIDGE = "br0"
@@ -159,8 +160,9 @@ class EmulatedCluster:
         self.down()  # a stale or different cluster under the same tag
         try:
             self._build()
-        except BaseException:
-            self.down()
+        except BaseException:  # an error, Ctrl-C, or SIGTERM/SIGHUP (see thinwire.signals)
+            with deferred():  # a second signal must not cut the teardown short
+                self.down()
             raise
         return True
 

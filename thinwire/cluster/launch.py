@@ -20,6 +20,7 @@ from pathlib import Path
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec
 from thinwire.errors import ThinwireError
+from thinwire.signals import deferred
 from thinwire.train.config import TrainConfig
 
 RDZV_PORT = 29400
@@ -68,17 +69,24 @@ def _wait(cluster: EmulatedCluster, procs, logs: Path) -> None:
             if all(p.poll() == 0 for _, _, p in procs):
                 return
             time.sleep(0.2)
-    finally:
-        for _, out, p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for _, out, p in procs:
-            try:  # an agent cut off from the rendezvous store may not answer SIGTERM
-                p.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                p.kill()
-            if out:
-                out.close()
+    finally:  # also on Ctrl-C, SIGTERM and SIGHUP (thinwire.signals); a second signal waits for it
+        with deferred():
+            _stop_hosts(procs)
+
+
+def _stop_hosts(procs) -> None:
+    """Stop every host's agent (it stops its worker), then make sure nothing is left in the hosts."""
+    for _, out, p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for _, out, p in procs:
+        try:  # an agent cut off from the rendezvous store may not answer SIGTERM
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if out:
+            out.close()
 
 
 def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:

@@ -51,9 +51,27 @@ def _run(n: int, argv: list[str], timeout: float) -> float:
     with tempfile.TemporaryDirectory() as barrier:
         cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(n), "--barrier", barrier]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        procs = []
+        try:
+            procs += [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+            outs = _collect(procs, time.monotonic() + timeout)
+        finally:  # timeout, error or stop signal: no copy outlives the measurement
+            _kill(procs)
     return statistics.median(json.loads(o.strip().splitlines()[-1])["median_s"] for o in outs)
+
+
+def _collect(procs: list[subprocess.Popen], deadline: float) -> list[str]:
+    """Every copy's stdout; ``subprocess.TimeoutExpired`` once ``deadline`` (monotonic) passes."""
+    return [p.communicate(timeout=max(0.0, deadline - time.monotonic()))[0] for p in procs]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill the copies still running and reap all of them (no zombie, no open pipe)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.communicate()
 
 
 def corun_speed(*, workload: str, model: dict, data: str | None, batch: int, threads: int = 1, n: int = 2,

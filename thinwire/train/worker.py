@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from thinwire.config import from_dict, load_yaml
 from thinwire.errors import ThinwireError
+from thinwire.signals import signum_of, stop_signals_raise
 from thinwire.train.config import TrainConfig
 
 
@@ -27,15 +28,25 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0])
     cfg = from_dict(TrainConfig, load_yaml(path), where="")
     try:
-        train(cfg, Path(cfg.out))
+        with stop_signals_raise():
+            train(cfg, Path(cfg.out))
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
-    # Everything is written and fsync'ed. Leave without running C++ static destructors: gloo's can
-    # abort ("terminate called without an active exception") at interpreter exit after a clean run.
+    except BaseException as e:  # stopped by the agent (or a terminal), which reports it once: leave quietly
+        if signum_of(e) is None:
+            raise
+        _leave(signum_of(e) + 128)
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit without running C++ static destructors: gloo's can abort ("terminate called without an
+    active exception") at interpreter exit. Checkpoints are written atomically, so a stop between
+    two writes loses nothing already saved."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Stop signals as exceptions, so every run and every cluster ends through its ``finally`` blocks.
+
+Python turns SIGINT (Ctrl-C) into :class:`KeyboardInterrupt` but lets SIGTERM and SIGHUP kill the
+process on the spot: no cleanup runs, so namespaces, qdiscs, cgroups and worker processes would be
+left behind. :func:`stop_signals_raise` makes all three raise :class:`Stopped` (a ``BaseException``,
+like ``KeyboardInterrupt``, so ``except Exception`` does not swallow it); the CLI prints one line and
+exits ``128 + signum``, the shell convention (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+
+While cleanup itself runs, :func:`deferred` holds the signals back, so a second Ctrl-C cannot
+interrupt a half-done teardown; the first one that arrived is raised when the block ends::
+
+    with stop_signals_raise():
+        try:
+            build()
+        except BaseException:
+            with deferred():
+                teardown()
+            raise
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """The process received a stop signal (SIGINT, SIGTERM or SIGHUP)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
+def signum_of(exc: BaseException | None) -> int | None:
+    """The stop signal behind ``exc`` (Stopped, KeyboardInterrupt, torchelastic's SignalException).
+
+    Follows the chain of exceptions: a signal inside ``torch.save`` surfaces as the RuntimeError its
+    zip writer raises while unwinding, with the Stopped as its context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, Stopped):
+            return exc.signum
+        if isinstance(exc, KeyboardInterrupt):
+            return signal.SIGINT
+        sigval = getattr(exc, "sigval", None)  # torch.distributed.elastic.multiprocessing.api.SignalException
+        if sigval is not None:
+            return int(sigval)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def handlers_restored(signals=STOP_SIGNALS) -> Iterator[None]:
+    """Put back this process's handlers for ``signals`` after the block (torchelastic replaces them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Inside the block, SIGINT, SIGTERM and SIGHUP raise :class:`Stopped`. No-op off the main thread."""
+    with handlers_restored():
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, _raise)
+        yield
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold stop signals back during the block (cleanup); raise the first one after it, if any."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    with handlers_restored():
+        for s in STOP_SIGNALS:
+            signal.signal(s, lambda signum, frame: received.append(signum))
+        yield
+    if received:
+        raise Stopped(received[0])
