@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     folder = preflight(cfg, runfolder.new_run_id())
     _prepare(cfg, folder)
     if cfg.cluster:
-        from thinwire.cluster.launch import launch_cluster
+        from thinwire.train.cluster_launch import launch_cluster
 
         launch_cluster(cfg, Path(cfg.out) / "config.yaml")
         return 0
