@@ -14,10 +14,13 @@ from thinwire.compress.spec import parse_codec_spec
 from thinwire.config import MAX_DEPTH, dump_yaml, from_dict, parse_yaml
 from thinwire.errors import MAX_MESSAGE, ConfigError, ThinwireError
 from thinwire.measure.file import load_profile
+from thinwire.measure.run import profile_workload
 from thinwire.plan.planfile import cluster_fingerprint, load_plan, read_plan, workload_fingerprint
+from thinwire.plan.planner import PlanOptions
+from thinwire.sim.sweep import SimOptions
 from thinwire.train import checkpoint as ckpt
-from thinwire.train.config import load_train_config
 from thinwire.commspec import parse_comm_spec
+from thinwire.train.config import load_train_config
 from thinwire.workloads.registry import check_workload_name
 
 
@@ -268,3 +271,21 @@ def test_malicious_pickle_is_reported_as_refused(tmp_path, capsys):
     with pytest.raises(ThinwireError, match=r"was refused: it contains objects other than tensors"):
         ckpt.load(path)
     assert "this ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("make, match", [
+    pytest.param(lambda: SimOptions(colocated_cores=float("nan")), r"--colocated: must be a number of cores in \(0, 4096\], got nan",
+                 id="simulate-colocated-nan"),
+    pytest.param(lambda: SimOptions(j_per_bit=float("inf")), r"--j-per-bit: must be joules per bit in \[0, 1\], got inf",
+                 id="simulate-j-per-bit-inf"),
+    pytest.param(lambda: SimOptions(threads=10**9), r"--threads: must be an integer in \[1, 1024\]", id="simulate-threads"),
+    pytest.param(lambda: PlanOptions(batch_size=8, max_error=float("inf")), r"--max-error: must be a relative error in \(0, ",
+                 id="plan-max-error-inf"),
+    pytest.param(lambda: PlanOptions(batch_size=8, colocated_cores=-1.0), r"--colocated: must be a number of cores in",
+                 id="plan-colocated-negative"),
+    pytest.param(lambda: profile_workload(workload="digits", batch_sizes=[4], bucket_mb=float("inf")),
+                 r"--bucket-mb: must be a finite number in \(0, 4096\], got inf", id="profile-bucket-mb-inf"),
+])
+def test_number_flags_of_plan_simulate_and_profile_are_bounded(make, match):
+    with pytest.raises(ConfigError, match=match):
+        make()

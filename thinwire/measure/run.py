@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from thinwire.config import check
+from thinwire.config import check, check_range
 from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, sizes_for
 from thinwire.measure.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
 from thinwire.measure.file import ComputePoint, Profile
@@ -51,8 +51,9 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
     codecs = REGISTRY.names() if codecs is None else list(codecs)
 
     check(bool(batch_sizes) and min(batch_sizes) >= 1, "--batch-sizes", batch_sizes, "positive integers")
-    check(threads >= 1, "--threads", threads, "an integer >= 1")
-    check(reps >= 2, "--reps", reps, "an integer >= 2")
+    check_range("--threads", threads, 1, 1024, kind="an integer")
+    check_range("--reps", reps, 2, 10**6, kind="an integer")
+    check_range("--bucket-mb", bucket_mb, 0, 4096, open_lo=True, fix="DDP's default is 25.")
     torch.set_num_threads(threads)
     with single_process_group():
         torch.manual_seed(seed)

@@ -33,7 +33,7 @@ import time
 
 from thinwire.cluster.spec import ClusterSpec, HostSpec
 from thinwire.compress.spec import default_candidates
-from thinwire.config import check
+from thinwire.config import check, check_range
 from thinwire.errors import ThinwireError
 from thinwire.perf.memory import memory_per_rank, residual_values
 from thinwire.perf.model import Bucket, Compute
@@ -67,13 +67,13 @@ class PlanOptions:
         check(self.batch_size >= 1, "--batch-size", self.batch_size, "an integer >= 1")
         check("none" in self.codecs, "--codecs", ",".join(self.codecs), "a list that includes none",
               "Uniform DDP fp32 (none) is always a candidate.")
-        check(self.threads is None or self.threads >= 1, "--threads", self.threads, "an integer >= 1")
-        check(self.colocated_cores is None or self.colocated_cores > 0, "--colocated", self.colocated_cores,
-              "a number of cores > 0")
+        check_range("--threads", self.threads, 1, 1024, kind="an integer")
+        check_range("--colocated", self.colocated_cores, 0, 4096, kind="a number of cores", open_lo=True)
         check((self.device is None) == (self.mfu is None), "--mfu", self.mfu, "given together with --device")
         check(self.mfu is None or 0 < self.mfu <= 1, "--mfu", self.mfu, "a fraction of peak in (0, 1]")
-        check(self.keep >= 1, "keep", self.keep, "an integer >= 1")
-        check(self.max_error > 0, "--max-error", self.max_error, f"a relative error > 0 (default {MAX_EF_ERROR})")
+        check_range("--keep", self.keep, 1, 1000, kind="an integer")
+        check_range("--max-error", self.max_error, 0, 1e6, kind="a relative error", open_lo=True,
+                    fix=f"The default is {MAX_EF_ERROR}.")
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
