@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from tests.inputs_docs import CLUSTER, PLAN, PROFILE, TRAIN
 from thinwire.cluster.spec import load_cluster_spec, parse_duration, parse_loss, parse_rate, parse_size
-from thinwire.compress.spec import parse_codec_spec
 from thinwire.config import dump_yaml
 from thinwire.errors import MAX_MESSAGE, ThinwireError
 from thinwire.measure.file import load_profile
