@@ -95,6 +95,37 @@ def test_sigkill_worker_restarts_from_checkpoint(tmp_path):
     assert not list((out / "checkpoints").glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("sync", ["local:period=4,warmup=0", "diloco:period=4"])
+def test_sigkill_restarts_a_sync_mode_from_its_checkpoint(tmp_path, sync):
+    """A worker killed mid-period: the agent restarts both, they load every rank's own parameters,
+    optimizer and the mode's state from the last checkpoint, and the run ends in step with itself."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--workload", "digits", "--nproc", "2",
+                             "--sync", sync, "--max-restarts", "1", "--steps", "200", "--checkpoint-every", "50",
+                             "--eval-every", "100", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 180
+    while _last_step(out) < 70 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    victims = _worker_pids(out / "config.yaml")
+    assert len(victims) == 2 and _last_step(out) < 200, "workers should be running mid-run"
+    killed_at = _last_step(out)
+    os.kill(victims[1], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 200 and summary["restarts"] == 1
+    restart = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in l]
+    restart = [r for r in restart if r.get("event") == "restart"]
+    assert len(restart) == 1 and killed_at - 50 <= restart[0]["step"] <= killed_at
+    final = _final_model(out)
+    assert final["step"] == 200 and len(final["ranks"]) == 2
+    # 200 is a multiple of the period: the last step averaged, so both ranks end on the same parameters
+    a, b = (r["model"] for r in final["ranks"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _lrs(out: Path) -> dict[int, float]:
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["lr"] for r in records if "lr" in r}
