@@ -105,17 +105,16 @@ _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _RESERVED = ("auto", "torch")  # the other forms of a communication spec
 _FORMAT = "name or name:key=value,key=value (e.g. 'int8:block=64')"
 _TRUE, _FALSE, _NULL = ("true", "1"), ("false", "0"), ("none", "null")
-OTHER_FORMS = ("auto[:key=value,...] (thinwire's online per-bucket choice)",
-               "torch:none|fp16|bf16|powersgd[:rank=R] (PyTorch's own DDP hooks, as peers)")
 
 
 def codec_class(name: str) -> type[Codec]:
-    """The codec class registered under ``name``; unknown names list every valid form."""
+    """The codec class registered under ``name``; an unknown name lists the codecs (the other forms of
+    ``--compression`` are :mod:`thinwire.commspec`'s, which lists them all)."""
     try:
         return REGISTRY[name]
     except KeyError:
         valid = ", ".join(REGISTRY.names())
-        fix = "Other forms: " + "; ".join(OTHER_FORMS) + ". `thinwire codecs` lists every codec's parameters."
+        fix = "`thinwire codecs` lists every codec's parameters and the other forms (auto, torch:*)."
         raise ConfigError("compression", name, f"one of {valid}", fix) from None
 
 
