@@ -294,3 +294,55 @@ def test_simulate_refuses_a_bad_sync(tmp_path, capsys):
     rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile",
               _profile_file(tmp_path), "--sync", "local:period=0", "--out", tmp_path / "sim")
     assert rc == 2 and "sync.period: must be an integer in [1" in capsys.readouterr().err
+
+
+# -- PyTorch's post-local SGD, the peer of --sync local -----------------------------------------------
+def _train_torch_localsgd(rank: int, world: int, period: int, warmup: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    ddp = DistributedDataParallel(_net())
+    state = plsgd.PostLocalSGDState(None, None, start_localSGD_iter=warmup, post_local_gradient_allreduce=False)
+    ddp.register_comm_hook(state, plsgd.post_localSGD_hook)
+    averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = _data(step, rank)
+        _loss(ddp, x, y).backward()
+        opt.step()
+        averager.average_parameters(ddp.parameters())
+        opt.zero_grad(set_to_none=True)
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}}
+
+
+def test_period_one_local_equals_pytorch_post_local_sgd():
+    """The peer in the benchmarks, PyTorch's hook + averager, and thinwire's local mode agree where their
+    schedules coincide (H=1; for H>1 PyTorch also averages right after its warm-up)."""
+    theirs = run_ranks(_train_torch_localsgd, 2, 1, 2)
+    ours = run_ranks(_train, 2, "local:period=1,warmup=2", "none")
+    for a, b in zip(theirs, ours):
+        for k in a["params"]:
+            torch.testing.assert_close(a["params"][k], b["params"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_trainer_runs_pytorch_post_local_sgd_and_resumes_mid_period(tmp_path):
+    """``--compression torch:localsgd``: fp32 gradients for the warm-up (2 steps), then PyTorch's averager
+    after its step counter reaches 2, 6 (optimizer steps 3, 7); a resume at step 6 ends bit-identical."""
+    from tests.test_cli import thinwire as cli
+
+    common = ["--workload", "digits", "--nproc", "2", "--compression", "torch:localsgd:period=4,warmup=2",
+              "--eval-every", "5"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    proc = cli("train", *common, "--steps", "10", "--out", str(straight))
+    assert proc.returncode == 0, proc.stderr
+    assert cli("train", *common, "--steps", "6", "--out", str(split)).returncode == 0
+    proc = cli("train", "--resume", str(split), "--steps", "10")
+    assert proc.returncode == 0, proc.stderr
+    a, b = (torch.load(sorted((o / "checkpoints").glob("step_*.pt"))[-1], weights_only=True) for o in (straight, split))
+    for ra, rb in zip(a["ranks"], b["ranks"]):
+        _assert_equal(ra["sync"], rb["sync"])
+        _assert_equal(ra["model"], rb["model"])
+    assert not all(torch.equal(a["ranks"][0]["model"][k], a["ranks"][1]["model"][k]) for k in a["model"])  # local steps
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if r.get("bytes_sent")} == {1, 2, 3, 7}

@@ -7,7 +7,8 @@ form                        object         what runs
 ``int8``, ``topk:ratio=…``  :class:`CodecSpec`   thinwire's hook with that codec on every bucket
 ``auto``, ``auto:k=v,…``    :class:`AutoSpec`    thinwire's hook, the codec chosen per bucket online
 ``torch:none|fp16|bf16``,   :class:`TorchSpec`   PyTorch's own DDP communication (the peers thinwire
-``torch:powersgd:rank=R``                        is measured against)
+``torch:powersgd:rank=R``,                       is measured against); ``localsgd`` is its post-local
+``torch:localsgd:period=H``                      SGD (hook + ``PeriodicModelAverager``)
 ==========================  =============  ======================================================
 
 Below this module nobody reads the string again: the trainer, ``attach`` and the CLI receive the
@@ -29,9 +30,11 @@ from thinwire.compress.hook import Policy, StaticPolicy
 from thinwire.compress.spec import REGISTRY, codec_help, parse_codec_spec, spec_string
 from thinwire.errors import ConfigError
 
-TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd")
+TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd", "localsgd")
+MAX_PERIOD = 10**9
 MAX_RANK = 4096
 _RANK = re.compile(r"[0-9]{1,6}", re.ASCII)  # ASCII digits only: str.isdigit() also accepts '²'
+_WHOLE = re.compile(r"[0-9]{1,10}", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +64,19 @@ class AutoSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TorchSpec:
-    """PyTorch's own DDP communication: no hook, or one of its ``default_hooks`` / ``powerSGD_hook``."""
+    """PyTorch's own DDP communication: no hook, one of its ``default_hooks`` / ``powerSGD_hook``, or
+    post-local SGD (``post_localSGD_hook`` with ``PeriodicModelAverager``: ``period``, ``warmup``, the
+    defaults of thinwire's ``--sync local`` so the two run the same schedule)."""
 
-    hook: Literal["none", "fp16", "bf16", "powersgd"]
+    hook: Literal["none", "fp16", "bf16", "powersgd", "localsgd"]
     rank: int = 1
+    period: int = 1
+    warmup: int = 100
 
     @property
     def text(self) -> str:
+        if self.hook == "localsgd":
+            return f"torch:localsgd:period={self.period},warmup={self.warmup}"
         return f"torch:{self.hook}" + (f":rank={self.rank}" if self.hook == "powersgd" else "")
 
     def bucket_mb(self, default: float) -> float:
@@ -99,7 +108,10 @@ def _torch(text: str) -> TorchSpec:
     hook, _, params = text.partition(":")[2].partition(":")
     hook = hook.strip().lower()
     if hook not in TORCH_HOOKS:
-        raise ConfigError("compression", text, "torch:" + "|".join(TORCH_HOOKS) + " (powersgd takes :rank=R)")
+        raise ConfigError("compression", text, "torch:" + "|".join(TORCH_HOOKS) +
+                          " (powersgd takes :rank=R, localsgd :period=H[,warmup=W])")
+    if hook == "localsgd":
+        return _torch_localsgd(text, params)
     if not params:
         return TorchSpec(hook)
     key, _, value = (t.strip() for t in params.partition("="))
@@ -107,6 +119,19 @@ def _torch(text: str) -> TorchSpec:
         raise ConfigError("compression", text, f"torch:powersgd:rank=R with an integer R in [1, {MAX_RANK}]",
                           f"torch:{hook} takes no parameters." if hook != "powersgd" else "")
     return TorchSpec(hook, int(value))
+
+
+def _torch_localsgd(text: str, params: str) -> TorchSpec:
+    allowed = f"torch:localsgd:period=H[,warmup=W] with whole numbers H in [1, {MAX_PERIOD}], W in [0, {MAX_PERIOD}]"
+    values = {"period": None, "warmup": 100}
+    for item in filter(None, (p.strip() for p in params.split(","))):
+        key, sep, value = (t.strip() for t in item.partition("="))
+        if key not in values or not sep or not _WHOLE.fullmatch(value):
+            raise ConfigError("compression", text, allowed, "E.g. torch:localsgd:period=16")
+        values[key] = int(value)
+    if values["period"] is None or not 1 <= values["period"] <= MAX_PERIOD or values["warmup"] > MAX_PERIOD:
+        raise ConfigError("compression", text, allowed, "E.g. torch:localsgd:period=16")
+    return TorchSpec("localsgd", period=values["period"], warmup=values["warmup"])
 
 
 _FORMS: dict[str, Callable[[str], CommSpec]] = {"auto": _auto, "torch": _torch}
@@ -129,6 +154,8 @@ def comm_help() -> str:
         f"auto[:key=value,...]    pick the codec per bucket from the measured link and compute; keys: {auto}",
         "torch:none|fp16|bf16    PyTorch's own DDP communication (plain DDP, its fp16/bf16 hooks), as peers",
         "torch:powersgd:rank=R   PyTorch's PowerSGD hook",
+        "torch:localsgd:period=H[,warmup=W]  PyTorch's post-local SGD (post_localSGD_hook + PeriodicModelAverager;"
+        " warm-up 100 synchronous steps by default)",
     ])
 
 

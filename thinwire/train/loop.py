@@ -28,7 +28,7 @@ from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_thre
 from thinwire.train.metrics import MetricsWriter, write_summary
 from thinwire.commspec import TorchSpec
 from thinwire.compress.sync import SyncMode, create as create_sync
-from thinwire.train.peers import PeerComm
+from thinwire.train.peers import PeerComm, PeerLocalSGD
 from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
@@ -107,6 +107,9 @@ class Trainer:
 
     def _attach_comm(self):
         comm = self._attach_hook() if self.cfg.sync_spec.mode == "allreduce" else None
+        if isinstance(self.cfg.comm, TorchSpec) and self.cfg.comm.hook == "localsgd":
+            self.sync = PeerLocalSGD(self.ddp, comm, self.cfg.comm)
+            return comm
         self.sync = SyncMode(self.ddp, comm) if comm is not None else create_sync(
             self.ddp, self.cfg.sync_spec, self.cfg.comm.policy(), error_feedback=self.cfg.error_feedback,
             warmup_steps=self.cfg.compression_warmup, process_group=dist.group.WORLD, bucket_mb=self.cfg.bucket_mb)

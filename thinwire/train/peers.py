@@ -10,6 +10,12 @@
 * ``torch:powersgd:rank=R``: ``powerSGD_hook`` with error feedback and warm start, starting at the
   second step (the earliest PyTorch allows). On gloo it aborts with a collective size mismatch when
   DDP has more than one bucket, so the trainer gives this peer a single bucket.
+* ``torch:localsgd:period=H,warmup=W``: PyTorch's post-local SGD, as its documentation pairs them:
+  ``post_localSGD_hook`` with ``PostLocalSGDState(start_localSGD_iter=W)`` (gradients all-reduced for
+  the first W steps, then not across hosts) and ``PeriodicModelAverager(period=H, warmup_steps=W)``
+  averaging the parameters in fp32 after every H-th optimizer step (:class:`PeerLocalSGD`). The
+  hook's intra-node all-reduce after the warm-up is off (``post_local_gradient_allreduce=False``):
+  thinwire runs one worker per host, where that group holds one rank and would move nothing.
 
 Bytes on the wire cannot be counted inside PyTorch's hooks, so they are computed per bucket from
 the same ring formula thinwire counts with (:mod:`thinwire.compress.wire`) and, for
@@ -20,10 +26,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.distributed.algorithms.model_averaging import averagers
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.commspec import TorchSpec
+from thinwire.compress.sync import SyncMode
 from thinwire.compress.wire import ring_allreduce_bytes
 
 class _Counter:
@@ -56,6 +65,11 @@ class PeerComm:
             self.psgd_state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=self.rank,
                                                  start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
             model.register_comm_hook(self.psgd_state, self._counting_psgd())
+        elif self.name == "localsgd":
+            self.local_state = plsgd.PostLocalSGDState(process_group=None, subgroup=None,
+                                                       start_localSGD_iter=spec.warmup,
+                                                       post_local_gradient_allreduce=False)
+            model.register_comm_hook(self.local_state, self._counting_localsgd())
         self._params = [p for p in model.module.parameters() if p.requires_grad]
 
     def _counting(self, hook, bytes_per_value: int):
@@ -71,6 +85,15 @@ class PeerComm:
             self.wire.bytes_sent += self._psgd_bytes(state, bucket)
             self.wire.calls += 1
             return psgd.powerSGD_hook(state, bucket)
+
+        return counted
+
+    def _counting_localsgd(self):
+        def counted(state, bucket):
+            if state.iter < state.start_localSGD_iter:  # the warm-up's fp32 all-reduce
+                self.wire.bytes_sent += ring_allreduce_bytes(bucket.buffer().numel() * 4, self.wire.world)
+                self.wire.calls += 1
+            return plsgd.post_localSGD_hook(state, bucket)
 
         return counted
 
@@ -99,10 +122,38 @@ class PeerComm:
         return {"bytes_sent": self.wire.bytes_sent, "policy": self.policy.spec, "counted": "by formula"}
 
     def state_dict(self) -> dict:
-        return {}
+        return {"localsgd_iter": self.local_state.iter} if self.name == "localsgd" else {}
 
     def load_state_dict(self, sd: dict) -> None:
-        pass
+        if self.name == "localsgd":
+            self.local_state.iter = int(sd.get("localsgd_iter", 0))
 
     def close(self) -> None:
         pass
+
+
+class PeerLocalSGD(SyncMode):
+    """PyTorch's ``PeriodicModelAverager`` after every optimizer step, behind the trainer's sync-mode
+    interface; the ranks' parameters differ between averages, so each rank's are checkpointed."""
+
+    name = "torch:localsgd"
+    diverges = True
+
+    def __init__(self, model: DistributedDataParallel, comm: PeerComm, spec: TorchSpec) -> None:
+        super().__init__(model, comm, spec)
+        self.averager = averagers.PeriodicModelAverager(period=spec.period, warmup_steps=spec.warmup)
+        self._params = comm._params
+
+    def after_step(self) -> None:
+        a = self.averager
+        if a.step >= a.warmup_steps and (a.step - a.warmup_steps) % a.period == 0:  # its own rule
+            numel = sum(p.numel() for p in self._params)
+            self.comm.wire.bytes_sent += ring_allreduce_bytes(numel * 4, self.comm.wire.world)
+            self.comm.wire.calls += 1
+        a.average_parameters(self._params)
+
+    def state_dict(self) -> dict:
+        return {"averager_step": self.averager.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.averager.step = int(sd.get("averager_step", 0))
