@@ -25,6 +25,12 @@ cluster: each one's times are then sampled as often as ``auto``'s, so the best o
 contenders is not favoured by being the luckiest of single runs (run-to-run spread of a step time
 here is 3-12%, ``results/validation_repeats.md``), and the runs go seed by seed, every contender
 once per seed, so a slow spell of the machine does not land on one contender (``_seed_major``).
+A contender ``CODEC@SYNC`` trains with ``--compression CODEC --sync SYNC`` (``int8@delayed``,
+``int8@local:period=16``, ``none@diloco:period=16``); ``torch:localsgd:period=H`` is PyTorch's
+post-local SGD. A cluster without DDP fp32 of its own (a slow link where fp32 would take hours) takes
+its targets from DDP fp32 on the same hosts at ``FLOOR_RATE``: the loss at equal samples does not
+depend on the link. With a floor cluster in the results every contender's median time to target is
+also given over the floor's (``/ floor``: DDP fp32 on unshaped links, the compute floor).
 Writes ``compare.json``, ``compare.md`` and PNG plots under ``benchmarks/results/``.
 """
 
@@ -71,9 +77,21 @@ def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
     return path
 
 
+def split_contenders(text: str) -> list[str]:
+    """``a,b@diloco:period=8,outer_lr=0.5,c`` to its contenders: a bare ``key=value`` continues the last one."""
+    out: list[str] = []
+    for part in (t.strip() for t in text.split(",")):
+        if out and "=" in part and ":" not in part and "@" not in part:
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
+
+
 def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> list[str]:
-    return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm",
-            "--compression", contender, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
+    codec, _, sync = contender.partition("@")
+    return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm", *(("--sync", sync) if sync else ()),
+            "--compression", codec, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
             "--eval-every", str(max(1, steps // EVALS)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
             *(("--set", f"lr={LR}") if LR else ()), "--seed", str(seed), "--out", str(out),
             *(a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}"))]
@@ -147,9 +165,15 @@ def seed_curve(run: dict, seed: int) -> list[tuple[float, float]] | None:
     return [(wall[step], loss) for step, loss in curve if step in wall]
 
 
-def seed_targets(cluster: dict) -> dict[int, float]:
-    """Per seed, the target: PyTorch DDP fp32's final validation loss on that seed."""
-    base = next((r for r in cluster["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
+def fp32_run(cluster: dict) -> dict | None:
+    return next((r for r in cluster["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
+
+
+def seed_targets(cluster: dict, floor: dict | None = None) -> dict[int, float]:
+    """Per seed, the target: PyTorch DDP fp32's final validation loss on that seed, on this cluster or,
+    if it has none, on ``floor`` (the same hosts on unshaped links: equal samples, equal loss)."""
+    base = fp32_run(cluster) or (fp32_run(floor) if floor else None)
+    cluster["target_from"] = None if base is None or fp32_run(cluster) else f"{floor['hosts']} @ {floor['rate']}"
     out = {}
     for seed in cluster.get("seeds", [0]):
         curve = seed_curve(base, seed) if base else None
@@ -158,9 +182,13 @@ def seed_targets(cluster: dict) -> dict[int, float]:
     return out
 
 
-def score(cluster: dict) -> None:
+def floor_of(results: dict, cluster: dict) -> dict | None:
+    return next((c for c in results["clusters"] if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
+
+
+def score(cluster: dict, floor: dict | None = None) -> None:
     """Each run's time to target per seed and its median over seeds (not reached counts as never)."""
-    targets = seed_targets(cluster)
+    targets = seed_targets(cluster, floor)
     cluster["target_val_loss"] = targets.get(0)
     for r in cluster["runs"]:
         if "error" in r:
@@ -323,15 +351,18 @@ def markdown(results: dict) -> str:
                      "the median time to target counts a seed that did not reach it as never.\n")
     for c in results["clusters"]:
         check = f"; numerics check {c['numerics_check']:.1e}" if "numerics_check" in c else ""
-        lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (seed-0 target val loss {c['target_val_loss']:.4f}{check})\n"
+        source = f", DDP fp32's at {c['target_from']}" if c.get("target_from") else ""
+        lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (seed-0 target val loss {c['target_val_loss']:.4f}{source}{check})\n"
                   if c["target_val_loss"] else f"\n## {c['hosts']} hosts @ {c['rate']}\n",
                   "| contender | median step (ms) | compute | comm wait | other | MB/step | val loss (seed 0) | "
-                  "time to target by seed (s) | median (s) | vs DDP fp32 | median step over seeds (ms) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        base = next((r for r in c["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
+                  "time to target by seed (s) | median (s) | vs DDP fp32 | / floor | median step over seeds (ms) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        base = fp32_run(c)
+        floor = fp32_run(floor_of(results, c) or {"runs": []})
+        fmed = floor.get("median_time_to_target_s") if floor and c["rate"] != FLOOR_RATE else None
         for r in c["runs"]:
             if "error" in r:
-                lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} ||||||||| ")
+                lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} |||||||||| ")
                 continue
             by_seed = " / ".join("-" if t is None else f"{t:.1f}" for t in r.get("time_to_target_by_seed", {}).values())
             med, bmed = r.get("median_time_to_target_s"), base and base.get("median_time_to_target_s")
@@ -339,6 +370,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r['contender']} | {r['median_step_s'] * 1e3:.0f} | {r['compute_s'] * 1e3:.0f} | "
                          f"{r['comm_wait_s'] * 1e3:.0f} | {r['other_s'] * 1e3:.0f} | {r['bytes_per_step'] / 1e6:.3f} | "
                          f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} | "
+                         f"{f'{med / fmed:.2f}' if med and fmed else ''} | "
                          f"{_seed_steps_ms(r)} |")
     return "\n".join(lines + auto_section(results)) + "\n"
 
@@ -452,7 +484,7 @@ def main() -> int:
     clusters = QUICK_CLUSTERS if args.quick else CLUSTERS
     if args.clusters:
         clusters = [(int(h), r) for h, r in (c.split("x") for c in args.clusters.split(","))]
-    contenders = args.contenders.split(",") if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
+    contenders = split_contenders(args.contenders) if args.contenders else QUICK if args.quick else PEERS + OURS + ["auto"]
     steps = args.steps or (40 if args.quick else 120)
     if args.evals < 1:
         ap.error(f"--evals must be an integer >= 1 (validations per run), got {args.evals}")
@@ -486,6 +518,8 @@ def main() -> int:
                     score(c)
             results["local_curves"] = local
             results["elapsed_s"] += time.time() - t1
+    for c in results["clusters"]:  # again, now that every cluster (and the floor) is in
+        score(c, floor_of(results, c))
     results["load_average_at_end"] = os.getloadavg()
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,9 @@ class Trainer:
             self.sync.before_step()  # delayed: the last step's average becomes the gradient
             wait = self.clock.exposed_wait(time.perf_counter(), t2)
             skipped = self.prec.runner.step(self.opt, self.ddp.parameters(), self.cfg.grad_clip)
-            self.sync.after_step()  # local, diloco: parameters averaged every H steps
+            t3 = time.perf_counter()
+            self.sync.after_step()  # local, diloco: parameters averaged every H steps (blocking: a wait)
+            wait += time.perf_counter() - t3
             self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         t4 = time.perf_counter()
