@@ -121,6 +121,59 @@ def test_diloco_equals_its_outer_nesterov_reference():
             torch.testing.assert_close(r["params"][k], anchor[k], rtol=1e-5, atol=1e-6)
 
 
+def _streaming_reference(period: int, fragments: list[list[str]], delay: int, alpha: float,
+                         lr: float = 0.7, mu: float = 0.9) -> list[dict]:
+    """Each rank's parameters after STEPS of Streaming DiLoCo, written out by hand: inner SGD on each
+    rank's own data; every period/F steps the next fragment (round robin) has its pseudo-gradient taken
+    ``delay`` steps before and averaged, an outer Nesterov step moves its anchor, and its parameters
+    become anchor + alpha (local - anchor)."""
+    every, w = period // len(fragments), [_net().state_dict() for _ in range(2)]
+    anchor, momenta, sent, syncs, pending = dict(w[0]), [None] * len(fragments), [], 0, None
+    for step in range(STEPS):
+        w = [_sgd(w[r], _grads_one(w[r], step, r)) for r in range(2)]
+        local = step + 1
+        if (local + delay) % every == 0:
+            names = fragments[syncs % len(fragments)]
+            pending = {k: sum(anchor[k] - w[r][k] for r in range(2)) / 2 for k in names}
+        if local % every == 0:
+            k_frag = syncs % len(fragments)
+            m = momenta[k_frag]
+            m = dict(pending) if m is None else {k: mu * m[k] + pending[k] for k in pending}
+            momenta[k_frag] = m
+            for k in pending:
+                anchor[k] = anchor[k] - lr * (pending[k] + mu * m[k])
+                for r in range(2):
+                    w[r][k] = anchor[k] + alpha * (w[r][k] - anchor[k])
+            syncs += 1
+    return w
+
+
+@pytest.mark.parametrize("mode, delay, alpha", [("diloco:period=4,fragments=2,delay=0,alpha=0", 0, 0.0),
+                                                ("diloco:period=4,fragments=2", 1, 0.5)])
+def test_streaming_diloco_equals_its_reference(mode, delay, alpha):
+    """Linear(5, 3): the weight and the bias are the two fragments, synced at steps 2 (weight), 4, 6."""
+    out = run_ranks(_train, 2, mode, "none")
+    ref = _streaming_reference(4, [["weight"], ["bias"]], delay, alpha)
+    for r in range(2):
+        for k in ref[r]:
+            torch.testing.assert_close(out[r]["params"][k], ref[r][k], rtol=1e-5, atol=1e-6)
+    sync_steps = [2 - delay, 4 - delay, 6 - delay]  # where each fragment's average starts
+    expected = [0] * STEPS
+    for i, numel in zip(sync_steps, [15, 3, 15]):
+        expected[i - 1] = 4 * numel  # ring all-reduce on 2 ranks: 2(p-1)/p * 4n; one fragment at a time
+    assert out[0]["sent"] == expected
+
+
+def test_streaming_refuses_more_fragments_than_parameter_tensors(tmp_path):
+    from tests.test_cli import thinwire as cli
+
+    proc = cli("train", "--workload", "digits", "--sync", "diloco:period=1000,fragments=1000", "--set",
+               "model.hidden=8", "--out", str(tmp_path / "run"))
+    assert proc.returncode != 0, proc.stdout
+    assert "sync.fragments: must be at most" in proc.stderr + proc.stdout, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def _grads_one(w: dict, step: int, rank: int) -> dict:
     net = _net()
     net.load_state_dict(w)
@@ -152,6 +205,11 @@ def test_spec_defaults_and_text():
     assert (d.period, d.outer_lr, d.outer_momentum, d.warmup) == (100, 0.7, 0.9, 0)
     assert parse_sync_spec(" Local:period=8 ").text == "local:period=8,warmup=100"
     assert parse_sync_spec(parse_sync_spec("diloco:period=5,outer_lr=0.5").text).outer_lr == 0.5
+    assert "fragments" not in d.text and not d.streaming
+    s = parse_sync_spec("diloco:period=16,fragments=4")
+    assert (s.fragments, s.delay, s.alpha, s.streaming) == (4, 1, 0.5, True)  # the paper's overlap and mixing
+    assert parse_sync_spec(s.text) == s
+    assert (parse_sync_spec("diloco:fragments=2,delay=0").alpha, parse_sync_spec("diloco:delay=1").alpha) == (0.0, 0.5)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -162,6 +220,11 @@ def test_spec_defaults_and_text():
     ("diloco:outer_momentum=1", r"sync\.outer_momentum: must be a number in \[0, 1\), got 1\.0"),
     ("diloco:outer_momentum=-0.1", r"sync\.outer_momentum: must be a number in \[0, 1\)"),
     ("local:period=4,fragments=2", r"sync: must be local with keys period, warmup"),
+    ("diloco:period=16,fragments=3", r"sync\.fragments: must be a whole number that divides the period \(16\), got 3"),
+    ("diloco:period=16,fragments=32", r"sync\.fragments: must be a whole number that divides the period"),
+    ("diloco:period=16,fragments=4,delay=4", r"sync\.delay: must be a whole number in \[0, 3\] \(fewer than "
+                                              r"period/fragments = 4 steps\), got 4"),
+    ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
     ("delayed:period=2", r"sync: must be delayed with no parameters"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
     ("gossip", r"sync: must be one of allreduce, delayed, local, diloco, got 'gossip'"),
@@ -200,6 +263,7 @@ def test_cli_refuses_bad_sync_before_starting(tmp_path):
     ("delayed", "int8", None),  # issued on the communication thread: which step's record counts them is a race
     ("local:period=5,warmup=2", "int8", {1, 2, 7}),   # 2 synchronous steps, then an average after 5 local ones
     ("diloco:period=4", "topk:ratio=0.05", {4, 8}),
+    ("diloco:period=4,fragments=2,warmup=1", "int8", None),  # in flight across the resume at step 6
 ])
 def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     from tests.test_cli import thinwire as cli
@@ -224,7 +288,7 @@ def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     if averaged is not None:
         assert {r["step"] for r in records if r.get("bytes_sent")} == averaged  # the trainer's wire, step by step
-    else:
+    elif mode == "delayed":
         counts = json.loads((straight / "summary.json").read_text())["compression_stats"]["counts"]
         assert sum(counts.values()) == 10, counts  # every step's gradient averaged once (2 fp32 warm-up steps)
 
@@ -255,14 +319,25 @@ def test_delayed_step_is_the_slower_pipeline():
 
 
 def test_periodic_step_spreads_one_average_over_the_period():
-    from thinwire.perf.sync import bytes_per_step, periodic_step_s, sync_step_s
+    from thinwire.compress.sync import StepParts, kind
+    from thinwire.perf.sync import periodic_step_s
 
     assert periodic_step_s(compute_s=0.100, average_s=0.160, period=8) == pytest.approx(0.120)
-    parts = dict(allreduce_step_s=0.230, compute_s=0.100, comm_s=0.150, codec_s=0.010)
-    assert sync_step_s("allreduce", **parts) == 0.230
-    assert sync_step_s("diloco", period=16, **parts) == pytest.approx(0.110)
-    assert sync_step_s("local", period=1, **parts) == pytest.approx(0.260)  # no overlap with backward at all
-    assert bytes_per_step("local", 1_000_000, 4) == 250_000 and bytes_per_step("delayed", 1_000_000, 4) == 1_000_000
+    parts = StepParts(allreduce_step_s=0.230, compute_s=0.100, comm_s=0.150, codec_s=0.010)
+
+    def price(text):
+        spec = parse_sync_spec(text)
+        return kind(spec).step_s(spec, parts)
+
+    assert price("allreduce") == 0.230
+    assert price("diloco:period=16") == pytest.approx(0.110)
+    assert price("local:period=1") == pytest.approx(0.260)  # no overlap with backward at all
+    # streaming, 4 fragments of 40 ms (wire and codec) every 4 steps, 1 step (100 ms) of compute hides each
+    assert price("diloco:period=16,fragments=4") == pytest.approx(0.100)
+    assert price("diloco:period=16,fragments=4,delay=0") == pytest.approx(0.110)  # one fragment at a time, exposed
+    local, delayed = (parse_sync_spec(t) for t in ("local:period=4", "delayed"))
+    assert kind(local).bytes_per_step(local, 1_000_000) == 250_000
+    assert kind(delayed).bytes_per_step(delayed, 1_000_000) == 1_000_000
     with pytest.raises(ValueError, match="period must be an integer >= 1, got 0"):
         periodic_step_s(compute_s=0.1, average_s=0.1, period=0)
 

@@ -15,6 +15,10 @@ form                                           what runs (:mod:`thinwire.compres
 ``diloco:period=H[,outer_lr=,outer_momentum=   DiLoCo (Douillard et al. 2023): the training optimizer
 ,warmup=]``                                    inside, every H steps the averaged pseudo-gradient
                                                (anchor - params) takes an outer Nesterov SGD step
+``diloco:period=H,fragments=F[,delay=,alpha=]``  Streaming DiLoCo (Douillard et al. 2025): F fragments
+                                               of the parameters, one synced every H/F steps (each
+                                               every H), its average in flight for ``delay`` inner
+                                               steps, then mixed: ``lerp(global, local, alpha)``
 =============================================  =====================================================
 
 Defaults and their sources: ``local`` warm-up 100 steps and no default period (PyTorch's
@@ -24,7 +28,10 @@ post-local-SGD example uses ``start_localSGD_iter=100``, ``warmup_steps=100``, `
 the paper chose H=500 for runs of ~88k inner steps starting from a pre-trained model, and its own
 sweep of H (50 ... 2000) shows quality improving as H falls; a default must still average dozens of
 times in a run of a few thousand steps from scratch. Every average goes through the codec of
-``--compression`` with error feedback.
+``--compression`` with error feedback. The streaming variant's keys are torchft's
+(``fragment_sync_delay``, ``fragment_update_alpha``); with ``fragments`` > 1 ``delay`` defaults to 1
+(the paper's overlap of one inner step) and ``alpha`` to 0.5 (its mixing of local and global
+parameters when the sync overlaps inner steps); with one fragment both are 0: classic DiLoCo.
 
     >>> parse_sync_spec("diloco:period=50").outer_lr, parse_sync_spec("local:period=8").text
     (0.7, 'local:period=8,warmup=100')
@@ -46,7 +53,8 @@ _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
 _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "allreduce": {}, "delayed": {},
     "local": {"period": (int, None), "warmup": (int, 100)},
-    "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0)},
+    "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
+               "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
 }
 
 
@@ -59,6 +67,9 @@ class SyncSpec:
     warmup: int = 0
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
@@ -69,6 +80,19 @@ class SyncSpec:
                "a number in (0, 10]", "DiLoCo uses 0.7.")
         _check(math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1, "outer_momentum",
                self.outer_momentum, "a number in [0, 1)", "DiLoCo uses 0.9; 0 turns momentum off.")
+        _check(1 <= self.fragments <= self.period and self.period % self.fragments == 0, "fragments", self.fragments,
+               f"a whole number that divides the period ({self.period})",
+               "One fragment is synced every period/fragments steps.")
+        every = self.period // self.fragments if self.period % self.fragments == 0 else 1
+        _check(0 <= self.delay < every, "delay", self.delay, f"a whole number in [0, {every - 1}] "
+               f"(fewer than period/fragments = {every} steps)", "A fragment's sync must land before the next one starts.")
+        _check(math.isfinite(self.alpha) and 0 <= self.alpha <= 1, "alpha", self.alpha, "a number in [0, 1]",
+               "0 keeps the global parameters, 1 the local ones; Streaming DiLoCo mixes 0.5.")
+
+    @property
+    def streaming(self) -> bool:
+        """Fragments synced on a staggered schedule, or the outer step overlapped with inner steps."""
+        return self.fragments > 1 or self.delay > 0
 
     @property
     def periodic(self) -> bool:
@@ -77,8 +101,11 @@ class SyncSpec:
 
     @property
     def text(self) -> str:
-        keys = _KEYS[self.mode]
+        keys = [k for k in _KEYS[self.mode] if k not in _STREAMING or self.streaming]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
+
+
+_STREAMING = ("fragments", "delay", "alpha")  # in the text only when set
 
 
 def _check(cond: bool, key: str, value: object, allowed: str, fix: str = "") -> None:
@@ -105,6 +132,11 @@ def parse_sync_spec(text: str) -> SyncSpec:
     missing = [k for k, v in values.items() if v is None]
     if missing:
         raise ConfigError(f"sync.{missing[0]}", text, f"given: {mode}:{missing[0]}=N", _FIX)
+    if values.get("delay") == "auto":  # streaming: overlap one inner step; one fragment: classic DiLoCo
+        every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0
+        values["delay"] = 1 if values["fragments"] > 1 and every > 1 else 0
+    if values.get("alpha") == "auto":
+        values["alpha"] = 0.5 if values["delay"] > 0 else 0.0
     return SyncSpec(mode=mode, **values)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import datetime
 from pathlib import Path
 
-from thinwire.errors import ThinwireError
+from thinwire.errors import ConfigError, ThinwireError
 from thinwire.train import checkpoint as ckpt
 from thinwire.train import runfolder
 from thinwire.train.config import TrainConfig, load_train_config, save_config
@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
                    "torch:none|fp16|bf16|powersgd:rank=R (PyTorch's own hooks); see `thinwire codecs`")
     p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
-                   "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9]")
+                   "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5]")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
     p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
@@ -122,6 +122,7 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     _check_compression(cfg)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
+    _check_fragments(cfg, wl.model)
     if cfg.plan:
         _check_plan(cfg)
     else:
@@ -130,6 +131,14 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     if cfg.resume:
         _check_resume(cfg, wl)
     return folder
+
+
+def _check_fragments(cfg: TrainConfig, model) -> None:
+    """Streaming DiLoCo splits whole parameter tensors: no more fragments than the model has."""
+    tensors = sum(p.requires_grad for p in model.parameters())
+    if cfg.sync_spec.fragments > tensors:
+        raise ConfigError("sync.fragments", cfg.sync_spec.fragments, f"at most {tensors}, the model's trainable "
+                          "parameter tensors", "A fragment holds whole parameter tensors.")
 
 
 def _check_compression(cfg: TrainConfig) -> None:

@@ -14,6 +14,12 @@ host's compute with its noise), ``comm_s`` (wire seconds of every bucket, back t
   bytes and codec work as one gradient average) with nothing to overlap it:
   ``compute + (comm + codec) / H`` (Lin et al. 2020; Douillard et al. 2023, whose communication cost
   is that of data parallelism divided by H).
+* streaming DiLoCo (F fragments, each average in flight for T inner steps): every H/F steps one
+  fragment, 1/F of the average, of which T steps of compute hide what they can:
+  ``compute + max(0, (comm + codec) / F - T * compute) / (H / F)`` (Douillard et al. 2025). When the
+  host has no spare core, the codec work is CPU taken from those steps and is not hidden.
+
+Each sync mode's class (:mod:`thinwire.compress.sync`) prices itself with these functions.
 
 Example: 100 ms compute, 150 ms wire, 10 ms codec::
 
@@ -24,8 +30,6 @@ Example: 100 ms compute, 150 ms wire, 10 ms codec::
 """
 
 from __future__ import annotations
-
-PERIODIC = ("local", "diloco")
 
 
 def delayed_step_s(*, compute_s: float, comm_s: float, codec_s: float, codec_steals_compute: bool = False) -> float:
@@ -41,19 +45,18 @@ def periodic_step_s(*, compute_s: float, average_s: float, period: int) -> float
     return compute_s + average_s / period
 
 
-def sync_step_s(mode: str, *, allreduce_step_s: float, compute_s: float, comm_s: float, codec_s: float,
-                period: int = 1, codec_steals_compute: bool = False) -> float:
-    """The step of ``mode`` (allreduce, delayed, local, diloco) from a predicted allreduce step's parts."""
-    if mode == "allreduce":
-        return allreduce_step_s
-    if mode == "delayed":
-        return delayed_step_s(compute_s=compute_s, comm_s=comm_s, codec_s=codec_s,
-                              codec_steals_compute=codec_steals_compute)
-    if mode in PERIODIC:
-        return periodic_step_s(compute_s=compute_s, average_s=comm_s + codec_s, period=period)
-    raise ValueError(f"sync mode must be one of allreduce, delayed, {', '.join(PERIODIC)}, got {mode!r}")
+def streaming_step_s(*, compute_s: float, comm_s: float, codec_s: float, period: int, fragments: int, delay: int,
+                     codec_steals_compute: bool = False) -> float:
+    """One step of streaming DiLoCo: a fragment's average every ``period / fragments`` steps, ``delay``
+    steps of compute overlapping it (see module).
 
-
-def bytes_per_step(mode: str, bytes_per_average: int, period: int = 1) -> float:
-    """Bytes one rank sends per step: one average per step, or one per ``period`` steps."""
-    return bytes_per_average / period if mode in PERIODIC else float(bytes_per_average)
+    >>> round(streaming_step_s(compute_s=0.1, comm_s=0.8, codec_s=0.0, period=16, fragments=4, delay=1), 3)
+    0.125
+    """
+    if period < 1 or fragments < 1 or period % fragments:
+        raise ValueError(f"period ({period}) must be a multiple of fragments ({fragments}), both >= 1")
+    every = period // fragments
+    comm, codec = comm_s / fragments, codec_s / fragments
+    hidden = delay * (compute_s - (codec if codec_steals_compute else 0.0))
+    exposed = max(0.0, comm + codec - max(0.0, hidden)) + (codec if codec_steals_compute else 0.0)
+    return compute_s + exposed / every

@@ -24,7 +24,8 @@ from thinwire.perf.devices import get_device
 from thinwire.perf.energy import EnergyEstimate, J_PER_BIT_INTERNET, run_energy, step_energy
 from thinwire.perf.memory import MemoryEstimate, memory_per_rank
 from thinwire.perf.model import StepPrediction, predict_step
-from thinwire.perf.sync import bytes_per_step, sync_step_s
+from thinwire.compress.sync import StepParts
+from thinwire.compress.sync import kind as sync_kind
 from thinwire.measure.file import Profile
 from thinwire.sim import inputs
 
@@ -42,8 +43,7 @@ class SimOptions:
     j_per_bit: float = J_PER_BIT_INTERNET
     steps: int = 1000
     bucket_mb: float | None = None
-    sync_mode: str = "allreduce"          # allreduce, delayed, local, diloco (a parsed --sync's mode)
-    sync_period: int = 1                  # local and diloco: steps between averages
+    sync: object = None                   # a parsed --sync (thinwire.syncspec.SyncSpec); None: allreduce
 
     def __post_init__(self) -> None:
         check(self.scaling in ("weak", "strong"), "--scaling", self.scaling, "weak or strong")
@@ -140,13 +140,17 @@ def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_b
 
 
 def _with_sync(point: Point, opts: SimOptions, steals: bool) -> Point:
-    """The sync mode's step (:mod:`thinwire.perf.sync`) from the predicted allreduce step's parts."""
+    """The sync mode's step, priced by the class that runs it, from the predicted allreduce step's parts."""
     pr = point.prediction
-    point.sync_mode = opts.sync_mode
-    point.sync_step_s = sync_step_s(opts.sync_mode, allreduce_step_s=pr.step_s, compute_s=pr.compute_s + pr.noise_s,
-                                    comm_s=pr.comm_s, codec_s=pr.codec_s, period=opts.sync_period,
-                                    codec_steals_compute=steals)
-    point.sync_bytes_per_step = bytes_per_step(opts.sync_mode, pr.bytes_per_rank, opts.sync_period)
+    if opts.sync is None:
+        point.sync_mode, point.sync_step_s, point.sync_bytes_per_step = "allreduce", pr.step_s, float(pr.bytes_per_rank)
+        return point
+    mode = sync_kind(opts.sync)
+    parts = StepParts(allreduce_step_s=pr.step_s, compute_s=pr.compute_s + pr.noise_s, comm_s=pr.comm_s,
+                      codec_s=pr.codec_s, codec_steals_compute=steals)
+    point.sync_mode = opts.sync.mode
+    point.sync_step_s = mode.step_s(opts.sync, parts)
+    point.sync_bytes_per_step = mode.bytes_per_step(opts.sync, pr.bytes_per_rank)
     return point
 
 

@@ -242,8 +242,9 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _rank_state(self) -> dict:
+        sync = self.sync.state_dict()  # first: it waits for averages in flight, whose residuals the comm state holds
         s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict(), "precision": self.prec.runner.state_dict(),
-             "sync": self.sync.state_dict()}
+             "sync": sync}
         if self.sync.diverges:  # ranks' parameters and optimizer states differ between averages
             s["model"], s["optimizer"] = self.ddp.module.state_dict(), self.opt.state_dict()
         if self.device.type == "cuda":

@@ -7,6 +7,7 @@ mode            module                                    averages
 ``delayed``     :mod:`.delayed`                           gradients, overlapped with the next step
 ``local``       :mod:`.local`                             parameter changes, every H steps
 ``diloco``      :mod:`.diloco`                            pseudo-gradients, every H steps (outer Nesterov)
+  (streaming)   :mod:`.streaming`                         one of F fragments every H/F steps, in flight
 ==============  ========================================  ===========================================
 
 Every mode averages through a :class:`~thinwire.compress.hook.CommState` (codec, error feedback,
@@ -18,10 +19,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from thinwire.compress.hook import CommState, Policy, attach
-from thinwire.compress.sync.base import SyncMode
+from thinwire.compress.sync.base import StepParts, SyncMode
 from thinwire.compress.sync.delayed import Delayed
 from thinwire.compress.sync.diloco import DiLoCo
 from thinwire.compress.sync.local import LocalSGD
+from thinwire.compress.sync.streaming import StreamingDiLoCo
 
 MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "local": LocalSGD, "diloco": DiLoCo}
 
@@ -31,16 +33,21 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
     """The sync mode ``spec.mode`` (a parsed spec: mode, period, warmup, outer_lr, outer_momentum) on a
     DDP ``model``, averaging with ``policy``'s codec. ``allreduce`` attaches the DDP hook; the others
     average outside backward. ``delayed`` always gets a new process group: its averaging stays in
-    flight while the loop issues its own collectives."""
+    flight while the loop issues its own collectives, and so does streaming DiLoCo with a delay."""
     if spec.mode == "allreduce":
         return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                                       process_group=process_group), spec)
-    if spec.mode == "delayed" or process_group is None:
+    if spec.mode == "delayed" or getattr(spec, "delay", 0) > 0 or process_group is None:
         process_group = dist.new_group(backend=dist.get_backend())
     comm = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=4096,
                      nonfinite="skip", group=process_group)
     policy.bind(comm, model.module)
-    return MODES[spec.mode](model, comm, spec, bucket_mb=bucket_mb)
+    return kind(spec)(model, comm, spec, bucket_mb=bucket_mb)
 
 
-__all__ = ["MODES", "SyncMode", "Delayed", "LocalSGD", "DiLoCo", "create"]
+def kind(spec) -> type[SyncMode]:
+    """The class that runs (and prices) a parsed sync spec."""
+    return StreamingDiLoCo if spec.mode == "diloco" and spec.streaming else MODES[spec.mode]
+
+
+__all__ = ["MODES", "StepParts", "SyncMode", "kind", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "create"]

@@ -13,6 +13,7 @@ A training loop with any mode::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -26,8 +27,9 @@ class Buckets:
     Fixed for the run (unlike DDP's, which are rebuilt after the first step), so the error-feedback
     residual of each bucket keeps its key and layout across steps and resumes."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cap_bytes: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], cap_bytes: int, indices: list[int] | None = None) -> None:
         self.params = params
+        self.indices = indices or list(range(len(params)))  # each parameter's index in the model (residual layout)
         self.groups: list[list[int]] = []
         size = cap_bytes
         for i, p in enumerate(params):
@@ -38,7 +40,7 @@ class Buckets:
             size += p.numel() * 4
 
     def layout(self, b: int) -> tuple:
-        return tuple((i, self.params[i].numel()) for i in self.groups[b])
+        return tuple((self.indices[i], self.params[i].numel()) for i in self.groups[b])
 
     def shapes(self, b: int) -> list[tuple]:
         return [tuple(self.params[i].shape) for i in self.groups[b]]
@@ -63,16 +65,33 @@ class Buckets:
                 offset += p.numel()
         return out
 
-    def average(self, comm: CommState, flats: list[Tensor]) -> list[torch.futures.Future]:
-        """Start averaging each flat bucket through ``comm`` (its codec, error feedback, wire count)."""
+    def average(self, comm: CommState, flats: list[Tensor], first: int = 0) -> list[torch.futures.Future]:
+        """Start averaging each flat bucket through ``comm`` (its codec, error feedback, wire count);
+        bucket ``b`` keeps its residual under key ``first + b``."""
         step = comm.step
         comm.step += 1
-        return [comm.send(flat, b, step, self.shapes(b), self.layout(b)) for b, flat in enumerate(flats)]
+        return [comm.send(flat, first + b, step, self.shapes(b), self.layout(b)) for b, flat in enumerate(flats)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """A predicted ``allreduce`` step and its parts (seconds, :func:`thinwire.perf.model.predict_step`),
+    from which each mode prices its own step; ``codec_steals_compute``: no spare core for the
+    communication thread, so codec work is CPU taken from compute."""
+
+    allreduce_step_s: float
+    compute_s: float
+    comm_s: float
+    codec_s: float
+    codec_steals_compute: bool = False
 
 
 class SyncMode:
     """When averaging happens. Subclasses override the hooks; this base is ``allreduce``: DDP's
     backward averages gradients through thinwire's hook, nothing else to do.
+
+    Each mode also prices itself (:meth:`step_s`, :meth:`bytes_per_step`, from :mod:`thinwire.perf.sync`'s
+    formulas), so what ``simulate`` and the planner predict is what this class runs.
 
     ``comm``: the :class:`CommState` that counts bytes and holds error-feedback residuals;
     ``diverges``: ranks hold different parameters between averages (the trainer then checkpoints
@@ -83,6 +102,16 @@ class SyncMode:
 
     def __init__(self, model, comm: CommState, spec=None) -> None:
         self.model, self.comm, self.spec = model, comm, spec
+
+    @classmethod
+    def step_s(cls, spec, parts: StepParts) -> float:
+        """The predicted step of this mode: ``allreduce`` overlaps communication with backward only."""
+        return parts.allreduce_step_s
+
+    @classmethod
+    def bytes_per_step(cls, spec, bytes_per_average: int) -> float:
+        """Bytes one rank sends per step, given those of one average of every gradient (or parameter)."""
+        return float(bytes_per_average)
 
     def no_sync(self):
         """The context backward runs in: DDP all-reduces (through the hook) unless a mode averages itself."""

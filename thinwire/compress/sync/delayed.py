@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, SyncMode, cpu_list, on_device, params_of
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
+from thinwire.perf.sync import delayed_step_s
 
 
 class Delayed(SyncMode):
@@ -32,6 +33,11 @@ class Delayed(SyncMode):
         self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
         self.pending: list = []           # futures (in flight) or tensors (done) of the last step's averages
         self.started = False              # whether any step's average exists (after a resume: loaded)
+
+    @classmethod
+    def step_s(cls, spec, parts: StepParts) -> float:
+        return delayed_step_s(compute_s=parts.compute_s, comm_s=parts.comm_s, codec_s=parts.codec_s,
+                              codec_steals_compute=parts.codec_steals_compute)
 
     def no_sync(self):
         return self.model.no_sync()

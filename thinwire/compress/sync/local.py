@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, SyncMode, cpu_list, on_device, params_of
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
+from thinwire.perf.sync import periodic_step_s
 
 
 class LocalSGD(SyncMode):
@@ -36,19 +37,32 @@ class LocalSGD(SyncMode):
         self.steps = 0                        # optimizer steps taken
         self.anchor: list[Tensor] | None = None  # flat parameters at the last average
 
+    @classmethod
+    def step_s(cls, spec, parts: StepParts) -> float:
+        """After the warm-up: compute, and one blocking average per ``period`` steps."""
+        return periodic_step_s(compute_s=parts.compute_s, average_s=parts.comm_s + parts.codec_s, period=spec.period)
+
+    @classmethod
+    def bytes_per_step(cls, spec, bytes_per_average: int) -> float:
+        return bytes_per_average / spec.period
+
     def no_sync(self):
         return self.model.no_sync()
 
     def before_step(self) -> None:
-        if self.steps < self.warmup:  # synchronous warm-up: exact fp32 gradient average
-            params = self.buckets.params
-            flats = self.buckets.flatten([p.grad for p in params])
-            for flat in flats:
-                self.comm.wire.all_reduce(flat).div_(self.comm.wire.world)
-            for p, g in zip(params, self.buckets.unflatten(flats)):
-                p.grad = g.clone()
+        if self.steps < self.warmup:
+            self.warmup_average()
         elif self.anchor is None:
             self.anchor = self._flat_params()
+
+    def warmup_average(self) -> None:
+        """A synchronous warm-up step: the exact fp32 gradient average."""
+        params = self.buckets.params
+        flats = self.buckets.flatten([p.grad for p in params])
+        for flat in flats:
+            self.comm.wire.all_reduce(flat).div_(self.comm.wire.world)
+        for p, g in zip(params, self.buckets.unflatten(flats)):
+            p.grad = g.clone()
 
     def after_step(self) -> None:
         self.steps += 1

@@ -1,0 +1,140 @@
+"""``diloco:period=H,fragments=F,delay=T,alpha=A``: Streaming DiLoCo, fragments synced on a staggered
+schedule with their averages in flight during inner steps.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed Free Lunch"
+(2025, https://arxiv.org/abs/2501.18512), with the schedule and keys of torchft's ``DiLoCo``
+(``sync_every``, ``fragment_sync_delay``, ``fragment_update_alpha``):
+
+1. the parameters are split into F fragments (contiguous in model order, of about equal size), each
+   with its own anchor and outer Nesterov momentum (as :mod:`.diloco`);
+2. every H/F inner steps the next fragment, round robin, is synced, so each fragment is synced once
+   per H steps and the wire carries 1/F of the model at a time (the peak bandwidth falls F-fold);
+3. T inner steps before its sync point the fragment's pseudo-gradient (anchor - params) starts
+   averaging through the codec with error feedback; the inner steps go on meanwhile;
+4. at the sync point the average is awaited, the outer step moves the fragment's anchor, and its
+   parameters become ``lerp(anchor, local, A) = anchor + A (local - anchor)``: A = 0 keeps the global
+   parameters (and drops the T steps' local progress), 1 the local ones.
+
+With F = 1 and T = 0 this is :class:`~thinwire.compress.sync.diloco.DiLoCo` exactly. Memory: per
+fragment an anchor and a momentum (together two fp32 copies of the parameters, as DiLoCo) and the
+average in flight (checkpointed once it lands; a checkpoint waits for it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.sync.base import Buckets, StepParts, cpu_list, on_device
+from thinwire.compress.sync.local import LocalSGD
+from thinwire.errors import ConfigError
+from thinwire.perf.sync import streaming_step_s
+
+
+def split_even(numels: list[int], parts: int) -> list[list[int]]:
+    """Indices 0..n-1 in order, cut into ``parts`` non-empty runs of about equal total size.
+
+    >>> split_even([4, 4, 4, 4], 2), split_even([10, 1, 1, 1], 2)
+    ([[0, 1], [2, 3]], [[0], [1, 2, 3]])
+    """
+    total, out, acc = sum(numels), [[]], 0
+    for i, n in enumerate(numels):
+        left = len(numels) - i  # items not yet placed, this one included
+        if out[-1] and len(out) < parts and (acc >= total * len(out) / parts or left == parts - len(out)):
+            out.append([])
+        out[-1].append(i)
+        acc += n
+    return out
+
+
+class StreamingDiLoCo(LocalSGD):
+    name = "diloco"
+
+    def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, comm, spec, bucket_mb=bucket_mb)
+        params = self.buckets.params
+        if spec.fragments > len(params):
+            raise ConfigError("sync.fragments", spec.fragments, f"at most {len(params)}, the model's trainable "
+                              "parameter tensors", "A fragment holds whole parameter tensors.")
+        self.lr, self.mu, self.delay, self.alpha = spec.outer_lr, spec.outer_momentum, spec.delay, spec.alpha
+        self.every = spec.period // spec.fragments
+        cap = int(bucket_mb * 2**20)
+        self.fragments = [Buckets([params[i] for i in g], cap, g)
+                          for g in split_even([p.numel() for p in params], spec.fragments)]
+        self.first = [sum(len(f.groups) for f in self.fragments[:k]) for k in range(len(self.fragments))]
+        self.anchors: list[list[Tensor]] | None = None
+        self.momenta: list[list[Tensor] | None] = [None] * len(self.fragments)
+        self.syncs = 0                                    # fragment syncs done; the next is syncs % F
+        self.inflight: list | None = None                 # the next fragment's averages (futures or tensors)
+
+    @classmethod
+    def step_s(cls, spec, parts: StepParts) -> float:
+        return streaming_step_s(compute_s=parts.compute_s, comm_s=parts.comm_s, codec_s=parts.codec_s,
+                                period=spec.period, fragments=spec.fragments, delay=spec.delay,
+                                codec_steals_compute=parts.codec_steals_compute)
+
+    def before_step(self) -> None:
+        if self.steps < self.warmup:
+            self.warmup_average()
+        elif self.anchors is None:
+            self.anchors = [f.flatten(list(f.params)) for f in self.fragments]
+
+    def after_step(self) -> None:
+        self.steps += 1
+        local = self.steps - self.warmup
+        if local <= 0:
+            return
+        if (local + self.delay) % self.every == 0:
+            self.prepare()
+        if local % self.every == 0:
+            self.perform()
+
+    def prepare(self) -> None:
+        """Start averaging the next fragment's pseudo-gradient; the inner steps go on."""
+        k = self.syncs % len(self.fragments)
+        frag = self.fragments[k]
+        deltas = [a - x for a, x in zip(self.anchors[k], frag.flatten(list(frag.params)))]
+        self.inflight = frag.average(self.comm, deltas, first=self.first[k])
+
+    def perform(self) -> None:
+        """Wait for the fragment's average, step its anchor, mix global and local parameters."""
+        k = self.syncs % len(self.fragments)
+        frag, anchor = self.fragments[k], self.anchors[k]
+        averaged = self._collect()
+        self.inflight = None
+        if self.momenta[k] is None:
+            self.momenta[k] = [g.clone() for g in averaged]
+        else:
+            for m, g in zip(self.momenta[k], averaged):
+                m.mul_(self.mu).add_(g)
+        for a, g, m in zip(anchor, averaged, self.momenta[k]):
+            a.sub_(g.add(m, alpha=self.mu), alpha=self.lr)
+        local = frag.flatten(list(frag.params))
+        with torch.no_grad():
+            mixed = [a.lerp(x, self.alpha) for a, x in zip(anchor, local)]
+            for p, value in zip(frag.params, frag.unflatten(mixed)):
+                p.copy_(value)
+        self.syncs += 1
+
+    def _collect(self) -> list[Tensor]:
+        return [f if isinstance(f, Tensor) else f.wait() for f in self.inflight]
+
+    def flush(self) -> None:
+        if self.inflight is not None:
+            self.inflight = self._collect()
+
+    def state_dict(self) -> dict:
+        self.flush()
+        return {"steps": self.steps, "syncs": self.syncs, "anchors": [cpu_list(a) for a in self.anchors or []],
+                "momenta": [cpu_list(m) for m in self.momenta], "inflight": cpu_list(self.inflight)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.steps, self.syncs = int(sd.get("steps", 0)), int(sd.get("syncs", 0))
+        flats = [f.flatten(list(f.params)) for f in self.fragments]
+        self.anchors = [on_device(a, like) for a, like in zip(sd["anchors"], flats)] if sd.get("anchors") else None
+        self.momenta = [on_device(m, like) for m, like in zip(sd.get("momenta") or [None] * len(flats), flats)]
+        inflight = sd.get("inflight")
+        if inflight is not None:
+            k = self.syncs % len(self.fragments)
+            inflight = on_device(inflight, flats[k])
+        self.inflight = inflight
