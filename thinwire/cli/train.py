@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
-                   "torch:none|fp16|bf16|powersgd:rank=R (PyTorch's own hooks); see `thinwire codecs`")
+                   "torch:none|fp16|bf16|powersgd:rank=R|localsgd:period=H (PyTorch's own hooks); see `thinwire codecs`")
     p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
                    "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5]")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
