@@ -95,7 +95,7 @@ def test_sigkill_worker_restarts_from_checkpoint(tmp_path):
     assert not list((out / "checkpoints").glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("sync", ["local:period=4,warmup=0", "diloco:period=4"])
+@pytest.mark.parametrize("sync", ["local:period=4,warmup=0", "diloco:period=4", "diloco:period=4,fragments=2", "delayed"])
 def test_sigkill_restarts_a_sync_mode_from_its_checkpoint(tmp_path, sync):
     """A worker killed mid-period: the agent restarts both, they load every rank's own parameters,
     optimizer and the mode's state from the last checkpoint, and the run ends in step with itself."""
@@ -121,9 +121,10 @@ def test_sigkill_restarts_a_sync_mode_from_its_checkpoint(tmp_path, sync):
     assert len(restart) == 1 and killed_at - 50 <= restart[0]["step"] <= killed_at
     final = _final_model(out)
     assert final["step"] == 200 and len(final["ranks"]) == 2
-    # 200 is a multiple of the period: the last step averaged, so both ranks end on the same parameters
-    a, b = (r["model"] for r in final["ranks"])
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    if sync in ("local:period=4,warmup=0", "diloco:period=4"):
+        # 200 is a multiple of the period: the last step averaged, so both ranks end on the same parameters
+        a, b = (r["model"] for r in final["ranks"])
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _lrs(out: Path) -> dict[int, float]:
