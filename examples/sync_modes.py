@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync delayed --codec int8
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync local:period=8,warmup=20 --codec int8
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync diloco:period=16 --codec int8
+    torchrun --nproc-per-node 2 examples/sync_modes.py --sync diloco:period=16,fragments=2 --codec int8
 
 Three lines differ from the usual DDP recipe (marked <-).
 """
