@@ -421,3 +421,19 @@ def test_trainer_runs_pytorch_post_local_sgd_and_resumes_mid_period(tmp_path):
     assert not all(torch.equal(a["ranks"][0]["model"][k], a["ranks"][1]["model"][k]) for k in a["model"])  # local steps
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records if r.get("bytes_sent")} == {1, 2, 3, 7}
+
+
+@pytest.mark.parametrize("mode", ["delayed", "local:period=8,warmup=20", "diloco:period=16",
+                                  "diloco:period=16,fragments=2"])
+def test_example_script_runs_every_mode(mode):
+    """examples/sync_modes.py, as its docstring launches it (torchrun, 2 workers)."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "examples" / "sync_modes.py"), "--sync", mode, "--codec", "int8", "--steps", "40"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{mode}: held-out loss" in proc.stdout
