@@ -183,7 +183,12 @@ def seed_targets(cluster: dict, floor: dict | None = None) -> dict[int, float]:
 
 
 def floor_of(results: dict, cluster: dict) -> dict | None:
-    return next((c for c in results["clusters"] if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
+    """The cluster of the same hosts at ``FLOOR_RATE`` in ``results``, or in ``--targets-from``'s results."""
+    for res in (results, results.get("targets_from_results") or {"clusters": []}):
+        c = next((c for c in res["clusters"] if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
+        if c is not None:
+            return c
+    return None
 
 
 def score(cluster: dict, floor: dict | None = None) -> None:
@@ -327,7 +332,8 @@ def markdown(results: dict) -> str:
              f"Workload: charlm {MODEL}, global batch {results['batch']}, {results['steps']} steps, "
              f"learning rate {results.get('lr') or '3e-3 (default)'} "
              f"(equal samples for every contender), gloo over tc-shaped links, the 2 cores split evenly across hosts.  ",
-             "Target: the final validation loss of PyTorch DDP fp32 (`torch:none`) on the same cluster "
+             "Target: the final validation loss of PyTorch DDP fp32 (`torch:none`) on the same cluster, or where a "
+             f"cluster has none on the same hosts at {FLOOR_RATE} (named in its heading; equal samples, equal loss) "
              f"(reached = within 0.5%; validation every steps/{results.get('evals', 10)}). "
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
              "Bytes for `torch:*` peers are computed by formula (ring all-reduce), thinwire's are counted where sent.\n"]
@@ -351,7 +357,8 @@ def markdown(results: dict) -> str:
                      "the median time to target counts a seed that did not reach it as never.\n")
     for c in results["clusters"]:
         check = f"; numerics check {c['numerics_check']:.1e}" if "numerics_check" in c else ""
-        source = f", DDP fp32's at {c['target_from']}" if c.get("target_from") else ""
+        source = (f", DDP fp32's at {c['target_from']}" + (f" in `{results['targets_from']}`" if results.get("targets_from")
+                                                             else "")) if c.get("target_from") else ""
         lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (seed-0 target val loss {c['target_val_loss']:.4f}{source}{check})\n"
                   if c["target_val_loss"] else f"\n## {c['hosts']} hosts @ {c['rate']}\n",
                   "| contender | median step (ms) | compute | comm wait | other | MB/step | val loss (seed 0) | "
@@ -475,6 +482,9 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
     ap.add_argument("--emulate-seeds", action="store_true", help="every contender runs every seed on the emulated "
                     "cluster (default: only auto; fixed contenders' other seeds are local loss curves)")
+    ap.add_argument("--targets-from", help="an earlier results JSON: clusters without DDP fp32 of their own take "
+                    "its targets (DDP fp32 at the floor rate, per seed) and its floor; for contenders given another "
+                    "--steps than the target's run (time to the same loss)")
     ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
                     "emulated cluster; the others give loss curves (see local_curve); default 0,1,2")
     args = ap.parse_args()
@@ -518,6 +528,10 @@ def main() -> int:
                     score(c)
             results["local_curves"] = local
             results["elapsed_s"] += time.time() - t1
+    if args.targets_from:
+        results["targets_from"] = args.targets_from
+        results["targets_from_results"] = {"clusters": [c for c in json.loads(Path(args.targets_from).read_text())[
+            "clusters"] if c["rate"] == FLOOR_RATE]}
     for c in results["clusters"]:  # again, now that every cluster (and the floor) is in
         score(c, floor_of(results, c))
     results["load_average_at_end"] = os.getloadavg()
