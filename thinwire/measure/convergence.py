@@ -1,0 +1,195 @@
+"""The convergence guard: how many samples a codec needs to reach DDP fp32's loss, measured on the
+user's own workload (issue 27).
+
+A codec's relative error (:func:`thinwire.measure.codec_costs.ef_errors`) says how much of each step's
+gradient is left behind, not what that costs in loss: the same error is harmless on one model and
+costs 13% of the final loss on another. So the guard trains: a short run of the workload, in one
+process, for fp32 and for each codec, from the same initial weights on the same batches:
+
+1. every step the global batch is split into ``world`` shards, as the ranks of a data-parallel run
+   hold it; each shard's gradient is computed alone;
+2. fp32 averages the shards' gradients; a codec sends each shard's gradient through its round trip
+   with a residual of its own per shard (error feedback, as every rank keeps one; none for codecs
+   that need none), and the received values are averaged. A low-rank codec (PowerSGD) approximates
+   the average of the shards' corrected gradients, matrix by matrix with a warm-started ``Q``, as its
+   distributed scheme does, and every shard keeps its own difference from that approximation;
+3. the averaged gradient takes an AdamW step (the trainer's optimizer, the workload's learning rate,
+   a linear warm-up over the first tenth of the run, gradients clipped to norm 1);
+4. every ``every`` steps the loss on a fixed held-out set (the bounded validation subset of the
+   trainer, :func:`thinwire.workloads.base.eval_subset`) is recorded.
+
+The rule, stated: after ``steps`` steps the codec reached held-out loss ``L``. fp32's curve reached
+``L`` at step ``s`` (linear interpolation between evaluations; the first step at or below ``L``).
+The codec's **sample factor** is ``steps / s``: how many times the samples fp32 needed for the same
+loss, assumed to hold for the whole run (a codec's loss gap to fp32 at equal samples tends to
+persist, ``benchmarks/results/compare_long.md``). A codec at or below fp32's final loss has factor 1.
+A codec above fp32's loss at the first evaluation has an unknown factor (``None``): worse than
+anything the short run can price. **Reaches** (the guard's verdict): ``L`` within ``REACH_TOL`` (1%)
+of fp32's final loss.
+
+The predicted time to fp32's loss of a candidate is then its predicted step time x its factor: what
+``thinwire plan`` ranks by. Cost: (1 + codecs) x ``steps`` training steps of the workload at the
+global batch on this process (about a minute for charlm's default model, 5 codecs, 60 steps).
+
+    >>> import torch
+    >>> from thinwire.workloads.base import Workload
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> x = torch.randn(512, 8); y = x @ torch.randn(8, 1)
+    >>> data = list(zip(x, y))
+    >>> wl = Workload(model=torch.nn.Linear(8, 1), train=data[:448], val=data[448:],
+    ...               loss=torch.nn.functional.mse_loss, lr=0.05)
+    >>> out = measure_convergence(wl, ["bf16", "sign"], world=2, batch=32, steps=40)
+    >>> out["bf16"].factor, out["bf16"].reaches, out["sign"].reaches
+    (1.0, True, False)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.codecs import Meta
+from thinwire.compress.codecs.powersgd import local_approx
+from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.config import check
+from thinwire.workloads.base import GlobalSampler, Workload, collate, eval_subset
+
+GUARD_STEPS = 60    # training steps of each short run
+GUARD_EVERY = 5     # held-out evaluations every this many steps
+GUARD_WORLD = 4     # shards (ranks) the global batch is split into
+REACH_TOL = 0.01    # "reaches fp32's loss": within 1% of it at equal samples
+EVAL_BATCHES = 4    # held-out set: this many global batches of the validation set (fixed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Convergence:
+    """One codec's short run against fp32's (see the module docstring)."""
+
+    factor: float | None      # samples relative to fp32 for the loss it reached; None: unknown (worse than fp32's first evaluation)
+    loss: float               # its held-out loss after ``steps``
+    reference_loss: float     # fp32's after ``steps``
+    steps: int
+    world: int
+
+    @property
+    def reaches(self) -> bool:
+        """The verdict: within ``REACH_TOL`` of fp32's loss at equal samples."""
+        return self.loss <= self.reference_loss * (1 + REACH_TOL)
+
+
+def measure_convergence(wl: Workload, specs: list[str], *, world: int = GUARD_WORLD, batch: int,
+                        steps: int = GUARD_STEPS, every: int = GUARD_EVERY, seed: int = 0) -> dict[str, Convergence]:
+    """Codec name (canonical spec) -> its :class:`Convergence` on ``wl`` (see the module docstring).
+    ``wl.model``'s weights are the starting point of every run and are left as they were."""
+    check(world >= 1, "world", world, "an integer >= 1")
+    check(batch >= world, "batch", batch, f"at least one sample per shard ({world})")
+    check(steps >= 2 * every >= 2, "steps", steps, f"at least two evaluations ({2 * every} steps)")
+    start = copy.deepcopy(wl.model.state_dict())
+    evals = eval_subset(len(wl.val), EVAL_BATCHES, batch)
+    try:
+        reference = _curve(wl, None, world, batch, steps, every, seed, start, evals)
+        out = {}
+        for spec in specs:
+            codec = parse_codec_spec(spec)
+            curve = reference if codec.lossless else _curve(wl, codec, world, batch, steps, every, seed, start, evals)
+            out[spec_string(codec)] = Convergence(factor=sample_factor(reference, curve[-1][1]), loss=curve[-1][1],
+                                                  reference_loss=reference[-1][1], steps=steps, world=world)
+        return out
+    finally:
+        wl.model.load_state_dict(start)
+
+
+def sample_factor(reference: list[tuple[int, float]], loss: float) -> float | None:
+    """``steps / s``: ``s`` the (interpolated) step at which fp32's curve ``reference`` [(step, loss)]
+    first reaches ``loss``; 1 at or below fp32's final loss, None above its first evaluation.
+
+    >>> sample_factor([(5, 3.0), (10, 2.0), (20, 1.0)], 2.0), sample_factor([(5, 3.0), (10, 2.0), (20, 1.0)], 1.5)
+    (2.0, 1.3333333333333333)
+    >>> sample_factor([(5, 3.0), (10, 2.0)], 1.9), sample_factor([(5, 3.0), (10, 2.0)], 3.5)
+    (1.0, None)
+    """
+    steps = reference[-1][0]
+    if loss <= reference[-1][1]:
+        return 1.0
+    if loss > reference[0][1]:
+        return None
+    for (s0, l0), (s1, l1) in zip(reference, reference[1:]):
+        if l1 <= loss:
+            s = s1 if l0 == l1 else s0 + (s1 - s0) * (l0 - loss) / (l0 - l1)
+            return max(1.0, steps / s)
+    return 1.0  # not reached: the curve is not monotone; loss <= its final value was handled above
+
+
+def _curve(wl: Workload, codec, world: int, batch: int, steps: int, every: int, seed: int, start: dict,
+           evals: list[int]) -> list[tuple[int, float]]:
+    """Held-out loss every ``every`` steps of one short run (fp32 with ``codec`` None)."""
+    model = wl.model
+    model.load_state_dict(start)
+    torch.manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=wl.lr, weight_decay=0.01)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    sampler = GlobalSampler(len(wl.train), batch, seed)
+    feedback = ShardFeedback(codec, world, [tuple(p.shape) for p in params]) if codec is not None else None
+    curve = []
+    for step in range(steps):
+        model.train()
+        x, y = collate(wl.train, sampler.global_indices(step))
+        grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        avg = feedback.average(grads, step) if feedback is not None else torch.stack(grads).mean(0)
+        offset = 0
+        for p in params:
+            p.grad = avg[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if (step + 1) % every == 0:
+            curve.append((step + 1, _held_out(wl, evals, batch)))
+    return curve
+
+
+def _flat_grad(wl: Workload, params: list, x: Tensor, y: Tensor) -> Tensor:
+    loss = wl.loss(wl.model(x), y)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, params)])
+
+
+@torch.no_grad()
+def _held_out(wl: Workload, evals: list[int], batch: int) -> float:
+    wl.model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(evals), batch):
+        x, y = collate(wl.val, evals[i : i + batch])
+        total += float(wl.loss(wl.model(x), y)) * len(y)
+        count += len(y)
+    loss = total / max(1, count)
+    return loss if math.isfinite(loss) else math.inf
+
+
+class ShardFeedback:
+    """Each shard's residual for one codec, and the averaged gradient the codec delivers (module, step 2)."""
+
+    def __init__(self, codec, world: int, shapes: list[tuple]) -> None:
+        self.codec, self.shapes = codec, shapes
+        self.residuals: list[Tensor | None] = [None] * world
+        self.qs: dict[int, Tensor] = {}  # low-rank: warm-start Q per matrix
+
+    def average(self, grads: list[Tensor], step: int) -> Tensor:
+        feed = self.codec.needs_feedback
+        corrected = [g + r if feed and r is not None else g for g, r in zip(grads, self.residuals)]
+        if self.codec.lowrank:
+            approx = local_approx(torch.stack(corrected).mean(0), self.shapes, self.codec.config, self.qs)
+            sent = [approx] * len(corrected)
+        else:
+            sent = [self.codec.roundtrip(c, Meta(numel=c.numel(), seed=step, rank=i)) for i, c in enumerate(corrected)]
+        if feed:
+            self.residuals = [c - s for c, s in zip(corrected, sent)]
+        return torch.stack(sent).mean(0)
