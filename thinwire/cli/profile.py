@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth (root)")
     p.add_argument("--no-corun", dest="corun", action="store_false",
                    help="skip measuring the step with every core busy (needed to simulate an emulated cluster)")
+    p.add_argument("--guard-steps", type=int,
+                   help="steps of each codec's convergence-guard run against fp32, from the workload's initial "
+                        "weights at the largest batch (default 60, thinwire.measure.convergence.GUARD_STEPS; 0 skips "
+                        "the guard, and `plan` then ranks by step time)")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.set_defaults(func=run)
 
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.compress.spec import parse_codec_spec
     from thinwire.measure.file import save_profile
     from thinwire.compress.spec import REGISTRY
+    from thinwire.measure.convergence import GUARD_STEPS
     from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
@@ -75,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         network = probe_network(network_spec)
     prof = profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
                             bucket_mb=args.bucket_mb, threads=args.threads, codecs=codecs, reps=args.reps,
-                            network=network, corun=args.corun)
+                            network=network, corun=args.corun,
+                            guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps)
     path = save_profile(prof, args.out)
     _show(prof, path)
     return 0
@@ -101,8 +107,12 @@ def _show(prof, path: Path) -> None:
     console.print(f"buckets: {[b.numel for b in prof.buckets]} values; {prof.flops_per_sample:.3g} FLOP/sample, "
                   f"{prof.achieved_flops / 1e9:.2f} GFLOP/s achieved")
     for name, c in prof.codecs.items():
+        g = c.convergence
+        guard = "" if g is None else (
+            f"; guard: held-out loss {g.loss:.4g} vs fp32 {g.reference_loss:.4g} after {g.steps} steps, "
+            + (f"{g.factor:.2f}x fp32's samples" if g.factor is not None else "worse than fp32 after its first steps"))
         console.print(f"  {name:>12}: encode {c.encode.per_byte_s * 1e9:.3f} ns/B + {c.encode.fixed_s * 1e6:.0f} us, "
-                      f"decode {c.decode.per_byte_s * 1e9:.3f} ns/B + {c.decode.fixed_s * 1e6:.0f} us")
+                      f"decode {c.decode.per_byte_s * 1e9:.3f} ns/B + {c.decode.fixed_s * 1e6:.0f} us{guard}")
     if prof.corun_speed:
         console.print("n copies of the step at once each run at " +
                       ", ".join(f"{v:.2f} (n={k})" for k, v in prof.corun_speed.items()) +

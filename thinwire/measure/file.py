@@ -19,7 +19,8 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     corun_speed: {"2": 0.83, "3": 0.8, "4": 0.78}  # n copies at once: each one's speed over its fair
                                  # share min(1, cores/n) of one copy alone (n > cores: time-sharing)
     kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
-    codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002}, ...}
+    codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002,
+             convergence: {factor: 1.0, loss: 2.31, reference_loss: 2.31, steps: 60, world: 4}}, ...}
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
 
 All costs are one core's (``threads``) on the machine in ``machine``.
@@ -54,12 +55,29 @@ class Cost:
 
 
 @dataclasses.dataclass(kw_only=True)
+class ConvergenceRecord:
+    """The convergence guard's short run of this codec against fp32 (:mod:`thinwire.measure.convergence`)."""
+
+    factor: float | None          # samples relative to fp32 for the loss it reached; None: unknown (worse)
+    loss: float                   # held-out loss after ``steps``
+    reference_loss: float         # fp32's
+    steps: int
+    world: int
+
+    def __post_init__(self) -> None:
+        check_range("factor", self.factor, 1, 1e6)
+        check_range("steps", self.steps, 1, 10**9, kind="an integer")
+        check_range("world", self.world, 1, 10**6, kind="an integer")
+
+
+@dataclasses.dataclass(kw_only=True)
 class CodecCost:
     encode: Cost
     decode: Cost
     # relative compression error with error feedback on the workload's own gradients: ||r|| / ||g + r_prev||
     # after a few steps in shadow (thinwire.measure.codec_costs.ef_errors); None if not measured
     ef_error: float | None = None
+    convergence: ConvergenceRecord | None = None  # the convergence guard; None if not measured
 
     def __post_init__(self) -> None:
         check_range("ef_error", self.ef_error, 0, 1e6)
@@ -147,6 +165,11 @@ class Profile:
             check_range(name, getattr(self, name), 0, 1e30)
         for copies, speed in self.corun_speed.items():
             check_range(f"corun_speed.{copies}", speed, 0, 100, open_lo=True)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the convergence guard ran (some codec has a convergence record)."""
+        return any(c.convergence is not None for c in self.codecs.values())
 
     def codec_cost(self, name: str) -> CodecCost:
         """Measured cost of codec ``name``; a clear error if the profile lacks it."""

@@ -5,7 +5,9 @@ layout and each bucket's readiness (:mod:`.compute`); (2) FLOPs and saved-activa
 sample; (3) how fast the step runs when all cores are busy at once, and when up to twice as many
 single-thread copies as cores time-share them (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
 bucket sizes (:mod:`.codec_costs`), and each codec's relative error with error feedback on the workload's
-own gradients over a few steps (:func:`.codec_costs.ef_errors`, the planner's accuracy guard); (5) optionally the network's alpha and beta on a running emulated
+own gradients over a few steps (:func:`.codec_costs.ef_errors`); (5) with ``guard_steps``, the convergence
+guard: each codec's sample factor against fp32 from short runs of the workload from its initial weights
+(:mod:`.convergence`, what ``thinwire plan`` ranks by); (6) optionally the network's alpha and beta on a running emulated
 cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
 
 Example::
@@ -25,7 +27,8 @@ import torch
 from thinwire.config import check, check_range
 from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, sizes_for
 from thinwire.measure.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
-from thinwire.measure.file import ComputePoint, Profile
+from thinwire.measure.convergence import GUARD_EVERY, GUARD_STEPS, GUARD_WORLD, measure_convergence
+from thinwire.measure.file import ComputePoint, ConvergenceRecord, Profile
 
 EF_STEPS = 6  # training steps whose gradients each codec compresses in shadow (its error with error feedback)
 
@@ -42,9 +45,10 @@ def machine_info(threads: int) -> dict:
 
 def profile_workload(*, workload: str, model: dict | None = None, data: str | None = None, batch_sizes: list[int],
                      bucket_mb: float = 25.0, threads: int = 1, codecs: Sequence[str] | None = None, reps: int = 10,
-                     warmup: int = 3, network=None, seed: int = 0, corun: bool = True) -> Profile:
+                     warmup: int = 3, network=None, seed: int = 0, corun: bool = True, guard_steps: int = 0) -> Profile:
     """Measure ``workload`` at each per-rank batch size (see the module docstring). ``codecs``: the
-    specs to measure (default: every registered codec at its default parameters)."""
+    specs to measure (default: every registered codec at its default parameters); ``guard_steps``:
+    steps of each convergence-guard run at the largest batch as the global batch (0: no guard)."""
     from thinwire.compress.spec import REGISTRY
     from thinwire.workloads.registry import build_workload
 
@@ -54,6 +58,8 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
     check_range("--threads", threads, 1, 1024, kind="an integer")
     check_range("--reps", reps, 2, 10**6, kind="an integer")
     check_range("--bucket-mb", bucket_mb, 0, 4096, open_lo=True, fix="DDP's default is 25.")
+    check(guard_steps == 0 or guard_steps >= 2 * GUARD_EVERY, "--guard-steps", guard_steps,
+          f"0 (no guard) or at least {2 * GUARD_EVERY} (two evaluations)", f"The default is {GUARD_STEPS}.")
     torch.set_num_threads(threads)
     with single_process_group():
         torch.manual_seed(seed)
@@ -66,6 +72,12 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             buckets = buckets or layout
         b0 = points[0].batch
         grads = step_gradients(timer, b0, EF_STEPS) if codecs else []
+        guard = {}
+        if guard_steps and codecs:  # from the workload's initial weights, as a training run starts
+            torch.manual_seed(seed)
+            fresh = build_workload(workload, dict(model or {}), data)
+            guard = measure_convergence(fresh, list(codecs), world=min(GUARD_WORLD, b0), batch=b0, steps=guard_steps,
+                                        seed=seed)
         flops = count_flops(wl, b0) / b0
         acts = activation_bytes(wl, b0) / b0
     corun_speed = {}
@@ -89,7 +101,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         achieved_flops=flops * b0 / (points[0].forward_s + points[0].backward_s),
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
         kernels=measure_kernels(sizes, reps),
-        codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads),
+        codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         network=network)
 
 
@@ -109,9 +121,16 @@ def measure_compute(*, workload: str, model: dict | None = None, data: str | Non
     return point
 
 
-def _with_errors(costs: dict, specs: list[str], grads: list) -> dict:
-    """Each codec's measured cost with its error-feedback error on the workload's own gradients."""
+def _with_errors(costs: dict, specs: list[str], grads: list, guard: dict) -> dict:
+    """Each codec's measured cost with its error-feedback error on the workload's own gradients and
+    its convergence guard's record."""
     import dataclasses
 
     errors = ef_errors(specs, grads) if grads else {}
-    return {name: dataclasses.replace(cost, ef_error=errors.get(name)) for name, cost in costs.items()}
+    return {name: dataclasses.replace(cost, ef_error=errors.get(name), convergence=_record(guard.get(name)))
+            for name, cost in costs.items()}
+
+
+def _record(c) -> ConvergenceRecord | None:
+    return None if c is None else ConvergenceRecord(factor=c.factor, loss=c.loss, reference_loss=c.reference_loss,
+                                                    steps=c.steps, world=c.world)
