@@ -363,3 +363,44 @@ def test_profile_measures_each_codecs_error_with_error_feedback_on_real_gradient
     steps = [[torch.randn(50_000, generator=g), torch.randn(20_000, generator=g)] for _ in range(4)]
     errs = ef_errors(["none", "bf16", "topk:ratio=0.01"], steps)
     assert errs["none"] == 0.0 and errs["bf16"] < 0.01 and errs["topk"] > 0.9
+
+
+# -- ranked by time to DDP fp32's loss (the convergence guard) ----------------------------------------
+def _guarded(factors: dict[str, float | None]) -> Profile:
+    from thinwire.measure.file import ConvergenceRecord
+
+    prof = profile(params=2_000_000)
+    for name, f in factors.items():
+        prof.codecs[name].convergence = ConvergenceRecord(factor=f, loss=2.0 * (f or 3), reference_loss=2.0, steps=60,
+                                                          world=4)
+    return prof
+
+
+def _slow() -> ClusterSpec:
+    return ClusterSpec(name="slow", defaults=DefaultsSpec(bandwidth="50mbit", cpu=0.5),
+                       hosts=[HostSpec(name=f"h{i}") for i in range(4)])
+
+
+def test_rank_step_keeps_the_old_choice_and_rank_time_never_prefers_a_longer_time_to_target():
+    step = plan_for(_slow(), prof=_guarded({"bf16": 1.0, "int8": 3.0}), rank="step")
+    assert "int8" in step.chosen.codecs and step.chosen.sample_factor == 1.0  # fewest bytes: fastest step
+    unguarded = plan_for(_slow(), prof=profile(params=2_000_000))
+    assert (unguarded.chosen.name, unguarded.chosen.predicted_step_s) == (step.chosen.name, step.chosen.predicted_step_s)
+    assert any("ranked by step time" in line for line in unguarded.explanation)
+    timed = plan_for(_slow(), prof=_guarded({"bf16": 1.0, "int8": 3.0}))
+    assert "int8" not in timed.chosen.codecs, timed.chosen.name  # 3x the samples outweighs the faster step
+    for d in (timed.chosen, *timed.alternatives):
+        assert d.predicted_step_s * d.sample_factor >= timed.chosen.predicted_step_s * timed.chosen.sample_factor * 0.98
+    int8 = next(d for d in timed.alternatives if "int8" in d.codecs)
+    assert int8.sample_factor == 3.0 and int8.predicted_step_s < timed.chosen.predicted_step_s
+    assert any("Ranked by predicted time to DDP fp32's loss" in line and "int8 3.00x" in line
+               for line in timed.explanation)
+    cheap = plan_for(_slow(), prof=_guarded({"bf16": 1.0, "int8": 1.02}))
+    assert "int8" in cheap.chosen.codecs  # a small factor does not outweigh its step
+
+
+def test_a_codec_the_guard_could_not_price_is_left_out_unless_ranked_by_step():
+    plan = plan_for(_slow(), prof=_guarded({"bf16": 1.0, "int8": None}))
+    assert all("int8" not in d.codecs for d in (plan.chosen, *plan.alternatives))
+    assert any("codec int8 left out" in line and "sample factor is unknown" in line for line in plan.explanation)
+    assert "int8" in plan_for(_slow(), prof=_guarded({"bf16": 1.0, "int8": None}), rank="step").chosen.codecs

@@ -40,8 +40,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", help="with --mfu: take compute from this device table entry's peak FLOP/s")
     p.add_argument("--mfu", type=float, help="utilization of --device's peak (e.g. 0.4)")
     p.add_argument("--keep", type=int, default=6, help="alternatives kept in the plan file (default 6)")
+    p.add_argument("--rank", choices=("time", "step"), default="time",
+                   help="time (default): rank by predicted time to DDP fp32's loss, step time x each codec's sample "
+                        "factor from the profile's convergence guard; step: by step time alone (with --max-error)")
     p.add_argument("--max-error", type=float, default=MAX_EF_ERROR,
-                   help="accuracy guard: leave out codecs whose relative error with error feedback on this "
+                   help="with --rank step: leave out codecs whose relative error with error feedback on this "
                         f"workload's gradients is above this (default {MAX_EF_ERROR}, as auto's)")
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.set_defaults(func=run)
@@ -73,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     batch = args.batch_size or _default_batch(args, model)
     opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,
-                       device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error)
-    profile = _profile(args, model, batch, len(spec.hosts), codecs)
+                       device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error, rank=args.rank)
+    profile = _profile(args, model, batch, len(spec.hosts), codecs, guard=args.rank == "time")
     plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
     path = save_plan(plan, args.out)
     show(plan)
@@ -89,7 +92,7 @@ def _default_batch(args, model: dict) -> int:
     return build_workload(args.workload, model, args.data).batch_size
 
 
-def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...]):
+def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...], guard: bool):
     from thinwire.measure.file import load_profile
 
     if args.profile:
@@ -100,8 +103,10 @@ def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...])
     sizes = sorted({max(1, per // 2), per, min(batch, 2 * per)}, reverse=True)
     Console(stderr=True).print(f"no --profile: measuring {args.workload} on this machine at per-host batches {sizes} "
                                "(save one with `thinwire profile` to skip this)")
+    from thinwire.measure.convergence import GUARD_STEPS
+
     return profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
-                            threads=args.threads or 1, codecs=list(codecs), reps=6)
+                            threads=args.threads or 1, codecs=list(codecs), reps=6, guard_steps=GUARD_STEPS if guard else 0)
 
 
 def show(plan) -> None:
@@ -119,12 +124,14 @@ def candidates_table(plan) -> Table:
     base = plan.baselines.get("uniform_ddp_fp32_s")
     t = Table(title=f"plan for {plan.workload} on {plan.cluster}, global batch {plan.global_batch} "
                     "(predicted by the performance model)")
-    for col in ("#", "plan", "step ms", "vs uniform fp32", "compute ms", "exposed comm ms", "MB/step"):
+    for col in ("#", "plan", "step ms", "samples x", "time to fp32 loss vs uniform fp32", "compute ms",
+                "exposed comm ms", "MB/step"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, d in enumerate([plan.chosen, *plan.alternatives]):
         t.add_row("chosen" if i == 0 else str(i), escape(d.name), f"{d.predicted_step_s * 1e3:.1f}",
-                  f"{base / d.predicted_step_s:.2f}x" if base else "-", f"{d.compute_s * 1e3:.1f}",
-                  f"{d.exposed_comm_s * 1e3:.1f}", f"{d.bytes_per_step / 1e6:.2f}", style="bold" if i == 0 else None)
+                  f"{d.sample_factor:.2f}", f"{base / (d.predicted_step_s * d.sample_factor):.2f}x" if base else "-",
+                  f"{d.compute_s * 1e3:.1f}", f"{d.exposed_comm_s * 1e3:.1f}", f"{d.bytes_per_step / 1e6:.2f}",
+                  style="bold" if i == 0 else None)
     return t
 
 

@@ -157,6 +157,7 @@ def explain(pb: Problem, chosen: Scored, base: dict[str, Scored | None], all_hos
     else:
         lines.append(f"Uniform DDP cannot run: the global batch ({pb.batch}) is smaller than the {len(pb.hosts)} hosts. "
                      f"Chosen: {name(pb, chosen)}: {_ms(chosen.step_s)} per step.")
+    lines.append(_ranking_line(pb, chosen, fp32))
     for h in all_hosts:
         if h not in pb.hosts:
             lines.append(f"{h.name} is left out: it cannot hold the model and one sample's activations in its memory.")
@@ -166,6 +167,18 @@ def explain(pb: Problem, chosen: Scored, base: dict[str, Scored | None], all_hos
             lines.append(line)
     lines.append(f"What remains: {bottleneck(pb, chosen)}.")
     return lines + [f"Note: {n}." for n in notes]
+
+
+def _ranking_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str:
+    """What the candidates were ranked by, and the chosen one's sample factor with where it came from."""
+    if not pb.factors:
+        return "Ranked by predicted step time (every codec counted as reaching DDP fp32's loss in as many samples)."
+    factors = ", ".join(f"{c} {f:.2f}x" for c, f in sorted(pb.factors.items(), key=lambda kv: kv[1]))
+    versus = (f"; predicted time to DDP fp32's loss {fp32.time_s / chosen.time_s:.2f}x sooner than uniform DDP fp32"
+              if fp32 is not None else "")
+    return (f"Ranked by predicted time to DDP fp32's loss: step time x the samples each codec needs relative to fp32, "
+            f"measured by the profile's convergence guard (short runs of this workload from its initial weights, "
+            f"extrapolated as a constant factor): {factors}. The chosen plan's factor is {chosen.factor:.2f}x{versus}.")
 
 
 def pipeline_lines(pipe, profile, all_hosts: list[HostModel]) -> list[str]:

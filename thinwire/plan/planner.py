@@ -61,7 +61,8 @@ class PlanOptions:
     keep: int = 6                         # alternatives kept in the plan file
     min_gain: float = 0.02
     optimizer: str = "adamw"
-    max_error: float = MAX_EF_ERROR       # accuracy guard: the cap on a codec's relative error with error feedback
+    max_error: float = MAX_EF_ERROR       # with --rank step (or no guard): the cap on a codec's relative error with EF
+    rank: str = "time"                    # "time": by predicted time to fp32's loss (the guard's factors); "step"
 
     def __post_init__(self) -> None:
         check(self.batch_size >= 1, "--batch-size", self.batch_size, "an integer >= 1")
@@ -74,6 +75,8 @@ class PlanOptions:
         check_range("--keep", self.keep, 1, 1000, kind="an integer")
         check_range("--max-error", self.max_error, 0, 1e6, kind="a relative error", open_lo=True,
                     fix=f"The default is {MAX_EF_ERROR}.")
+        check(self.rank in ("time", "step"), "--rank", self.rank, "time or step",
+              "time: by predicted time to DDP fp32's loss (step x the guard's sample factor); step: by step time.")
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
@@ -140,43 +143,64 @@ def host_models(spec: ClusterSpec, profile: Profile, opts: PlanOptions) -> list[
             for h, s, c in zip(hosts, speeds, cores)]
 
 
-def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = MAX_EF_ERROR) -> tuple[dict, list[str]]:
-    """Codec models priced with the profile's measured costs; codecs it did not measure are dropped
-    (with a note), unless it measured none at all (then bytes only). The accuracy guard: a codec
-    whose measured relative error with error feedback on this workload's gradients (the profile's
-    ``ef_error``) is above ``max_error`` leaves most of each step's gradient behind and is dropped
-    too, whatever time it would save (top-k 1% and PowerSGD rank 4 on charlm: above 0.9, and
-    neither reached fp32's loss at equal samples in the head-to-head)."""
+def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = MAX_EF_ERROR,
+                 rank: str = "time") -> tuple[dict, dict[str, float], list[str]]:
+    """Codec models priced with the profile's measured costs, their sample factors, and notes.
+
+    Codecs the profile did not measure are dropped (with a note), unless it measured none at all
+    (then bytes only). The guard:
+
+    * ``rank="time"`` with the profile's convergence guard (:mod:`thinwire.measure.convergence`): each
+      codec's sample factor is what the search multiplies its step by; a codec the guard could not
+      price (worse than fp32 after its first steps) or did not run is left out, whatever time it would
+      save. This replaces the relative-error cap.
+    * ``rank="step"``, or a profile without the guard: every factor is 1 and the accuracy cap applies:
+      a codec whose relative error with error feedback on this workload's gradients (``ef_error``)
+      is above ``max_error`` is left out (top-k 1% and PowerSGD rank 4 on charlm: above 0.9, and neither
+      reached fp32's loss at equal samples in the head-to-head)."""
     from thinwire.compress.spec import parse_codec_spec, spec_string
 
     measured = bool(profile.codecs)
-    out, notes = {}, []
+    guarded = rank == "time" and profile.guarded
+    out, factors, notes = {}, {}, []
     for c in codecs:
         name = spec_string(parse_codec_spec(c))
         if measured and name != "none" and name not in profile.codecs:
             notes.append(f"codec {name} left out: the profile has no measured cost for it "
                          f"(add it with `thinwire profile --codecs {name}`)")
             continue
+        if guarded and name != "none":
+            record = profile.codecs[name].convergence
+            if record is None or record.factor is None:
+                why = ("the profile's convergence guard did not run it" if record is None else
+                       f"after {record.steps} steps its held-out loss ({record.loss:.4g}) was still above fp32's first "
+                       f"evaluation: its sample factor is unknown")
+                notes.append(f"codec {name} left out: {why} (--rank step ranks it by step time)")
+                continue
+            factors[name] = record.factor
         error = profile.codecs[name].ef_error if measured and name in profile.codecs else None
-        if error is not None and error > max_error:
+        if not guarded and error is not None and error > max_error:
             notes.append(f"codec {name} left out by the accuracy guard: with error feedback it leaves {error:.0%} of "
                          f"each step's gradient behind on this workload (cap {max_error:.0%}, --max-error)")
             continue
         out[name] = inputs.codec_model(name, profile if measured else None)
     if not measured:
         notes.append("the profile has no measured codec costs: codecs are priced by their bytes only")
-    return out, notes
+    if rank == "time" and not guarded:
+        notes.append("the profile has no convergence guard (made with --guard-steps 0 or by an older thinwire): "
+                     "candidates are ranked by step time, as with --rank step; `thinwire profile` measures it")
+    return out, factors, notes
 
 
 def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[HostModel]) -> tuple[Problem, list[str]]:
-    codecs, notes = codec_models(profile, opts.codecs, opts.max_error)
+    codecs, factors, notes = codec_models(profile, opts.codecs, opts.max_error, opts.rank)
     latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
     alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + latency
     pb = Problem(hosts=hosts, buckets=[Bucket(numel=b.numel, ready_frac=b.ready_frac) for b in profile.buckets],
                  compute=compute_fn(profile, opts), codecs=codecs,
                  links={l.pair: l.bandwidth for l in spec.links}, alpha_s=alpha,
                  efficiency=inputs.efficiency_of(profile), batch=opts.batch_size,
-                 threads=opts.threads or profile.threads, min_gain=opts.min_gain)
+                 threads=opts.threads or profile.threads, min_gain=opts.min_gain, factors=factors)
     return pb, notes
 
 
@@ -253,7 +277,7 @@ def decision(pb: Problem, s: Scored, left_out: list[str]) -> Decision:
     return Decision(name=explain.name(pb, s), hosts=names, shares=list(lay.shares), micro=list(lay.micro),
                     collective="hierarchical" if lay.groups else "ring", groups=groups, codecs=list(lay.codecs),
                     left_out=out, predicted_step_s=s.step_s, compute_s=s.compute_s,
-                    exposed_comm_s=s.timeline.exposed_comm_s, bytes_per_step=s.bytes_per_step)
+                    exposed_comm_s=s.timeline.exposed_comm_s, bytes_per_step=s.bytes_per_step, sample_factor=s.factor)
 
 
 def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict, options: PlanOptions) -> Plan:

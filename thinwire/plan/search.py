@@ -17,8 +17,14 @@ Every candidate is priced with the performance model (:mod:`thinwire.perf`), no 
    coordinate descent ``auto`` runs too (:func:`thinwire.plan.choose.descend`) from the best single
    one (last bucket first: the least hidden behind backward); a codec must beat the current one by
    ``min_gain`` to replace it, so ties go to the lighter codec.
-5. **Prune**: a subset's balanced compute time is a lower bound of its step; subsets are tried in
-   order of that bound and skipped once it cannot reach the ``keep``-th best step found.
+5. **Prune**: a subset's balanced compute time is a lower bound of its step (and of its time to
+   target: sample factors are at least 1); subsets are tried in order of that bound and skipped once
+   it cannot reach the ``keep``-th best found.
+
+**The objective** is the predicted time to DDP fp32's loss, :attr:`Scored.time_s`: the step times the
+sample factor of the codecs the candidate sends with (``Problem.factors``, from the convergence
+guard; the largest over its buckets' codecs). With no factors (``--rank step``, or a profile without
+the guard) every factor is 1 and the objective is the step time.
 
 Scoring (:func:`score`) follows :func:`thinwire.perf.model.predict_step` but with per-host compute: bucket
 ``i`` is ready when its gradient is ready on the *last* host, ``max_h(pre_h + f_i * backward_h)``;
@@ -71,6 +77,7 @@ class Problem:
     batch: int
     threads: int = 1
     min_gain: float = 0.02
+    factors: dict[str, float] = dataclasses.field(default_factory=dict)  # codec -> sample factor (absent: 1)
     scored: int = 0                      # candidates priced so far
     _memo: dict = dataclasses.field(default_factory=dict)
 
@@ -111,6 +118,12 @@ class Scored:
     timeline: Timeline
     bytes_per_step: int      # the busiest rank's, every collective
     codec_bytes: int         # of which through the codec (the ring, or between group leaders)
+    factor: float = 1.0      # samples relative to DDP fp32 to reach its loss (the guard's, largest over the codecs)
+
+    @property
+    def time_s(self) -> float:
+        """The objective: predicted seconds per fp32-equivalent step (step x sample factor)."""
+        return self.step_s * self.factor
 
 
 # -- pricing -----------------------------------------------------------------------------------------
@@ -157,7 +170,8 @@ def score(pb: Problem, lay: Layout) -> Scored:
                           decode_s=[c[2] for c in costs], backward_s=end, pre_s=max(std) * blom_z(len(lay.hosts)),
                           post_s=max(post), codec_steals_compute=steals)
     compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
-    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs))
+    factor = max((pb.factors.get(c, 1.0) for c in set(lay.codecs)), default=1.0) if len(lay.hosts) > 1 else 1.0
+    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor)
 
 
 # -- shares ------------------------------------------------------------------------------------------
@@ -252,7 +266,7 @@ def best_codecs(pb: Problem, lay: Layout, allowed: Sequence[str], passes: int = 
     singles = [score(pb, dataclasses.replace(lay, codecs=(c,) * len(pb.buckets))) for c in allowed]
     best = singles[0]
     for s in singles[1:]:  # lightest first: a heavier codec must gain min_gain to win
-        if s.step_s < best.step_s * (1 - pb.min_gain):
+        if s.time_s < best.time_s * (1 - pb.min_gain):
             best = s
     passes = passes if len(pb.buckets) > 1 and len(allowed) > 1 else 0
     start = best.layout
@@ -260,7 +274,7 @@ def best_codecs(pb: Problem, lay: Layout, allowed: Sequence[str], passes: int = 
     def price(codecs: tuple[str, ...]) -> Scored:
         return score(pb, dataclasses.replace(start, codecs=codecs))
 
-    return descend(start.codecs, best, allowed, price, seconds=lambda s: s.step_s, min_gain=pb.min_gain,
+    return descend(start.codecs, best, allowed, price, seconds=lambda s: s.time_s, min_gain=pb.min_gain,
                    passes=passes)[1]
 
 
@@ -278,8 +292,9 @@ def uniform(pb: Problem, codec: str, idx: Sequence[int] | None = None) -> Scored
 
 
 def search(pb: Problem, keep: int = 8) -> list[Scored]:
-    """The ``keep`` best candidates, best first (uniform DDP with every single codec is always priced,
-    so the first is never predicted slower than any of them); ``pb.scored`` counts what was priced."""
+    """The ``keep`` best candidates by time to target, best first (uniform DDP with every single codec
+    is always priced, so the first is never predicted slower than any of them); ``pb.scored`` counts
+    what was priced."""
     found: dict[Layout, Scored] = {}
     for c in pb.codecs:
         s = uniform(pb, c)
@@ -294,7 +309,7 @@ def search(pb: Problem, keep: int = 8) -> list[Scored]:
                 work.append((shares[1], idx, groups, caps, shares[0], can_compress))
     work.sort(key=lambda w: w[0])
     for bound, idx, groups, caps, shares, can_compress in work:
-        ranked = sorted(s.step_s for s in found.values())
+        ranked = sorted(s.time_s for s in found.values())
         if len(ranked) >= keep and bound >= ranked[keep - 1]:
             continue
         micro = tuple(micro_for(c, s) for c, s in zip(caps, shares))
@@ -307,5 +322,6 @@ def search(pb: Problem, keep: int = 8) -> list[Scored]:
         key = dataclasses.replace(s.layout, uniform=False)
         if key not in unique or s.layout.uniform:
             unique[key] = s
-    ranked = sorted(unique.values(), key=lambda s: (s.step_s, -len(s.layout.hosts), not s.layout.uniform, s.layout.codecs))
+    ranked = sorted(unique.values(), key=lambda s: (s.time_s, s.step_s, -len(s.layout.hosts), not s.layout.uniform,
+                                                    s.layout.codecs))
     return ranked[:keep]
