@@ -80,3 +80,32 @@ def test_bad_arguments_are_refused():
         measure_convergence(_regression(), ["int8"], world=4, batch=2)
     with pytest.raises(ConfigError, match="steps: must be at least two evaluations"):
         measure_convergence(_regression(), ["int8"], world=2, batch=8, steps=5)
+
+
+def test_profile_records_the_guard_and_plan_ranks_by_it(tmp_path):
+    from tests.test_cli import thinwire as cli
+
+    prof, plan = tmp_path / "p.yaml", tmp_path / "plan.yaml"
+    proc = cli("profile", "--workload", "digits", "--set", "model.hidden=32", "--batch-sizes", "16", "--codecs",
+               "none,int8,topk:ratio=0.01", "--reps", "3", "--no-corun", "--guard-steps", "20", "--out", str(prof))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "guard:" in proc.stdout
+    from thinwire.measure.file import load_profile
+
+    loaded = load_profile(prof)
+    assert loaded.guarded and loaded.codecs["int8"].convergence.steps == 20
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: g\ndefaults: {bandwidth: 20mbit, cpu: 0.5}\nhosts:\n  - {name: a}\n  - {name: b}\n")
+    proc = cli("plan", "--cluster", str(spec), "--workload", "digits", "--set", "model.hidden=32", "--profile", str(prof),
+               "--batch-size", "16", "--codecs", "none,int8,topk:ratio=0.01", "--out", str(plan))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = " ".join(proc.stdout.split())
+    assert "Ranked by predicted time to DDP fp32's loss" in out and "samples" in out
+
+
+def test_profile_refuses_a_guard_too_short_to_measure(tmp_path):
+    from tests.test_cli import thinwire as cli
+
+    proc = cli("profile", "--workload", "digits", "--batch-sizes", "8", "--guard-steps", "5", "--out", str(tmp_path / "p"))
+    assert proc.returncode != 0 and "--guard-steps: must be 0 (no guard) or at least 10" in proc.stderr + proc.stdout
+    assert not (tmp_path / "p").exists()
