@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "thinwire"
 LAYERS: list[set[str]] = [
     {"errors", "signals"},                  # errors and stop signals: what every layer may raise
     {"config"},
-    {"units"},
+    {"units", "syncspec"},                  # plain parsers (syncspec: --sync into a typed spec)
     {"perf"},                               # pure model: imports no other thinwire layer
     {"workloads", "precision", "compress"},  # what runs on a host: models and data, numerics, the wire
     {"cluster"},                            # the one cluster spec, and the emulator of it
@@ -24,7 +24,6 @@ LAYERS: list[set[str]] = [
     {"plan"},                               # the offline planner and plan files
     {"auto"},                               # the online policy
     {"commspec"},                           # --compression parsed once into a typed spec
-    {"syncspec"},                           # --sync parsed once into a typed spec
     {"api"},                                # thinwire.attach
     {"train"},                              # the loop, checkpoints, launching (also onto the emulator)
     {"report", "validation"},               # read runs back; run simulated configurations for real

@@ -404,3 +404,16 @@ def test_a_codec_the_guard_could_not_price_is_left_out_unless_ranked_by_step():
     assert all("int8" not in d.codecs for d in (plan.chosen, *plan.alternatives))
     assert any("codec int8 left out" in line and "sample factor is unknown" in line for line in plan.explanation)
     assert "int8" in plan_for(_slow(), prof=_guarded({"bf16": 1.0, "int8": None}), rank="step").chosen.codecs
+
+
+def test_plan_prices_the_sync_modes_next_to_itself_and_says_their_loss_is_measured():
+    from thinwire.plan.explain import SYNC_MODES
+
+    plan = plan_for(_slow(), prof=profile(params=2_000_000))
+    line = next(l for l in plan.explanation if l.startswith("Sync modes on uniform DDP"))
+    assert all(m in line for m in SYNC_MODES) and "measured, not predicted" in line
+    # on a 50 Mbit/s link every mode, sending less often or overlapping, is predicted faster than allreduce
+    import re
+
+    speedups = [float(x) for x in re.findall(r"\(([0-9.]+)x\)", line)]
+    assert len(speedups) == len(SYNC_MODES) and all(x > 1 for x in speedups), line

@@ -42,9 +42,10 @@ def sync(model, mode="allreduce", codec="none", **kwargs):
     """
     from thinwire.commspec import parse_comm_spec
     from thinwire.compress.sync import create
-    from thinwire.syncspec import check_pairing, parse_sync_spec
+    from thinwire.commspec import check_sync_pairing
+    from thinwire.syncspec import parse_sync_spec
 
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
-    check_pairing(spec, comm)
+    check_sync_pairing(spec, comm)
     return create(model, spec, as_policy(comm), **kwargs)

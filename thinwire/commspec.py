@@ -29,6 +29,7 @@ from thinwire.compress.codecs.base import Codec
 from thinwire.compress.hook import Policy, StaticPolicy
 from thinwire.compress.spec import REGISTRY, codec_help, parse_codec_spec, spec_string
 from thinwire.errors import ConfigError
+from thinwire.syncspec import SyncSpec
 
 TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd", "localsgd")
 MAX_PERIOD = 10**9
@@ -167,3 +168,18 @@ def as_policy(spec: CommSpec | str) -> Policy:
                           "PyTorch's hooks are registered with model.register_comm_hook; "
                           "`thinwire train --compression torch:...` runs them as peers.")
     return spec.policy()
+
+
+def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32", plan: str | None = None) -> None:
+    """Refuse a sync mode with what it cannot run: PyTorch's hooks or ``auto`` (a DDP-hook policy),
+    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook)."""
+    if sync.mode == "allreduce":
+        return
+    if not isinstance(comm, CodecSpec):
+        raise ConfigError("compression", comm.text, f"a thinwire codec (none, bf16, int8, topk:ratio=...) with "
+                          f"--sync {sync.mode}", "PyTorch's hooks and auto run only with --sync allreduce.")
+    if precision == "fp16":
+        raise ConfigError("precision", precision, f"fp32, bf16 or int8 with --sync {sync.mode}",
+                          "fp16's loss scale changes between steps; use bf16.")
+    if plan:
+        raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")

@@ -152,20 +152,3 @@ def _number(mode: str, key: str, raw: str, kind: type) -> float | int:
 
 
 _FIX = "E.g. delayed, local:period=8, diloco:period=100,outer_lr=0.7,outer_momentum=0.9"
-
-
-def check_pairing(sync: SyncSpec, comm, *, precision: str = "fp32", plan: str | None = None) -> None:
-    """Refuse a sync mode with what it cannot run: PyTorch's hooks or ``auto`` (a DDP-hook policy),
-    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook)."""
-    if sync.mode == "allreduce":
-        return
-    from thinwire.commspec import CodecSpec
-
-    if not isinstance(comm, CodecSpec):
-        raise ConfigError("compression", comm.text, f"a thinwire codec (none, bf16, int8, topk:ratio=...) with "
-                          f"--sync {sync.mode}", "PyTorch's hooks and auto run only with --sync allreduce.")
-    if precision == "fp16":
-        raise ConfigError("precision", precision, f"fp32, bf16 or int8 with --sync {sync.mode}",
-                          "fp16's loss scale changes between steps; use bf16.")
-    if plan:
-        raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")

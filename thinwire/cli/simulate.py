@@ -94,10 +94,11 @@ def run(args: argparse.Namespace) -> int:
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     check(args.validate or not args.recompute, "--recompute", True, "used with --validate",
           "Add --validate, or drop --recompute (it re-measures the step before each real run).")
-    from thinwire.syncspec import check_pairing, parse_sync_spec
+    from thinwire.commspec import check_sync_pairing
+    from thinwire.syncspec import parse_sync_spec
 
     sync = parse_sync_spec(args.sync)
-    check_pairing(sync, comm)
+    check_sync_pairing(sync, comm)
     check(not (args.validate and sync.mode != "allreduce"), "--sync", args.sync, "allreduce with --validate",
           "--validate runs allreduce only; simulate the mode without it.")
     hosts = parse_hosts(args.hosts) if args.hosts else None

@@ -181,6 +181,36 @@ def _ranking_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str:
             f"extrapolated as a constant factor): {factors}. The chosen plan's factor is {chosen.factor:.2f}x{versus}.")
 
 
+#: Sync modes priced next to the plan (``thinwire train --sync``): one of each kind at a period from
+#: the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed in 4).
+SYNC_MODES = ("delayed", "local:period=4", "local:period=16", "diloco:period=100", "diloco:period=100,fragments=4")
+
+
+def sync_lines(pb: Problem, base: dict[str, Scored | None]) -> list[str]:
+    """The sync modes' predicted steps on uniform DDP with the best single codec (the modes run on
+    uniform DDP only, not with a plan's shares), each priced by the class that runs it."""
+    from thinwire.compress.sync import StepParts, kind
+    from thinwire.syncspec import parse_sync_spec
+
+    singles = [s for s in base.values() if s is not None and len(s.layout.hosts) > 1]
+    if not singles:
+        return []
+    best = min(singles, key=lambda s: s.time_s)
+    spans = best.timeline.buckets
+    parts = StepParts(allreduce_step_s=best.step_s, compute_s=best.compute_s, comm_s=sum(b.comm_s for b in spans),
+                      codec_s=sum(b.encode_s + b.decode_s for b in spans), codec_steals_compute=best.steals)
+    priced = []
+    for text in SYNC_MODES:
+        spec = parse_sync_spec(text)
+        step = kind(spec).step_s(spec, parts)
+        priced.append(f"{text} {_ms(step)} ({best.step_s / step:.2f}x)")
+    codec = best.layout.codecs[0]
+    return [f"Sync modes on uniform DDP with {codec} (`thinwire train --sync MODE --compression {codec}`, not with "
+            f"this plan), predicted per step against its {_ms(best.step_s)}: {'; '.join(priced)}. Their loss at equal "
+            "samples is measured, not predicted: on charlm at 4 hosts x 100 Mbit/s none of them reached DDP fp32's loss "
+            "in as many samples (benchmarks/results/sync_emulated.md)."]
+
+
 def pipeline_lines(pipe, profile, all_hosts: list[HostModel]) -> list[str]:
     stages = "; ".join(f"{s.host}: parameters {s.first_param}-{s.last_param} ({s.parameters:,} values, "
                        f"{s.memory_bytes / 2**20:.1f} MiB, {_ms(s.seconds_per_sample)}/sample)" for s in pipe.stages)

@@ -119,6 +119,7 @@ class Scored:
     bytes_per_step: int      # the busiest rank's, every collective
     codec_bytes: int         # of which through the codec (the ring, or between group leaders)
     factor: float = 1.0      # samples relative to DDP fp32 to reach its loss (the guard's, largest over the codecs)
+    steals: bool = False     # no spare core for the communication thread: codec work is taken from compute
 
     @property
     def time_s(self) -> float:
@@ -171,7 +172,7 @@ def score(pb: Problem, lay: Layout) -> Scored:
                           post_s=max(post), codec_steals_compute=steals)
     compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
     factor = max((pb.factors.get(c, 1.0) for c in set(lay.codecs)), default=1.0) if len(lay.hosts) > 1 else 1.0
-    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor)
+    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor, steals)
 
 
 # -- shares ------------------------------------------------------------------------------------------

@@ -66,10 +66,11 @@ class TrainConfig:
         from thinwire.commspec import parse_comm_spec
 
         self.comm = parse_comm_spec(self.compression)  # parsed once; below this, nobody reads the string
-        from thinwire.syncspec import check_pairing, parse_sync_spec
+        from thinwire.commspec import check_sync_pairing
+        from thinwire.syncspec import parse_sync_spec
 
         self.sync_spec = parse_sync_spec(self.sync)
-        check_pairing(self.sync_spec, self.comm, precision=self.precision, plan=self.plan)
+        check_sync_pairing(self.sync_spec, self.comm, precision=self.precision, plan=self.plan)
 
     def _check_counts(self) -> None:
         for name, lo, hi in _COUNTS:
