@@ -101,6 +101,7 @@ def test_profile_records_the_guard_and_plan_ranks_by_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = " ".join(proc.stdout.split())
     assert "Ranked by predicted time to DDP fp32's loss" in out and "samples" in out
+    assert loaded.sync["delayed"].steps == 20 and "the samples by the guard" in out  # delayed, priced with its factor
 
 
 def test_profile_refuses_a_guard_too_short_to_measure(tmp_path):
@@ -109,3 +110,11 @@ def test_profile_refuses_a_guard_too_short_to_measure(tmp_path):
     proc = cli("profile", "--workload", "digits", "--batch-sizes", "8", "--guard-steps", "5", "--out", str(tmp_path / "p"))
     assert proc.returncode != 0 and "--guard-steps: must be 0 (no guard) or at least 10" in proc.stderr + proc.stdout
     assert not (tmp_path / "p").exists()
+
+
+def test_delayed_sync_mode_is_guarded_too():
+    """One step stale costs samples: on the GRU workload the guard finds it short of fp32 (measured: 1.36x)."""
+    out = measure_convergence(_sequences(), ["int8"], world=4, batch=32, steps=60, delayed=True)
+    d = out["delayed"]
+    assert d.loss != d.reference_loss and d.reference_loss == out["int8"].reference_loss
+    assert not d.reaches and (d.factor is None or d.factor > 1.1), d

@@ -28,7 +28,10 @@ anything the short run can price. **Reaches** (the guard's verdict): ``L`` withi
 of fp32's final loss.
 
 The predicted time to fp32's loss of a candidate is then its predicted step time x its factor: what
-``thinwire plan`` ranks by. Cost: (1 + codecs) x ``steps`` training steps of the workload at the
+``thinwire plan`` ranks by. The sync mode ``delayed`` (each step applies the previous step's average,
+:mod:`thinwire.compress.sync.delayed`) changes the numerics too; :func:`measure_convergence` runs it the
+same way (fp32 averages, one step stale) when asked, under the key ``"delayed"``. Local SGD and DiLoCo
+are not run: their first average comes after their warm-up and period, beyond a short run. Cost: (1 + codecs) x ``steps`` training steps of the workload at the
 global batch on this process (about a minute for charlm's default model, 5 codecs, 60 steps).
 
     >>> import torch
@@ -83,9 +86,11 @@ class Convergence:
 
 
 def measure_convergence(wl: Workload, specs: list[str], *, world: int = GUARD_WORLD, batch: int,
-                        steps: int = GUARD_STEPS, every: int = GUARD_EVERY, seed: int = 0) -> dict[str, Convergence]:
-    """Codec name (canonical spec) -> its :class:`Convergence` on ``wl`` (see the module docstring).
-    ``wl.model``'s weights are the starting point of every run and are left as they were."""
+                        steps: int = GUARD_STEPS, every: int = GUARD_EVERY, seed: int = 0,
+                        delayed: bool = False) -> dict[str, Convergence]:
+    """Codec name (canonical spec) -> its :class:`Convergence` on ``wl`` (see the module docstring),
+    and ``"delayed"`` -> the one-step-stale sync mode's with ``delayed``. ``wl.model``'s weights are
+    the starting point of every run and are left as they were."""
     check(world >= 1, "world", world, "an integer >= 1")
     check(batch >= world, "batch", batch, f"at least one sample per shard ({world})")
     check(steps >= 2 * every >= 2, "steps", steps, f"at least two evaluations ({2 * every} steps)")
@@ -99,6 +104,10 @@ def measure_convergence(wl: Workload, specs: list[str], *, world: int = GUARD_WO
             curve = reference if codec.lossless else _curve(wl, codec, world, batch, steps, every, seed, start, evals)
             out[spec_string(codec)] = Convergence(factor=sample_factor(reference, curve[-1][1]), loss=curve[-1][1],
                                                   reference_loss=reference[-1][1], steps=steps, world=world)
+        if delayed:
+            curve = _curve(wl, None, world, batch, steps, every, seed, start, evals, stale=True)
+            out["delayed"] = Convergence(factor=sample_factor(reference, curve[-1][1]), loss=curve[-1][1],
+                                         reference_loss=reference[-1][1], steps=steps, world=world)
         return out
     finally:
         wl.model.load_state_dict(start)
@@ -126,8 +135,9 @@ def sample_factor(reference: list[tuple[int, float]], loss: float) -> float | No
 
 
 def _curve(wl: Workload, codec, world: int, batch: int, steps: int, every: int, seed: int, start: dict,
-           evals: list[int]) -> list[tuple[int, float]]:
-    """Held-out loss every ``every`` steps of one short run (fp32 with ``codec`` None)."""
+           evals: list[int], stale: bool = False) -> list[tuple[int, float]]:
+    """Held-out loss every ``every`` steps of one short run (fp32 with ``codec`` None; ``stale``: each
+    step applies the previous step's average, the first step nothing, as ``--sync delayed``)."""
     model = wl.model
     model.load_state_dict(start)
     torch.manual_seed(seed)
@@ -143,12 +153,15 @@ def _curve(wl: Workload, codec, world: int, batch: int, steps: int, every: int, 
         x, y = collate(wl.train, sampler.global_indices(step))
         grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
         avg = feedback.average(grads, step) if feedback is not None else torch.stack(grads).mean(0)
+        if stale:
+            avg, previous = previous if step else None, avg
         offset = 0
         for p in params:
-            p.grad = avg[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            p.grad = None if avg is None else avg[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if avg is not None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()  # with no gradient (the pipeline fill) AdamW leaves every parameter as it is
         opt.zero_grad(set_to_none=True)
         sched.step()
         if (step + 1) % every == 0:

@@ -21,6 +21,7 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
     codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002,
              convergence: {factor: 1.0, loss: 2.31, reference_loss: 2.31, steps: 60, world: 4}}, ...}
+    sync: {delayed: {factor: 1.4, loss: 2.5, reference_loss: 2.31, steps: 60, world: 4}}  # the guard's
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
 
 All costs are one core's (``threads``) on the machine in ``machine``.
@@ -151,6 +152,7 @@ class Profile:
     corun_speed: dict[str, float] = dataclasses.field(default_factory=dict)  # copies -> speed of each / fair share
     kernels: dict[str, Cost] = dataclasses.field(default_factory=dict)
     codecs: dict[str, CodecCost] = dataclasses.field(default_factory=dict)
+    sync: dict[str, ConvergenceRecord] = dataclasses.field(default_factory=dict)  # the guard's sync modes (delayed)
     network: NetworkRecord | None = None
 
     def __post_init__(self) -> None:

@@ -77,7 +77,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             torch.manual_seed(seed)
             fresh = build_workload(workload, dict(model or {}), data)
             guard = measure_convergence(fresh, list(codecs), world=min(GUARD_WORLD, b0), batch=b0, steps=guard_steps,
-                                        seed=seed)
+                                        seed=seed, delayed=True)
         flops = count_flops(wl, b0) / b0
         acts = activation_bytes(wl, b0) / b0
     corun_speed = {}
@@ -102,6 +102,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
         kernels=measure_kernels(sizes, reps),
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
+        sync={"delayed": _record(guard["delayed"])} if "delayed" in guard else {},
         network=network)
 
 

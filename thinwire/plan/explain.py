@@ -186,9 +186,10 @@ def _ranking_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str:
 SYNC_MODES = ("delayed", "local:period=4", "local:period=16", "diloco:period=100", "diloco:period=100,fragments=4")
 
 
-def sync_lines(pb: Problem, base: dict[str, Scored | None]) -> list[str]:
+def sync_lines(pb: Problem, base: dict[str, Scored | None], guarded: dict | None = None) -> list[str]:
     """The sync modes' predicted steps on uniform DDP with the best single codec (the modes run on
-    uniform DDP only, not with a plan's shares), each priced by the class that runs it."""
+    uniform DDP only, not with a plan's shares), each priced by the class that runs it; ``guarded``:
+    mode -> the convergence guard's record (the profile's ``sync``), whose factor prices its samples."""
     from thinwire.compress.sync import StepParts, kind
     from thinwire.syncspec import parse_sync_spec
 
@@ -203,12 +204,17 @@ def sync_lines(pb: Problem, base: dict[str, Scored | None]) -> list[str]:
     for text in SYNC_MODES:
         spec = parse_sync_spec(text)
         step = kind(spec).step_s(spec, parts)
-        priced.append(f"{text} {_ms(step)} ({best.step_s / step:.2f}x)")
+        record = (guarded or {}).get(text)
+        factor = "" if record is None else (
+            f", {record.factor:.2f}x the samples by the guard: {best.step_s / (step * record.factor):.2f}x to fp32's loss"
+            if record.factor is not None else ", loss above fp32's first evaluation in the guard")
+        priced.append(f"{text} {_ms(step)} ({best.step_s / step:.2f}x{factor})")
     codec = best.layout.codecs[0]
     return [f"Sync modes on uniform DDP with {codec} (`thinwire train --sync MODE --compression {codec}`, not with "
             f"this plan), predicted per step against its {_ms(best.step_s)}: {'; '.join(priced)}. Their loss at equal "
-            "samples is measured, not predicted: on charlm at 4 hosts x 100 Mbit/s none of them reached DDP fp32's loss "
-            "in as many samples (benchmarks/results/sync_emulated.md)."]
+            "samples is measured, not predicted (the convergence guard runs delayed; local SGD and DiLoCo average "
+            "beyond its short run): on charlm at 4 hosts x 100 Mbit/s none of them reached DDP fp32's loss in as many "
+            "samples (benchmarks/results/sync_emulated.md)."]
 
 
 def pipeline_lines(pipe, profile, all_hosts: list[HostModel]) -> list[str]:

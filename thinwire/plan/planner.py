@@ -299,7 +299,7 @@ def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict
     left = [h.name for h in all_hosts if h not in fit]
     chosen = decision(pb, ranked[0], left)
     alts = [decision(pb, s, left) for s in ranked[1:]]
-    lines = explain.explain(pb, ranked[0], base, all_hosts, notes) + explain.sync_lines(pb, base)
+    lines = explain.explain(pb, ranked[0], base, all_hosts, notes) + explain.sync_lines(pb, base, profile.sync)
     baselines = {}
     if base["none"] is not None:  # None: fewer samples than hosts, uniform DDP cannot run
         best_single = min((s for s in base.values() if s is not None), key=lambda s: s.step_s)
