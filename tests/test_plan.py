@@ -407,7 +407,7 @@ def test_a_codec_the_guard_could_not_price_is_left_out_unless_ranked_by_step():
 
 
 def test_plan_prices_the_sync_modes_next_to_itself_and_says_their_loss_is_measured():
-    from thinwire.plan.explain import SYNC_MODES
+    from thinwire.syncspec import SHOWN as SYNC_MODES
 
     plan = plan_for(_slow(), prof=profile(params=2_000_000))
     line = next(l for l in plan.explanation if l.startswith("Sync modes on uniform DDP"))

@@ -362,6 +362,18 @@ def test_simulate_prices_each_mode(tmp_path, capsys):
     assert pts["diloco"]["sync_step_s"] < pts["local"]["sync_step_s"] < a["step_s"]
 
 
+def test_simulate_shows_every_mode_side_by_side(tmp_path, capsys):
+    from tests.test_cli import ROOT
+    from tests.test_perf import _cli, _profile_file
+    from thinwire.syncspec import SHOWN
+
+    rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", _profile_file(tmp_path),
+              "--compression", "bf16", "--sync", "all", "--out", tmp_path / "sim")
+    out = capsys.readouterr().out
+    assert rc == 0 and "sync modes at 2 hosts" in out
+    assert all(mode in out for mode in ("allreduce", *SHOWN)), out
+
+
 def test_simulate_refuses_a_bad_sync(tmp_path, capsys):
     from tests.test_cli import ROOT
     from tests.test_perf import _cli, _profile_file

@@ -47,6 +47,9 @@ from typing import Literal
 from thinwire.errors import ConfigError
 
 MODES = ("allreduce", "delayed", "local", "diloco")
+#: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
+#: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
+SHOWN = ("delayed", "local:period=4", "local:period=16", "diloco:period=100", "diloco:period=100,fragments=4")
 MAX_PERIOD = 10**9
 _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
 # per mode: key -> (kind, default); None: required

@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
     p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
     p.add_argument("--sync", default="allreduce", metavar="MODE",
-                   help="also price a sync mode: delayed, local:period=H, diloco:period=H[,fragments=F] (columns next to allreduce's)")
+                   help="also price a sync mode: delayed, local:period=H, diloco:period=H[,fragments=F] (columns next to "
+                   "allreduce's), or all: a table of the modes side by side")
     p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
     p.add_argument("--scaling", default="weak", choices=["weak", "strong"],
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.commspec import check_sync_pairing
     from thinwire.syncspec import parse_sync_spec
 
-    sync = parse_sync_spec(args.sync)
+    sync = parse_sync_spec("allreduce" if args.sync == "all" else args.sync)
     check_sync_pairing(sync, comm)
     check(not (args.validate and sync.mode != "allreduce"), "--sync", args.sync, "allreduce with --validate",
           "--validate runs allreduce only; simulate the mode without it.")
@@ -152,9 +153,33 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
         return 0
     console = Console()
     console.print(output.table(points, f"predicted: {title} ({opts.scaling} scaling)"))
+    if args.sync == "all":
+        console.print(_sync_table(spec, profile, opts, default_batch, own))
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
                   "scaling.png, timeline.png")
     return 0
+
+
+def _sync_table(spec, profile, opts, default_batch: int, own):
+    """``--sync all``: every mode of :data:`thinwire.syncspec.SHOWN` at the cluster's own host count."""
+    import dataclasses
+
+    from rich.table import Table
+
+    from thinwire.sim.output import _bytes, _ms
+    from thinwire.sim.sweep import simulate
+    from thinwire.syncspec import SHOWN, parse_sync_spec
+
+    t = Table(title=f"sync modes at {own.p} hosts, {opts.codec} (loss at equal samples: measured, not predicted)")
+    for col in ("mode", "step", "vs allreduce", "wire/step"):
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    t.add_row("allreduce", _ms(own.prediction.step_s), "1.00x", _bytes(own.prediction.bytes_per_rank))
+    for text in SHOWN:
+        pts = simulate(spec, profile, dataclasses.replace(opts, sync=parse_sync_spec(text), hosts=[own.p]),
+                       default_batch=default_batch)
+        pt = pts[0]
+        t.add_row(text, _ms(pt.sync_step_s), f"{own.prediction.step_s / pt.sync_step_s:.2f}x", _bytes(pt.sync_bytes_per_step))
+    return t
 
 
 def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: Path) -> int:

@@ -181,17 +181,12 @@ def _ranking_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str:
             f"extrapolated as a constant factor): {factors}. The chosen plan's factor is {chosen.factor:.2f}x{versus}.")
 
 
-#: Sync modes priced next to the plan (``thinwire train --sync``): one of each kind at a period from
-#: the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed in 4).
-SYNC_MODES = ("delayed", "local:period=4", "local:period=16", "diloco:period=100", "diloco:period=100,fragments=4")
-
-
 def sync_lines(pb: Problem, base: dict[str, Scored | None], guarded: dict | None = None) -> list[str]:
     """The sync modes' predicted steps on uniform DDP with the best single codec (the modes run on
     uniform DDP only, not with a plan's shares), each priced by the class that runs it; ``guarded``:
     mode -> the convergence guard's record (the profile's ``sync``), whose factor prices its samples."""
     from thinwire.compress.sync import StepParts, kind
-    from thinwire.syncspec import parse_sync_spec
+    from thinwire.syncspec import SHOWN, parse_sync_spec
 
     singles = [s for s in base.values() if s is not None and len(s.layout.hosts) > 1]
     if not singles:
@@ -201,7 +196,7 @@ def sync_lines(pb: Problem, base: dict[str, Scored | None], guarded: dict | None
     parts = StepParts(allreduce_step_s=best.step_s, compute_s=best.compute_s, comm_s=sum(b.comm_s for b in spans),
                       codec_s=sum(b.encode_s + b.decode_s for b in spans), codec_steals_compute=best.steals)
     priced = []
-    for text in SYNC_MODES:
+    for text in SHOWN:
         spec = parse_sync_spec(text)
         step = kind(spec).step_s(spec, parts)
         record = (guarded or {}).get(text)
