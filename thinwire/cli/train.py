@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int)
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--log-every", type=int)
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="also write loss, step-time breakdown, bytes, validation and auto's decisions as TensorBoard "
+                        "event files under OUT/tensorboard (needs `pip install 'thinwire[tensorboard]'`)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
     p.add_argument("--cluster", help="cluster spec: one worker per emulated host (needs `thinwire cluster up`)")
     p.add_argument("--plan", help="execute a plan from `thinwire plan` (uneven shares, codecs, grouping); needs --cluster")
@@ -63,7 +66,7 @@ def add_parser(sub) -> None:
 
 FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression", "sync",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
-         "plan")
+         "plan", "tensorboard")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,10 +119,13 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     Returns the run folder, checked and locked for ``run_id`` but not yet written (see
     :mod:`thinwire.train.runfolder`)."""
     from thinwire.train.loop import check_batch, resolve
+    from thinwire.train.metrics import check_tensorboard
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(cfg.workload)
     _check_compression(cfg)
+    if cfg.tensorboard:
+        check_tensorboard()
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)

@@ -34,6 +34,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 20              # validate on this many global batches of the validation set (0: all of it)
     log_every: int = 1
+    tensorboard: bool = False           # also write every record as TensorBoard scalars under OUT/tensorboard
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     nproc: int = 1

@@ -97,7 +97,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
         self.clock = GradReadyClock(model)
-        self.metrics = MetricsWriter(out, env.is_main)
+        self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
         self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
         torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
@@ -364,6 +364,8 @@ class Trainer:
         }
         if self.env.is_main:
             write_summary(self.out, summary)
+            for d in summary.get("auto_decisions", []):  # auto's decisions, for TensorBoard's text tab
+                self.metrics.board_text("auto", d, int(d.get("step", 0)))
             self.metrics.close()
             console.print(summary_table(summary))
         return summary

@@ -12,6 +12,11 @@
   ``val_accuracy`` (classification), ``wall_s``.
 * event records: ``event`` (``start``, ``restart``, ``resume``), ``step``, ``restart_count``.
 
+With ``tensorboard`` (``--tensorboard``) rank 0 also writes every record to TensorBoard event files
+under ``OUT/tensorboard`` (``tensorboard --logdir OUT``): numbers of step records as ``train/KEY``,
+of validation records as ``val/KEY``, both at the record's step; events (restarts, ``auto``'s
+decisions) as text under ``events``.
+
 ``OUT/summary.json`` at the end: ``steps``, ``world_size``, ``wall_s``, ``val_loss`` (and
 ``val_accuracy`` / ``val_bpb``), ``bytes_sent_total`` (rank 0), ``bytes_sent_total_all_ranks``,
 ``compression``, ``compression_stats`` (``counts`` over the whole run, resumes included), ``lr_horizon``,
@@ -28,6 +33,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from thinwire.errors import ConfigError
+
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 
@@ -38,18 +45,56 @@ def _clean(v):
     return v
 
 
-class MetricsWriter:
-    """Appends records to ``metrics.jsonl``; a no-op on ranks other than 0."""
+TENSORBOARD = "tensorboard"
 
-    def __init__(self, out: Path, enabled: bool) -> None:
+
+def check_tensorboard() -> None:
+    """``--tensorboard`` needs the ``tensorboard`` package (an optional extra): say how to get it."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError("tensorboard", True, "used with the tensorboard package installed",
+                          "pip install 'thinwire[tensorboard]' (or pip install tensorboard), or drop --tensorboard.") from None
+
+
+class MetricsWriter:
+    """Appends records to ``metrics.jsonl`` (and TensorBoard event files with ``tensorboard``); a no-op
+    on ranks other than 0."""
+
+    def __init__(self, out: Path, enabled: bool, tensorboard: bool = False) -> None:
         self.enabled = enabled
         self._f = open(out / METRICS, "a", buffering=1) if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(out / TENSORBOARD))
 
     def write(self, record: dict) -> None:
         if self._f is not None:
             self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        if self._tb is not None:
+            self._board(record)
+
+    def _board(self, record: dict) -> None:
+        step = int(record.get("step", 0))
+        if "event" in record:
+            self.board_text("events", record, step)
+            return
+        group = "val" if any(k.startswith("val_") for k in record) else "train"
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self._tb.add_scalar(f"{group}/{k}", v, step)
+
+    def board_text(self, tag: str, record: dict, step: int) -> None:
+        """``record`` as text under ``tag`` in the TensorBoard files (nothing without them)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, json.dumps({k: _clean(v) for k, v in record.items()}, default=str), step)
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._f is not None:
             self._f.flush()
             os.fsync(self._f.fileno())
