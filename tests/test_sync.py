@@ -266,16 +266,9 @@ def test_cli_refuses_bad_sync_before_starting(tmp_path):
     ("diloco:period=4,fragments=2,warmup=1", "int8", None),  # in flight across the resume at step 6
 ])
 def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
-    from tests.test_cli import thinwire as cli
-
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", mode, "--eval-every", "5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    proc = cli("train", *common, "--steps", "10", "--out", str(straight))
-    assert proc.returncode == 0, proc.stderr
-    assert cli("train", *common, "--steps", "6", "--out", str(split)).returncode == 0
-    proc = cli("train", "--resume", str(split), "--steps", "10")
-    assert proc.returncode == 0, proc.stderr
-    a, b = (torch.load(sorted((o / "checkpoints").glob("step_*.pt"))[-1], weights_only=True) for o in (straight, split))
+    a, b = _straight_and_resumed(common, straight, split)
     assert a["step"] == b["step"] == 10
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
@@ -291,6 +284,18 @@ def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     elif mode == "delayed":
         counts = json.loads((straight / "summary.json").read_text())["compression_stats"]["counts"]
         assert sum(counts.values()) == 10, counts  # every step's gradient averaged once (2 fp32 warm-up steps)
+
+
+def _straight_and_resumed(common: list[str], straight: Path, split: Path) -> tuple[dict, dict]:
+    """The last checkpoints of 10 steps straight and of 6 steps resumed to 10, with the same flags."""
+    from tests.test_cli import thinwire as cli
+
+    proc = cli("train", *common, "--steps", "10", "--out", str(straight))
+    assert proc.returncode == 0, proc.stderr
+    assert cli("train", *common, "--steps", "6", "--out", str(split)).returncode == 0
+    proc = cli("train", "--resume", str(split), "--steps", "10")
+    assert proc.returncode == 0, proc.stderr
+    return tuple(torch.load(sorted((o / "checkpoints").glob("step_*.pt"))[-1], weights_only=True) for o in (straight, split))
 
 
 def _assert_equal(x, y) -> None:
@@ -416,17 +421,10 @@ def test_period_one_local_equals_pytorch_post_local_sgd():
 def test_trainer_runs_pytorch_post_local_sgd_and_resumes_mid_period(tmp_path):
     """``--compression torch:localsgd``: fp32 gradients for the warm-up (2 steps), then PyTorch's averager
     after its step counter reaches 2, 6 (optimizer steps 3, 7); a resume at step 6 ends bit-identical."""
-    from tests.test_cli import thinwire as cli
-
     common = ["--workload", "digits", "--nproc", "2", "--compression", "torch:localsgd:period=4,warmup=2",
               "--eval-every", "5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    proc = cli("train", *common, "--steps", "10", "--out", str(straight))
-    assert proc.returncode == 0, proc.stderr
-    assert cli("train", *common, "--steps", "6", "--out", str(split)).returncode == 0
-    proc = cli("train", "--resume", str(split), "--steps", "10")
-    assert proc.returncode == 0, proc.stderr
-    a, b = (torch.load(sorted((o / "checkpoints").glob("step_*.pt"))[-1], weights_only=True) for o in (straight, split))
+    a, b = _straight_and_resumed(common, straight, split)
     for ra, rb in zip(a["ranks"], b["ranks"]):
         _assert_equal(ra["sync"], rb["sync"])
         _assert_equal(ra["model"], rb["model"])
