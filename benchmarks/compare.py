@@ -135,6 +135,9 @@ def summarize(contender: str, records: list[dict], elapsed: float) -> dict:
         "contender": contender, "median_step_s": med("step_time_s"), "compute_s": med("compute_s"),
         "comm_wait_s": med("comm_wait_s"), "other_s": med("step_time_s") - med("compute_s") - med("comm_wait_s"),
         "bytes_per_step": med("bytes_sent"), "final_val_loss": vals[-1]["val_loss"], "samples": vals[-1]["samples"],
+        # a periodic sync mode's median step is a step without its average: the means count it
+        "mean_step_s": statistics.fmean(r["step_time_s"] for r in steps),
+        "mean_bytes_per_step": statistics.fmean(r["bytes_sent"] for r in steps),
         "val_curve": [(r["wall_s"], r["val_loss"], r["step"]) for r in vals], "elapsed_s": elapsed,
     }
 
@@ -362,14 +365,15 @@ def markdown(results: dict) -> str:
         lines += [f"\n## {c['hosts']} hosts @ {c['rate']} (seed-0 target val loss {c['target_val_loss']:.4f}{source}{check})\n"
                   if c["target_val_loss"] else f"\n## {c['hosts']} hosts @ {c['rate']}\n",
                   "| contender | median step (ms) | compute | comm wait | other | MB/step | val loss (seed 0) | "
-                  "time to target by seed (s) | median (s) | vs DDP fp32 | / floor | median step over seeds (ms) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "time to target by seed (s) | median (s) | vs DDP fp32 | / floor | median step over seeds (ms) | "
+                  "mean step (ms) | mean MB/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         base = fp32_run(c)
         floor = fp32_run(floor_of(results, c) or {"runs": []})
         fmed = floor.get("median_time_to_target_s") if floor and c["rate"] != FLOOR_RATE else None
         for r in c["runs"]:
             if "error" in r:
-                lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} |||||||||| ")
+                lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} |||||||||||| ")
                 continue
             by_seed = " / ".join("-" if t is None else f"{t:.1f}" for t in r.get("time_to_target_by_seed", {}).values())
             med, bmed = r.get("median_time_to_target_s"), base and base.get("median_time_to_target_s")
@@ -378,8 +382,13 @@ def markdown(results: dict) -> str:
                          f"{r['comm_wait_s'] * 1e3:.0f} | {r['other_s'] * 1e3:.0f} | {r['bytes_per_step'] / 1e6:.3f} | "
                          f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} | "
                          f"{f'{med / fmed:.2f}' if med and fmed else ''} | "
-                         f"{_seed_steps_ms(r)} |")
+                         f"{_seed_steps_ms(r)} | {_mean(r, 'mean_step_s', 1e3, '.0f')} | {_mean(r, 'mean_bytes_per_step', 1e-6, '.3f')} |")
     return "\n".join(lines + auto_section(results)) + "\n"
+
+
+def _mean(run: dict, key: str, scale: float, fmt: str) -> str:
+    """Seed 0's mean of ``key`` (scaled), "" where the run predates it."""
+    return format(run[key] * scale, fmt) if key in run else ""
 
 
 def _seed_steps_ms(run: dict) -> str:
