@@ -101,8 +101,9 @@ def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...],
 
     per = max(1, math.ceil(batch / hosts))
     sizes = sorted({max(1, per // 2), per, min(batch, 2 * per)}, reverse=True)
-    Console(stderr=True).print(f"no --profile: measuring {args.workload} on this machine at per-host batches {sizes} "
-                               "(save one with `thinwire profile` to skip this)")
+    Console(stderr=True).print(f"no --profile: measuring {args.workload} on this machine at per-host batches {sizes}"
+                               + (", and the convergence guard (60 steps per codec)" if guard else "")
+                               + " (save one with `thinwire profile` to skip this)")
     from thinwire.measure.convergence import GUARD_STEPS
 
     return profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,

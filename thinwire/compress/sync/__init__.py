@@ -37,7 +37,7 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
     if spec.mode == "allreduce":
         return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                                       process_group=process_group), spec)
-    if spec.mode == "delayed" or getattr(spec, "delay", 0) > 0 or process_group is None:
+    if spec.mode == "delayed" or spec.delay > 0 or process_group is None:
         process_group = dist.new_group(backend=dist.get_backend())
     comm = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=4096,
                      nonfinite="skip", group=process_group)
