@@ -50,7 +50,6 @@ global batch on this process (about a minute for charlm's default model, 5 codec
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import torch
@@ -60,35 +59,19 @@ from thinwire.compress.codecs import Meta
 from thinwire.compress.codecs.powersgd import local_approx
 from thinwire.compress.spec import parse_codec_spec, spec_string
 from thinwire.config import check
+from thinwire.measure.file import ConvergenceRecord
 from thinwire.workloads.base import GlobalSampler, Workload, collate, eval_subset
 
 GUARD_STEPS = 60    # training steps of each short run
 GUARD_EVERY = 5     # held-out evaluations every this many steps
 GUARD_WORLD = 4     # shards (ranks) the global batch is split into
-REACH_TOL = 0.01    # "reaches fp32's loss": within 1% of it at equal samples
 EVAL_BATCHES = 4    # held-out set: this many global batches of the validation set (fixed)
-
-
-@dataclasses.dataclass(frozen=True)
-class Convergence:
-    """One codec's short run against fp32's (see the module docstring)."""
-
-    factor: float | None      # samples relative to fp32 for the loss it reached; None: unknown (worse than fp32's first evaluation)
-    loss: float               # its held-out loss after ``steps``
-    reference_loss: float     # fp32's after ``steps``
-    steps: int
-    world: int
-
-    @property
-    def reaches(self) -> bool:
-        """The verdict: within ``REACH_TOL`` of fp32's loss at equal samples."""
-        return self.loss <= self.reference_loss * (1 + REACH_TOL)
 
 
 def measure_convergence(wl: Workload, specs: list[str], *, world: int = GUARD_WORLD, batch: int,
                         steps: int = GUARD_STEPS, every: int = GUARD_EVERY, seed: int = 0,
-                        delayed: bool = False) -> dict[str, Convergence]:
-    """Codec name (canonical spec) -> its :class:`Convergence` on ``wl`` (see the module docstring),
+                        delayed: bool = False) -> dict[str, ConvergenceRecord]:
+    """Codec name (canonical spec) -> its :class:`ConvergenceRecord` on ``wl`` (see the module docstring),
     and ``"delayed"`` -> the one-step-stale sync mode's with ``delayed``. ``wl.model``'s weights are
     the starting point of every run and are left as they were."""
     check(world >= 1, "world", world, "an integer >= 1")
@@ -98,16 +81,18 @@ def measure_convergence(wl: Workload, specs: list[str], *, world: int = GUARD_WO
     evals = eval_subset(len(wl.val), EVAL_BATCHES, batch)
     try:
         reference = _curve(wl, None, world, batch, steps, every, seed, start, evals)
+
+        def record(curve: list[tuple[int, float]]) -> ConvergenceRecord:
+            return ConvergenceRecord(factor=sample_factor(reference, curve[-1][1]), loss=curve[-1][1],
+                                     reference_loss=reference[-1][1], steps=steps, world=world)
+
         out = {}
         for spec in specs:
             codec = parse_codec_spec(spec)
-            curve = reference if codec.lossless else _curve(wl, codec, world, batch, steps, every, seed, start, evals)
-            out[spec_string(codec)] = Convergence(factor=sample_factor(reference, curve[-1][1]), loss=curve[-1][1],
-                                                  reference_loss=reference[-1][1], steps=steps, world=world)
+            out[spec_string(codec)] = record(reference if codec.lossless else
+                                             _curve(wl, codec, world, batch, steps, every, seed, start, evals))
         if delayed:
-            curve = _curve(wl, None, world, batch, steps, every, seed, start, evals, stale=True)
-            out["delayed"] = Convergence(factor=sample_factor(reference, curve[-1][1]), loss=curve[-1][1],
-                                         reference_loss=reference[-1][1], steps=steps, world=world)
+            out["delayed"] = record(_curve(wl, None, world, batch, steps, every, seed, start, evals, stale=True))
         return out
     finally:
         wl.model.load_state_dict(start)

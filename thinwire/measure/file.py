@@ -40,6 +40,7 @@ VERSION = 1
 # the Ethernet header). The default share of a link's rate that carries data when no probe was run.
 TCP_EFFICIENCY = 1448 / 1514
 MAX_SECONDS = 1e6  # a measured cost beyond this (11 days) is a corrupt profile
+REACH_TOL = 0.01  # the convergence guard's "reaches fp32's loss": within 1% of it at equal samples
 DEFAULT_ALPHA_S = 1e-4  # per-message latency when no probe was run (a LAN round of gloo); measure it
 
 
@@ -64,6 +65,11 @@ class ConvergenceRecord:
     reference_loss: float         # fp32's
     steps: int
     world: int
+
+    @property
+    def reaches(self) -> bool:
+        """The guard's verdict: within ``REACH_TOL`` of fp32's loss at equal samples."""
+        return self.loss <= self.reference_loss * (1 + REACH_TOL)
 
     def __post_init__(self) -> None:
         check_range("factor", self.factor, 1, 1e6)

@@ -28,7 +28,7 @@ from thinwire.config import check, check_range
 from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, sizes_for
 from thinwire.measure.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
 from thinwire.measure.convergence import GUARD_EVERY, GUARD_STEPS, GUARD_WORLD, measure_convergence
-from thinwire.measure.file import ComputePoint, ConvergenceRecord, Profile
+from thinwire.measure.file import ComputePoint, Profile
 
 EF_STEPS = 6  # training steps whose gradients each codec compresses in shadow (its error with error feedback)
 
@@ -102,7 +102,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
         kernels=measure_kernels(sizes, reps),
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
-        sync={"delayed": _record(guard["delayed"])} if "delayed" in guard else {},
+        sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
         network=network)
 
 
@@ -128,10 +128,5 @@ def _with_errors(costs: dict, specs: list[str], grads: list, guard: dict) -> dic
     import dataclasses
 
     errors = ef_errors(specs, grads) if grads else {}
-    return {name: dataclasses.replace(cost, ef_error=errors.get(name), convergence=_record(guard.get(name)))
+    return {name: dataclasses.replace(cost, ef_error=errors.get(name), convergence=guard.get(name))
             for name, cost in costs.items()}
-
-
-def _record(c) -> ConvergenceRecord | None:
-    return None if c is None else ConvergenceRecord(factor=c.factor, loss=c.loss, reference_loss=c.reference_loss,
-                                                    steps=c.steps, world=c.world)
