@@ -447,3 +447,14 @@ def test_example_script_runs_every_mode(mode):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{mode}: held-out loss" in proc.stdout
+
+
+@pytest.mark.parametrize("text", ["torch:localsgd", "torch:localsgd:period=0", "torch:localsgd:period=x",
+                                  "torch:localsgd:rank=2"])
+def test_pytorch_post_local_sgd_spec_refuses_bad_input(text):
+    from thinwire.commspec import parse_comm_spec
+
+    with pytest.raises(ConfigError, match=r"compression: must be torch:localsgd:period=H\[,warmup=W\] .*got '"
+                                          + text + "'"):
+        parse_comm_spec(text)
+    assert parse_comm_spec("torch:localsgd:period=16").text == "torch:localsgd:period=16,warmup=100"

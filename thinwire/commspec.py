@@ -29,13 +29,11 @@ from thinwire.compress.codecs.base import Codec
 from thinwire.compress.hook import Policy, StaticPolicy
 from thinwire.compress.spec import REGISTRY, codec_help, parse_codec_spec, spec_string
 from thinwire.errors import ConfigError
-from thinwire.syncspec import SyncSpec
+from thinwire.syncspec import MAX_PERIOD, SyncSpec, parse_sync_spec
 
 TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd", "localsgd")
-MAX_PERIOD = 10**9
 MAX_RANK = 4096
 _RANK = re.compile(r"[0-9]{1,6}", re.ASCII)  # ASCII digits only: str.isdigit() also accepts '²'
-_WHOLE = re.compile(r"[0-9]{1,10}", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,16 +121,13 @@ def _torch(text: str) -> TorchSpec:
 
 
 def _torch_localsgd(text: str, params: str) -> TorchSpec:
-    allowed = f"torch:localsgd:period=H[,warmup=W] with whole numbers H in [1, {MAX_PERIOD}], W in [0, {MAX_PERIOD}]"
-    values = {"period": None, "warmup": 100}
-    for item in filter(None, (p.strip() for p in params.split(","))):
-        key, sep, value = (t.strip() for t in item.partition("="))
-        if key not in values or not sep or not _WHOLE.fullmatch(value):
-            raise ConfigError("compression", text, allowed, "E.g. torch:localsgd:period=16")
-        values[key] = int(value)
-    if values["period"] is None or not 1 <= values["period"] <= MAX_PERIOD or values["warmup"] > MAX_PERIOD:
-        raise ConfigError("compression", text, allowed, "E.g. torch:localsgd:period=16")
-    return TorchSpec("localsgd", period=values["period"], warmup=values["warmup"])
+    """PyTorch's post-local SGD on the schedule of ``--sync local`` (its parser, its defaults)."""
+    try:
+        local = parse_sync_spec("local:" + params)
+    except ConfigError:
+        raise ConfigError("compression", text, f"torch:localsgd:period=H[,warmup=W] with whole numbers H in "
+                          f"[1, {MAX_PERIOD}], W in [0, {MAX_PERIOD}]", "E.g. torch:localsgd:period=16") from None
+    return TorchSpec("localsgd", period=local.period, warmup=local.warmup)
 
 
 _FORMS: dict[str, Callable[[str], CommSpec]] = {"auto": _auto, "torch": _torch}
