@@ -32,13 +32,7 @@ class DiLoCo(LocalSGD):
         self.momentum: list[Tensor] | None = None
 
     def outer_step(self, pseudo_grads: list[Tensor]) -> None:
-        if self.momentum is None:
-            self.momentum = [g.clone() for g in pseudo_grads]
-        else:
-            for m, g in zip(self.momentum, pseudo_grads):
-                m.mul_(self.mu).add_(g)
-        for a, g, m in zip(self.anchor, pseudo_grads, self.momentum):
-            a.sub_(g.add(m, alpha=self.mu), alpha=self.lr)
+        self.momentum = nesterov_step(self.anchor, pseudo_grads, self.momentum, lr=self.lr, mu=self.mu)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "momentum": cpu_list(self.momentum)}
@@ -46,3 +40,16 @@ class DiLoCo(LocalSGD):
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.momentum = on_device(sd.get("momentum"), self._flat_params())
+
+
+def nesterov_step(anchor: list[Tensor], pseudo_grads: list[Tensor], momentum: list[Tensor] | None, *, lr: float,
+                  mu: float) -> list[Tensor]:
+    """The outer step (module docstring) on ``anchor`` in place; returns the momentum (new at the first call)."""
+    if momentum is None:
+        momentum = [g.clone() for g in pseudo_grads]
+    else:
+        for m, g in zip(momentum, pseudo_grads):
+            m.mul_(mu).add_(g)
+    for a, g, m in zip(anchor, pseudo_grads, momentum):
+        a.sub_(g.add(m, alpha=mu), alpha=lr)
+    return momentum

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.sync.base import Buckets, StepParts, cpu_list, on_device
+from thinwire.compress.sync.diloco import nesterov_step
 from thinwire.compress.sync.local import LocalSGD
 from thinwire.errors import ConfigError
 from thinwire.perf.sync import streaming_step_s
@@ -102,13 +103,7 @@ class StreamingDiLoCo(LocalSGD):
         frag, anchor = self.fragments[k], self.anchors[k]
         averaged = self._collect()
         self.inflight = None
-        if self.momenta[k] is None:
-            self.momenta[k] = [g.clone() for g in averaged]
-        else:
-            for m, g in zip(self.momenta[k], averaged):
-                m.mul_(self.mu).add_(g)
-        for a, g, m in zip(anchor, averaged, self.momenta[k]):
-            a.sub_(g.add(m, alpha=self.mu), alpha=self.lr)
+        self.momenta[k] = nesterov_step(anchor, averaged, self.momenta[k], lr=self.lr, mu=self.mu)
         local = frag.flatten(list(frag.params))
         with torch.no_grad():
             mixed = [a.lerp(x, self.alpha) for a, x in zip(anchor, local)]
