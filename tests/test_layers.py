@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"commspec"},                           # --compression parsed once into a typed spec
     {"api"},                                # thinwire.attach
     {"train"},                              # the loop, checkpoints, launching (also onto the emulator)
+    {"integrations"},                       # Lightning, accelerate, the HF Trainer (optional extras)
     {"report", "validation"},               # read runs back; run simulated configurations for real
     {"cli"},
     {"__main__", "__init__"},

@@ -60,6 +60,7 @@ class LocalSGD(SyncMode):
         params = self.buckets.params
         flats = self.buckets.flatten([p.grad for p in params])
         for flat in flats:
+            self.comm.bytes_raw += flat.numel() * flat.element_size()  # averaged, as the hook counts it
             self.comm.wire.all_reduce(flat).div_(self.comm.wire.world)
         for p, g in zip(params, self.buckets.unflatten(flats)):
             p.grad = g.clone()

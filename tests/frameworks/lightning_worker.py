@@ -1,0 +1,62 @@
+"""Lightning worker for tests/test_frameworks.py (torchrun --nproc-per-node 2):
+trains ``--steps`` steps with ThinwireStrategy, saves step 0's averaged gradient, the hook's state
+after training and (``--resume CKPT``) the state right after a resume, under ``--out``."""
+
+import argparse
+import os
+import sys
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+from thinwire.integrations.lightning import ThinwireStrategy  # noqa: E402
+
+
+class Module(pl.LightningModule):
+    def __init__(self, out):
+        super().__init__()
+        self.net, self.out = common.make_net(), out
+
+    def training_step(self, idx, i):
+        x, y = common.batch(self.global_rank, self.global_step)
+        return common.loss_fn(self.net, x, y)
+
+    def on_after_backward(self):
+        if self.global_step == 0:
+            torch.save(common.grads(self.net), f"{self.out}/grads_rank{self.global_rank}.pt")
+
+    def on_train_start(self):
+        comm = self.trainer.strategy.comm
+        torch.save(comm.state_dict(), f"{self.out}/start_state_rank{self.global_rank}.pt")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.arange(1000), batch_size=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    module = Module(a.out)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ThinwireStrategy(a.codec), max_steps=a.steps,
+                         use_distributed_sampler=False, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=a.out, save_last=True, every_n_train_steps=a.steps)])
+    trainer.fit(module, ckpt_path=a.resume)
+    comm = trainer.strategy.comm
+    torch.save({"state": comm.state_dict(), "stats": comm.stats()}, f"{a.out}/end_rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

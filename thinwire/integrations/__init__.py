@@ -1,0 +1,75 @@
+"""thinwire inside the training frameworks people already use: each an optional extra.
+
+- :mod:`thinwire.integrations.lightning`: ``Trainer(strategy=ThinwireStrategy("int8"))``
+  (``pip install 'thinwire[lightning]'``).
+- :mod:`thinwire.integrations.accelerate`: ``attach(accelerator, model, "int8")`` on a prepared model
+  (``pip install 'thinwire[accelerate]'``).
+- :mod:`thinwire.integrations.transformers`: ``attach(trainer, "int8")`` on a Hugging Face ``Trainer``
+  (``pip install 'thinwire[transformers]'``).
+
+Each keeps the hook's per-rank state (error-feedback residuals, counters) in the framework's own
+checkpoint, so a resumed run continues with the residuals it stopped with. Residuals differ per rank,
+so what is saved is every rank's state; a resumed run at another world size starts with empty
+residuals and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("thinwire.integrations")
+
+
+def need(module: str, extra: str):
+    """Import an optional framework, or say which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"thinwire's {extra} integration needs {module!r}: pip install 'thinwire[{extra}]'") from None
+
+
+def to_cpu(obj):
+    """``obj`` with every tensor moved to the CPU (a checkpoint readable on any device)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def gather_states(comm) -> dict:
+    """Every rank's hook state, gathered (a collective: call it on every rank): what a checkpoint
+    written by one rank must hold."""
+    rank, size = world()
+    mine = to_cpu(comm.state_dict())
+    if size == 1:
+        return {"world_size": 1, "ranks": [mine]}
+    states: list = [None] * size
+    dist.all_gather_object(states, mine)
+    return {"world_size": size, "ranks": states}
+
+
+def load_rank_state(comm, saved: dict | None, where: str) -> bool:
+    """Restore this rank's part of :func:`gather_states`' output into ``comm``. False (and a warning)
+    when the saved run had another world size: residuals then start empty, which costs accuracy
+    for a few steps, not correctness."""
+    if not saved:
+        return False
+    rank, size = world()
+    if saved.get("world_size") != size:
+        log.warning("thinwire: %s holds hook state for %s ranks, this run has %s; error-feedback residuals "
+                    "start empty", where, saved.get("world_size"), size)
+        return False
+    comm.load_state_dict(saved["ranks"][rank])
+    return True
