@@ -3,6 +3,7 @@ on the wire. Either launcher works:
 
     torchrun --nproc-per-node 2 examples/lightning_train.py --codec int8
     python examples/lightning_train.py --codec int8          # Lightning starts the 2 processes
+    torchrun --nproc-per-node 2 examples/lightning_train.py --sync diloco:period=20
 
 Needs ``pip install 'thinwire[lightning]'``. The only thinwire line is the strategy.
 """
@@ -47,13 +48,14 @@ def loaders(batch: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--codec", default="int8", help="thinwire codec spec (thinwire codecs lists them)")
+    ap.add_argument("--sync", default="allreduce", help="a sync mode, e.g. local:period=4 or diloco:period=50")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default="runs/lightning", help="checkpoints go here")
     args = ap.parse_args()
     torch.manual_seed(0)
     train, val = loaders(batch=32)
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
-                         strategy=ThinwireStrategy(args.codec),          # <- thinwire
+                         strategy=ThinwireStrategy(args.codec, sync=args.sync),   # <- thinwire
                          max_steps=args.steps, default_root_dir=args.out, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
     model = Digits()
@@ -62,7 +64,7 @@ def main():
     if trainer.is_global_zero:
         s = trainer.strategy.comm.stats()
         print(f"val accuracy {acc:.3f}; {s['bytes_sent'] / 1e6:.2f} MB sent for "
-              f"{s['bytes_raw'] / 1e6:.2f} MB of gradients ({args.codec}); world {trainer.world_size}")
+              f"{s['bytes_raw'] / 1e6:.2f} MB averaged ({args.codec}, {args.sync}); world {trainer.world_size}")
 
 
 if __name__ == "__main__":

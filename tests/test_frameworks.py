@@ -72,9 +72,30 @@ def test_lightning_strategy_averages_int8_and_checkpoint_restores_residuals(tmp_
     saved = load(first / "last.ckpt")["thinwire"]
     assert saved["world_size"] == 2
     for r in range(2):
-        torch.testing.assert_close(saved["ranks"][r]["residuals"], ends[r]["state"]["residuals"], rtol=0, atol=0)
+        torch.testing.assert_close(saved["ranks"][r]["comm"]["residuals"], ends[r]["state"]["residuals"], rtol=0, atol=0)
     torchrun(WORKERS / "lightning_worker.py", "--out", str(second), "--steps", "8", "--resume", str(first / "last.ckpt"))
     check_restored(ends, second)
+
+
+def test_lightning_sync_mode_resumes_exactly(tmp_path):
+    """Local SGD in Lightning (int8 parameter averages every 3 steps, SGD with momentum): 4 steps, a
+    checkpoint between averages (the ranks' parameters and momenta differ), 4 more from it, ends
+    where 8 straight steps end, on every rank, bit for bit."""
+    straight, first, resumed = (tmp_path / n for n in ("straight", "first", "resumed"))
+    for d in (straight, first, resumed):
+        d.mkdir()
+    mode = ["--sync", "local:period=3,warmup=0"]
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(straight), "--steps", "8", *mode)
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", *mode)
+    saved = load(first / "last.ckpt")["thinwire"]
+    a, b = (saved["ranks"][r]["model"] for r in range(2))
+    assert any(not torch.equal(a[k], b[k]) for k in a), "the checkpoint should fall between averages"
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "8", "--resume",
+             str(first / "last.ckpt"), *mode)
+    for r in range(2):
+        want, got = load(straight / f"end_rank{r}.pt"), load(resumed / f"end_rank{r}.pt")
+        torch.testing.assert_close(got["params"], want["params"], rtol=0, atol=0)
+        assert got["stats"]["counts"].get("int8", 0) > 0
 
 
 def test_accelerate_attach_averages_int8_and_save_state_restores_residuals(tmp_path):
@@ -103,10 +124,14 @@ def test_bad_codec_is_refused_before_launch():
         ThinwireStrategy("int9")
     with pytest.raises(ValueError, match="ddp_comm_hook"):
         ThinwireStrategy("int8", ddp_comm_hook=lambda *a: None)
+    with pytest.raises(ConfigError, match="sync"):
+        ThinwireStrategy("int8", sync="local:period=0")
+    with pytest.raises(ConfigError):
+        ThinwireStrategy("auto", sync="local:period=4")  # auto is a DDP-hook policy: no sync mode
 
 
 @pytest.mark.parametrize("script,args", [
-    ("lightning_train.py", ["--steps", "20"]),
+    ("lightning_train.py", ["--steps", "20", "--sync", "diloco:period=5"]),
     ("accelerate_train.py", ["--steps", "20", "--sync", "local:period=4"]),
     ("hf_trainer.py", ["--steps", "20"]),
 ])

@@ -1,5 +1,5 @@
 """Lightning worker for tests/test_frameworks.py (torchrun --nproc-per-node 2):
-trains ``--steps`` steps with ThinwireStrategy, saves step 0's averaged gradient, the hook's state
+trains ``--steps`` steps with ThinwireStrategy (``--sync`` a sync mode), saves step 0's averaged gradient, the hook's state
 after training and (``--resume CKPT``) the state right after a resume, under ``--out``."""
 
 import argparse
@@ -34,7 +34,7 @@ class Module(pl.LightningModule):
         torch.save(comm.state_dict(), f"{self.out}/start_state_rank{self.global_rank}.pt")
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.arange(1000), batch_size=1)
@@ -46,16 +46,18 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--sync", default="allreduce")
     a = ap.parse_args()
     torch.set_num_threads(1)
     module = Module(a.out)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ThinwireStrategy(a.codec), max_steps=a.steps,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ThinwireStrategy(a.codec, sync=a.sync), max_steps=a.steps,
                          use_distributed_sampler=False, logger=False, enable_progress_bar=False,
                          enable_model_summary=False,
                          callbacks=[ModelCheckpoint(dirpath=a.out, save_last=True, every_n_train_steps=a.steps)])
     trainer.fit(module, ckpt_path=a.resume)
     comm = trainer.strategy.comm
-    torch.save({"state": comm.state_dict(), "stats": comm.stats()}, f"{a.out}/end_rank{trainer.global_rank}.pt")
+    params = [p.detach().clone() for p in module.parameters()]
+    torch.save({"state": comm.state_dict(), "stats": comm.stats(), "params": params}, f"{a.out}/end_rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

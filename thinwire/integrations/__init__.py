@@ -48,11 +48,11 @@ def world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
-def gather_states(comm) -> dict:
-    """Every rank's hook state, gathered (a collective: call it on every rank): what a checkpoint
-    written by one rank must hold."""
+def gather_states(mine: dict) -> dict:
+    """Every rank's ``mine`` (its hook or sync state), gathered: a collective, call it on every rank.
+    What a checkpoint written by one rank must hold, since residuals differ per rank."""
     rank, size = world()
-    mine = to_cpu(comm.state_dict())
+    mine = to_cpu(mine)
     if size == 1:
         return {"world_size": 1, "ranks": [mine]}
     states: list = [None] * size
@@ -60,16 +60,15 @@ def gather_states(comm) -> dict:
     return {"world_size": size, "ranks": states}
 
 
-def load_rank_state(comm, saved: dict | None, where: str) -> bool:
-    """Restore this rank's part of :func:`gather_states`' output into ``comm``. False (and a warning)
-    when the saved run had another world size: residuals then start empty, which costs accuracy
-    for a few steps, not correctness."""
+def rank_state(saved: dict | None, where: str) -> dict | None:
+    """This rank's part of :func:`gather_states`' output; None (and a warning) when the saved run had
+    another world size: residuals then start empty, which costs accuracy for a few steps, not
+    correctness."""
     if not saved:
-        return False
+        return None
     rank, size = world()
     if saved.get("world_size") != size:
-        log.warning("thinwire: %s holds hook state for %s ranks, this run has %s; error-feedback residuals "
+        log.warning("thinwire: %s holds state for %s ranks, this run has %s; error-feedback residuals "
                     "start empty", where, saved.get("world_size"), size)
-        return False
-    comm.load_state_dict(saved["ranks"][rank])
-    return True
+        return None
+    return saved["ranks"][rank]

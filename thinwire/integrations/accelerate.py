@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
-from thinwire.integrations import gather_states, load_rank_state, log, need
+from thinwire.integrations import gather_states, log, need, rank_state
 
 need("accelerate", "accelerate")
 
@@ -32,10 +32,12 @@ class RankStates:
         self.comm = comm
 
     def state_dict(self) -> dict:
-        return gather_states(self.comm)
+        return gather_states({"comm": self.comm.state_dict()})
 
     def load_state_dict(self, sd: dict) -> None:
-        load_rank_state(self.comm, sd, "the accelerate checkpoint")
+        mine = rank_state(sd, "the accelerate checkpoint")
+        if mine is not None:
+            self.comm.load_state_dict(mine["comm"])
 
 
 def attach(accelerator, model, codec: str = "int8", **kwargs):

@@ -1,4 +1,5 @@
-"""thinwire in PyTorch Lightning: a DDP strategy whose gradients travel through a thinwire codec.
+"""thinwire in PyTorch Lightning: a DDP strategy whose gradients travel through a thinwire codec, or
+whose averaging follows a thinwire sync mode (local SGD, DiLoCo, delayed).
 
     from thinwire.integrations.lightning import ThinwireStrategy
 
@@ -6,70 +7,124 @@
     trainer.fit(model)            # gradients averaged int8 on the wire, with error feedback
     trainer.strategy.comm.stats() # bytes sent, per-codec counts
 
+    ThinwireStrategy("int8", sync="diloco:period=100")   # inner steps local, outer Nesterov every 100
+
 Why a strategy and not ``DDPStrategy(ddp_comm_hook=...)``: Lightning registers a communication hook
 only on CUDA (its ``_register_ddp_hooks``), so on CPU (gloo) the hook would be silently ignored; and
 thinwire's hook needs its process group and the wrapped model, which exist only after setup. Every
-rank's residuals are saved into Lightning's checkpoint (key ``"thinwire"``) and restored with
-``trainer.fit(model, ckpt_path=...)``. Install with ``pip install 'thinwire[lightning]'``.
+rank's state is saved into Lightning's checkpoint (key ``"thinwire"``): the residuals, the sync mode's
+state and, for modes whose ranks diverge between averages (local SGD, DiLoCo), every rank's parameters
+and optimizer state; ``trainer.fit(model, ckpt_path=...)`` restores them. Install with
+``pip install 'thinwire[lightning]'``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from thinwire.api import attach
-from thinwire.commspec import parse_comm_spec
-from thinwire.integrations import gather_states, load_rank_state, need
+from thinwire.api import attach, sync
+from thinwire.commspec import check_sync_pairing, parse_comm_spec
+from thinwire.integrations import gather_states, need, rank_state
+from thinwire.syncspec import parse_sync_spec
 
 pl = need("pytorch_lightning", "lightning")
 from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
 
 
 class ThinwireStrategy(DDPStrategy):
-    """``DDPStrategy`` with thinwire's hook attached: ``codec`` is any ``--compression`` form
-    (``"int8"``, ``"topk:ratio=0.01"``, ``"auto"``; see ``thinwire codecs``); ``error_feedback``,
-    ``warmup_steps``, ``min_compress_bytes`` and ``timeout_s`` as in :func:`thinwire.attach`; every
-    other keyword goes to ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...)."""
+    """``DDPStrategy`` with thinwire's averaging: ``codec`` is any ``--compression`` form (``"int8"``,
+    ``"topk:ratio=0.01"``, ``"auto"``; see ``thinwire codecs``); ``sync`` a ``--sync`` form
+    (``"allreduce"``, the default, ``"delayed"``, ``"local:period=8"``, ``"diloco:period=100"``);
+    ``error_feedback``, ``warmup_steps``, ``min_compress_bytes`` and ``timeout_s`` as in
+    :func:`thinwire.attach`; every other keyword goes to ``DDPStrategy`` (``find_unused_parameters``,
+    ``static_graph``, ...). A sync mode supports one optimizer."""
 
     strategy_name = "thinwire"
 
-    def __init__(self, codec: str = "int8", *, error_feedback: bool = True, warmup_steps: int = 0,
-                 min_compress_bytes: int = 4096, timeout_s: float | None = None, **ddp_kwargs: Any) -> None:
+    def __init__(self, codec: str = "int8", *, sync: str = "allreduce", error_feedback: bool = True,
+                 warmup_steps: int = 0, min_compress_bytes: int = 4096, timeout_s: float | None = None,
+                 **ddp_kwargs: Any) -> None:
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if key in ddp_kwargs:
                 raise ValueError(f"ThinwireStrategy: {key}= is Lightning's own hook setting; thinwire's hook "
-                                 "replaces it (pass codec= instead, or use DDPStrategy for PyTorch's hooks)")
+                                 "replaces it (pass codec= or sync= instead, or use DDPStrategy for PyTorch's hooks)")
         super().__init__(**ddp_kwargs)
-        self.codec = parse_comm_spec(codec) if isinstance(codec, str) else codec  # bad specs fail here, before launch
-        self._attach_kwargs = dict(error_feedback=error_feedback, warmup_steps=warmup_steps,
-                                   min_compress_bytes=min_compress_bytes, timeout_s=timeout_s)
+        # bad specs fail here, before any process starts
+        self.codec = parse_comm_spec(codec) if isinstance(codec, str) else codec
+        self.sync_spec = parse_sync_spec(sync) if isinstance(sync, str) else sync
+        check_sync_pairing(self.sync_spec, self.codec)
+        self._kwargs = dict(error_feedback=error_feedback, warmup_steps=warmup_steps)
+        self._hook_kwargs = dict(min_compress_bytes=min_compress_bytes, timeout_s=timeout_s)
         self.comm = None        # the CommState, once the model is wrapped
-        self._restored = None   # hook state read from a checkpoint before the hook exists
+        self.mode = None        # the SyncMode, when sync is not allreduce
+        self._restored = None   # this rank's state read from a checkpoint before the hook exists
 
     def _register_ddp_hooks(self) -> None:
         # not DDPStrategy's: that one registers hooks on CUDA only
-        self.comm = attach(self.model, self.codec, **self._attach_kwargs)
+        if self.sync_spec.mode == "allreduce":
+            self.comm = attach(self.model, self.codec, **self._kwargs, **self._hook_kwargs)
+        else:
+            self.mode = sync(self.model, self.sync_spec, codec=self.codec, **self._kwargs)
+            self.comm = self.mode.comm
         if self._restored is not None:
-            load_rank_state(self.comm, self._restored, "the checkpoint")
-            self._restored = None
+            self._apply(self._restored)
 
+    # -- the step, for a sync mode ---------------------------------------------------------------
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        if self.mode is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        mode = self.mode
+
+        def forward_backward_then_set_gradients():
+            out = closure()          # Lightning's closure: training_step and backward
+            mode.before_step()       # e.g. delayed's averaged gradient, local SGD's warm-up average
+            return out
+
+        with mode.no_sync():         # DDP's backward must not all-reduce: the mode averages itself
+            out = super().optimizer_step(optimizer, forward_backward_then_set_gradients, model, **kwargs)
+        mode.after_step()            # e.g. the periodic parameter average
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        # Lightning calls this on every rank (rank 0 writes): gather every rank's residuals first
+        # Lightning calls this on every rank (rank 0 writes): gather every rank's state first
         if self.comm is not None:
-            checkpoint["thinwire"] = gather_states(self.comm)
+            mine: dict[str, Any] = {}
+            if self.mode is not None:
+                mine["sync"] = self.mode.state_dict()  # first: it waits for averages in flight
+                if self.mode.diverges:  # ranks' parameters and optimizer states differ between averages
+                    mine["model"] = self.lightning_module.state_dict()
+                    mine["optimizers"] = [o.state_dict() for o in self.optimizers]
+            mine["comm"] = self.comm.state_dict()
+            checkpoint["thinwire"] = gather_states(mine)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        saved = checkpoint.get("thinwire")
-        if saved is None:
+        mine = rank_state(checkpoint.get("thinwire"), "the checkpoint")
+        if mine is None:
             return
         if self.comm is not None:
-            load_rank_state(self.comm, saved, "the checkpoint")
+            self._apply(mine)
         else:  # restored before setup (Lightning's default order): applied once the hook is attached
-            self._restored = saved
+            self._restored = mine
+
+    def _apply(self, mine: dict) -> None:
+        if "model" in mine:  # after DDP's constructor broadcast rank 0's parameters
+            self.lightning_module.load_state_dict(mine["model"])
+        if self.mode is not None and "sync" in mine:
+            self.mode.load_state_dict(mine["sync"])
+        self.comm.load_state_dict(mine["comm"])
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        mine = rank_state(checkpoint.get("thinwire"), "the checkpoint")
+        if mine is None or "optimizers" not in mine:
+            return super().load_optimizer_state_dict(checkpoint)
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": mine["optimizers"]})
 
     def teardown(self) -> None:
-        if self.comm is not None:
+        if self.mode is not None:
+            self.mode.close()
+        elif self.comm is not None:
             self.comm.close()
         super().teardown()
