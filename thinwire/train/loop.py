@@ -352,6 +352,8 @@ class Trainer:
         summary = {
             "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,
             "samples": self.step * self.batch, "wall_s": self._wall(), **self.last_val,
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "backend": dist.get_backend(),
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
