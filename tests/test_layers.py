@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"api"},                                # thinwire.attach
     {"train"},                              # the loop, checkpoints, launching (also onto the emulator)
     {"integrations"},                       # Lightning, accelerate, the HF Trainer (optional extras)
-    {"report", "validation"},               # read runs back; run simulated configurations for real
+    {"report", "validation", "doctor"},     # read runs back; run simulated configurations for real; doctor
     {"cli"},
     {"__main__", "__init__"},
 ]

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_parser(sub)
     report.add_parser(sub)
-    for name in ("codecs", "cluster", "profile", "simulate", "plan", "bench"):
+    for name in ("codecs", "cluster", "profile", "simulate", "plan", "doctor", "bench"):
         if importlib.util.find_spec(f"thinwire.cli.{name}") is not None:  # subcommands still being built
             importlib.import_module(f"thinwire.cli.{name}").add_parser(sub)
     return parser

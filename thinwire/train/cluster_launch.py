@@ -26,7 +26,7 @@ from thinwire.train.config import TrainConfig
 RDZV_PORT = 29400
 
 
-def launch_cluster(cfg: TrainConfig, config_path: Path) -> None:
+def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.train.worker") -> None:
     spec = load_cluster_spec(cfg.cluster)
     cluster = EmulatedCluster(spec)
     if not cluster.is_up():
@@ -48,7 +48,7 @@ def launch_cluster(cfg: TrainConfig, config_path: Path) -> None:
                 # the store lives on the first host; c10d cannot tell by hostname inside a namespace
                 "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout=120",
                 "--max-restarts", str(cfg.max_restarts), "--monitor-interval", "0.5",
-                "-m", "thinwire.train.worker", str(config_path)]
+                "-m", module, str(config_path)]
         out = None if i == 0 else open(logs / f"{h.name}.log", "w")
         # a fresh store per rendezvous round (hosted by rank 0's worker): agents count restarts on their
         # own, so a prefix by restart count can differ between hosts after a membership change

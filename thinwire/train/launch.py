@@ -122,8 +122,9 @@ def _quiet_elastic_logs() -> None:
             logger.addFilter(_DropShutdownNoise())
 
 
-def launch_local(cfg: TrainConfig, config_path: Path) -> None:
-    """Run ``cfg.nproc`` workers under torchrun's elastic agent in this process, all on loopback."""
+def launch_local(cfg: TrainConfig, config_path: Path, module: str = "thinwire.train.worker") -> None:
+    """Run ``cfg.nproc`` workers (``python -m MODULE CONFIG``) under torchrun's elastic agent in this
+    process, all on loopback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -137,7 +138,7 @@ def launch_local(cfg: TrainConfig, config_path: Path) -> None:
     )
     try:
         with handlers_restored(), _env(GLOO_SOCKET_IFNAME=loopback_interface()):
-            elastic_launch(lc, sys.executable)("-m", "thinwire.train.worker", str(config_path))
+            elastic_launch(lc, sys.executable)("-m", module, str(config_path))
     except SignalException as e:
         raise Stopped(int(e.sigval)) from None
     except ChildFailedError as e:

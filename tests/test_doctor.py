@@ -1,0 +1,77 @@
+"""``thinwire doctor``: on 2 local workers it finishes within its minute with every field of its
+JSON; its advice follows the measurements (keep DDP fp32 when communication costs nothing, a codec
+when it dominates); bad input is refused before any worker starts, leaving files intact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_cli import assert_refused, thinwire
+
+BUDGET_S = 60
+
+
+@pytest.mark.slow
+def test_doctor_on_two_local_workers_reports_every_field_within_budget(tmp_path):
+    out = tmp_path / "doc"
+    proc = thinwire("doctor", "--workload", "digits", "--nproc", "2", "--out", str(out), "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r == json.loads((out / "report.json").read_text())
+    assert r["elapsed_s"] < BUDGET_S and r["world_size"] == 2 and r["workload"] == "digits"
+    m = r["measured"]
+    assert 0 < m["no_comm_step_s"] and 0 < m["ddp_fp32_step_s"] and 0 <= m["comm_share"] < 1
+    assert len(m["per_rank"]) == 2 and {q["a"] for q in m["pairs"]} == {0} and m["pairs"][0]["bps"] > 0
+    assert m["allreduce"]["bus_bps"] > 0 and m["allreduce"]["alpha_s"] >= 0
+    assert {c["codec"] for c in r["codecs"]} >= {"none", "int8", "bf16"}
+    assert all(c["speedup"] > 0 and c["predicted_step_s"] > 0 for c in r["codecs"])
+    assert [s["sync"] for s in r["sync_modes"]][:1] == ["delayed"]
+    rec = r["recommendation"]
+    assert rec["action"] in ("keep", "compress") and rec["why"]
+    assert (rec["command"] is None) == (rec["action"] == "keep")
+
+
+def _report(comm_s: float, profile):
+    from thinwire.doctor.advise import advise
+
+    floor = profile.compute[0].pre_s + profile.compute[0].backward_s + profile.compute[0].post_s
+    ranks = [{"floor_s": floor, "ddp_s": floor + comm_s}, {"floor_s": floor, "ddp_s": floor + comm_s}]
+    nbytes = sum(b.numel for b in profile.buckets) * 4
+    beta = comm_s / nbytes  # a 2-rank ring all-reduce sends about the gradient once each way
+    net = {"alpha_s": 1e-4, "beta_s_per_byte": beta}
+    return advise(ranks=ranks, network=net, pairs=[], profile=profile, per_rank_batch=profile.compute[0].batch,
+                  steals=True, workload="digits")
+
+
+@pytest.fixture(scope="module")
+def digits_profile():
+    from thinwire.compress.spec import default_candidates
+    from thinwire.measure.run import profile_workload
+
+    return profile_workload(workload="digits", batch_sizes=[32], codecs=list(default_candidates()), reps=3,
+                            corun=False, guard_steps=0)
+
+
+def test_advice_follows_the_measurements(digits_profile):
+    fast = _report(0.0, digits_profile)  # a free network: nothing can help
+    assert fast["recommendation"]["action"] == "keep" and "nothing thinwire offers" in fast["recommendation"]["why"]
+    slow = _report(5.0, digits_profile)  # communication 100x the compute: compression must help
+    assert slow["recommendation"]["action"] == "compress"
+    assert slow["recommendation"]["codec"] != "none" and slow["codecs"][0]["speedup"] > 2
+    assert slow["measured"]["comm_share"] > 0.9
+    assert slow["recommendation"]["command"].endswith(f"--compression {slow['recommendation']['codec']}")
+
+
+def test_doctor_refuses_an_existing_folder_and_a_bad_workload(tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_refused(thinwire("doctor", "--out", str(out)), "exists and is not empty")
+    assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert_refused(thinwire("doctor", "--workload", "nosuch", "--out", str(tmp_path / "new")), "nosuch")
+    assert not (tmp_path / "new").exists()
+    assert_refused(thinwire("doctor", "--workload", "digits", "--nproc", "3", "--out", str(tmp_path / "new")),
+                   r"batch_size: must be divisible by the number of workers \(3\)")
+    assert not (tmp_path / "new").exists()

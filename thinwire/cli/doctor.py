@@ -1,0 +1,126 @@
+"""``thinwire doctor``: in about a minute, what share of this job's step is communication, what each
+codec and sync mode is predicted to gain, and one recommendation with the command to run it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from thinwire.cli.common import add_workload_args
+from thinwire.errors import ThinwireError
+
+EPILOG = """examples:
+  thinwire doctor --nproc 2                                   # charlm on 2 local workers
+  thinwire doctor --workload mypkg.jobs:build --nproc 4 --json
+  thinwire doctor --cluster examples/clusters/pair-100mbit.yaml   # on the emulated cluster (root)
+  torchrun --nnodes 4 --nproc-per-node 1 ... -m thinwire doctor    # on your own nodes
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="what the network costs this job and what would help, in about a minute",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
+    p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
+    p.add_argument("--nproc", type=int, default=2, help="local worker processes (default 2)")
+    p.add_argument("--cluster", help="an emulated cluster spec: one worker per host (needs `thinwire cluster up`)")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: cores / local workers)")
+    p.add_argument("--out", help="folder for report.json (default: runs/doctor-TIMESTAMP; must not exist)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from thinwire.doctor.worker import REPORT, diagnose
+    from thinwire.cluster.spec import load_cluster_spec
+    from thinwire.train.config import load_train_config, save_config
+    from thinwire.train.distenv import read_env
+    from thinwire.workloads.registry import build_workload, check_workload_name
+
+    overrides = {"workload": args.workload, "data": args.data, "batch_size": args.batch_size, "nproc": args.nproc,
+                 "cluster": args.cluster, "threads": args.threads, "out": args.out}
+    cfg = load_train_config(None, {k: v for k, v in overrides.items() if v is not None}, args.set)
+    check_workload_name(cfg.workload)
+    if cfg.nproc < 1:
+        raise ThinwireError(f"nproc: must be at least 1, got {cfg.nproc}")
+    env = read_env()
+    out = Path(cfg.out or Path("runs") / f"doctor-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and any(out.iterdir()) and not env.launched:
+        raise ThinwireError(f"out: {str(out)!r} exists and is not empty; doctor never writes over a folder. "
+                            "Pass a new --out.")
+    wl = build_workload(cfg.workload, cfg.model, cfg.data)  # a bad workload or data path fails here, before launch
+    if not env.launched:
+        from thinwire.train.loop import check_batch
+
+        hosts = len(load_cluster_spec(cfg.cluster).hosts) if cfg.cluster else cfg.nproc
+        check_batch(cfg.batch_size or wl.batch_size, hosts)
+    out.mkdir(parents=True, exist_ok=True)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, out=str(out))
+    if env.launched:  # under the user's torchrun: this process is one of the ranks
+        report = diagnose(cfg, out)
+        if report is not None:
+            show(report, as_json=args.json)
+        return 0
+    save_config(cfg, out / "config.yaml")
+    if cfg.cluster:
+        from thinwire.train.cluster_launch import launch_cluster
+
+        launch_cluster(cfg, out / "config.yaml", module="thinwire.doctor.worker")
+    else:
+        from thinwire.train.launch import launch_local
+
+        launch_local(cfg, out / "config.yaml", module="thinwire.doctor.worker")
+    path = out / REPORT
+    if not path.is_file():
+        raise ThinwireError(f"doctor: the workers finished without writing {path}; see their output above")
+    show(json.loads(path.read_text()), as_json=args.json)
+    return 0
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def show(r: dict, *, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(r, indent=1))
+        return
+    con = Console()
+    m = r["measured"]
+    ar = m["allreduce"]
+    con.print(f"[bold]thinwire doctor[/]: {r['workload']} on {r['world_size']} rank(s), {r['per_rank_batch']} samples per "
+              f"rank, measured in {r['elapsed_s']:.0f} s")
+    con.print(f"step with DDP fp32 {_ms(m['ddp_fp32_step_s'])}; without communication {_ms(m['no_comm_step_s'])} "
+              f"(slowest rank): communication is [bold]{m['comm_share']:.0%}[/] of the step")
+    if ar.get("bus_bps"):
+        con.print(f"all-reduce: {ar['bus_bps'] / 1e6:.0f} Mbit/s bus bandwidth, {ar['alpha_s'] * 1e6:.0f} us latency; "
+                  f"the model predicts DDP fp32 at {_ms(r['model']['ddp_fp32_step_s'])} "
+                  f"({r['model']['error_vs_measured']:+.0%} against measured)")
+    for h in r["slow_hosts"]:
+        con.print(f"rank {h['rank']} computes {h['x_median']:.2f}x slower than the median rank: `thinwire plan` can give "
+                  "it a smaller share")
+    for q in r["slow_links"]:
+        con.print(f"link rank {q['a']} <-> rank {q['b']}: {q['bps'] / 1e6:.0f} Mbit/s, under half the median pair's")
+    t = Table(title="codecs (predicted per step; loss at equal samples not measured here)")
+    for col in ("codec", "step", "speed-up", "MB per rank"):
+        t.add_column(col, justify="right" if col != "codec" else "left")
+    for c in r["codecs"]:
+        t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}")
+    con.print(t)
+    s = Table(title=f"sync modes with {r['sync_modes'][0]['codec']} (what-if: their loss is not predicted)")
+    for col in ("sync", "step", "speed-up"):
+        s.add_column(col, justify="right" if col != "sync" else "left")
+    for m_ in r["sync_modes"]:
+        s.add_row(m_["sync"], _ms(m_["predicted_step_s"]), f"{m_['speedup']:.2f}x")
+    con.print(s)
+    rec = r["recommendation"]
+    con.print(f"[bold]recommendation[/]: {rec['why']}.")
+    if rec.get("command"):
+        con.print(f"  run: {rec['command']}\n  or in your DDP script: {rec['in_your_script']}")

@@ -1,0 +1,94 @@
+"""One ``thinwire doctor`` process: ``python -m thinwire.doctor.worker CONFIG.yaml`` under torchrun's
+agent (or the user's torchrun, through ``thinwire doctor`` itself). Every rank measures
+(:mod:`.probe`); rank 0 prices and recommends (:mod:`.advise`) and writes ``report.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from thinwire.config import from_dict, load_yaml
+from thinwire.errors import ThinwireError
+from thinwire.train.config import TrainConfig
+
+REPORT = "report.json"
+
+
+def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
+    """Measure on every rank, advise on rank 0; rank 0 returns the report (written to ``out``)."""
+    from thinwire.compress.spec import default_candidates
+    from thinwire.doctor.advise import advise
+    from thinwire.doctor.probe import allreduce, pairs, step_times
+    from thinwire.measure.run import profile_workload
+    from thinwire.train.distenv import device_for, init, read_env, set_threads
+    from thinwire.train.loop import check_batch
+    from thinwire.workloads.registry import build_workload
+
+    start = time.perf_counter()
+    env = read_env()
+    device = device_for(env)
+    set_threads(env, cfg.threads)
+    init(env, device, cfg.timeout_s)
+    log = logging.getLogger("thinwire.doctor")
+    try:
+        torch.manual_seed(cfg.seed)
+        wl = build_workload(cfg.workload, cfg.model, cfg.data)
+        batch = cfg.batch_size or wl.batch_size
+        check_batch(batch, env.world)
+        per_rank = batch // env.world
+        log.info("doctor: %d rank(s); timing the step with and without communication", env.world)
+        steps = step_times(wl, device, per_rank, bucket_mb=cfg.bucket_mb, seed=cfg.seed)
+        log.info("doctor: probing the all-reduce and every pair of ranks")
+        net = allreduce(steps["grad_bytes"], device)
+        links = pairs(steps["grad_bytes"], device) if env.world > 1 else []
+        log.info("doctor: measuring the codecs' costs and the model's buckets")
+        # on every rank at once: the profile wraps the model in DDP, whose constructor is a collective
+        codecs = default_candidates()
+        prof = profile_workload(workload=cfg.workload, model=cfg.model, data=cfg.data, batch_sizes=[per_rank],
+                                bucket_mb=cfg.bucket_mb, threads=torch.get_num_threads(), codecs=list(codecs), reps=5,
+                                corun=False, guard_steps=0)
+        mine = {"rank": env.rank, "host": socket.gethostname(), **steps}
+        ranks: list = [None] * env.world
+        dist.all_gather_object(ranks, mine)
+        report = None
+        if env.rank == 0:
+            report = advise(ranks=ranks, network=net, pairs=links, profile=prof, per_rank_batch=per_rank,
+                            steals=device.type == "cpu", workload=cfg.workload, codecs=codecs)
+            report["elapsed_s"] = time.perf_counter() - start
+            report["device"] = str(device)
+            tmp = out / f".{REPORT}.tmp"
+            tmp.write_text(json.dumps(report, indent=1))
+            os.replace(tmp, out / REPORT)
+        dist.barrier()
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+@record
+def main(argv: list[str]) -> int:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=f"thinwire[{rank}]: %(message)s")
+    path = Path(argv[0])
+    cfg = from_dict(TrainConfig, load_yaml(path), where="")
+    try:
+        diagnose(cfg, Path(cfg.out))
+    except ThinwireError as e:
+        print(f"thinwire: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the training worker leaves: gloo's static destructors can abort at exit
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
