@@ -79,7 +79,7 @@ def test_four_ranks_equal_local_sgd_then_neighbour_averages(topology):
     for r in range(4):
         for k in ws[r]:
             torch.testing.assert_close(out[r]["params"][k], ws[r][k], rtol=1e-5, atol=1e-6)
-    assert not all(torch.equal(out[0]["params"][k], out[1]["params"][k]) for k in ws[0])  # ranks differ
+    assert len({tuple(out[r]["params"]["weight"].flatten().tolist()) for r in range(4)}) > 1  # ranks differ
     numel = 5 * 3 + 3
     assert out[0]["sent"] == [4 * numel * len(neighbours(topology, 0, 4, s)[0]) for s in range(STEPS)]
 
@@ -97,7 +97,7 @@ def test_gossip_on_a_complete_graph_equals_all_reduce_averaging():
 def test_spec_and_refusals():
     assert parse_sync_spec("gossip").topology == "exp2"
     assert parse_sync_spec("gossip:topology=RING").text == "gossip:topology=ring"
-    with pytest.raises(ConfigError, match="sync.topology.*star.*exp2, ring, torus, random"):
+    with pytest.raises(ConfigError, match="sync.topology.*exp2, ring, torus, random.*star"):
         parse_sync_spec("gossip:topology=star")
     with pytest.raises(ConfigError, match="compression.*none with --sync gossip"):
         from thinwire.commspec import check_sync_pairing, parse_comm_spec
