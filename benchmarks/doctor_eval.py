@@ -11,7 +11,9 @@ Reported per scenario: doctor's recommendation, the measured best codec, whether
 is the best or within 5% of it, and each codec's predicted against measured speed-up. Speed-ups are
 per step, as doctor predicts them (the loss at equal samples is the convergence guard's question,
 not doctor's). Each scenario's rows are written as soon as it finishes (``--merge`` keeps the
-others), so a long evaluation can be split across sessions.
+others), so a long evaluation can be split across sessions; doctor's own report and profile are kept
+under ``results/doctor_eval/SCENARIO/``. ``--redoctor FILE`` re-runs only doctor on each scenario and
+judges it against the measured steps in FILE (a new doctor against the same measurements).
 
     .venv/bin/python benchmarks/doctor_eval.py                       # all five, 3 seeds (~45 min)
     .venv/bin/python benchmarks/doctor_eval.py --scenarios 4x100mbit --seeds 0 --merge
@@ -23,6 +25,7 @@ import argparse
 import json
 import shlex
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,16 +56,23 @@ def median_step(out: Path) -> float:
     return statistics.median(times)
 
 
-def scenario(name: str, seeds: list[int], steps: int, tmp: Path) -> dict:
+def scenario(name: str, seeds: list[int], steps: int, tmp: Path, keep: Path, earlier: dict | None = None) -> dict:
     spec = ROOT / "benchmarks" / "clusters" / f"doctor-{name}.yaml"
     cli("cluster", "up", str(spec))
     try:
         t0 = time.perf_counter()
-        report = json.loads(cli("doctor", "--cluster", str(spec), "--json", "--out", str(tmp / f"doctor-{name}")).stdout)
+        folder = tmp / f"doctor-{name}"
+        report = json.loads(cli("doctor", "--cluster", str(spec), "--json", "--out", str(folder)).stdout)
         doctor_s = time.perf_counter() - t0
+        (keep / name).mkdir(parents=True, exist_ok=True)
+        for f in ("report.json", "profile.yaml"):
+            if (folder / f).exists():
+                shutil.copy(folder / f, keep / name / f)
         codecs = [c["codec"] for c in report["codecs"]]
         measured: dict[str, list[float]] = {c: [] for c in codecs}
-        for seed in seeds:
+        if earlier is not None:  # --redoctor: the measured steps of an earlier run
+            measured, seeds, steps = earlier["step_s"], earlier["seeds"], earlier["steps"]
+        for seed in (seeds if earlier is None else []):
             for c in codecs:
                 out = tmp / f"{name}-{c.replace(':', '_')}-{seed}"
                 cli("train", "--cluster", str(spec), "--compression", c, "--steps", str(steps), "--eval-every",
@@ -115,6 +125,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--merge", action="store_true", help="keep the other scenarios of an earlier result")
+    ap.add_argument("--redoctor", help="an earlier doctor_eval.json: re-run doctor only, judged on its measured steps")
+    ap.add_argument("--name", default="doctor_eval", help="file stem of the results")
     a = ap.parse_args()
     names = [s.strip() for s in a.scenarios.split(",") if s.strip()]
     unknown = set(names) - set(SCENARIOS)
@@ -122,17 +134,20 @@ def main() -> int:
         raise SystemExit(f"--scenarios: unknown {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     seeds = [int(s) for s in a.seeds.split(",")]
     out = Path(a.out)
-    path = out / "doctor_eval.json"
+    path = out / f"{a.name}.json"
     rows = json.loads(path.read_text())["rows"] if a.merge and path.exists() else []
+    earlier = {r["scenario"]: r for r in json.loads(Path(a.redoctor).read_text())["rows"]} if a.redoctor else {}
     command = shlex.join(["python", "benchmarks/doctor_eval.py", *sys.argv[1:]])
     with tempfile.TemporaryDirectory(prefix="thinwire-doctor-eval-") as tmp:
         for name in names:
-            row = scenario(name, seeds, a.steps, Path(tmp))
+            if a.redoctor and name not in earlier:
+                raise SystemExit(f"--redoctor: {a.redoctor} has no measurements of {name}")
+            row = scenario(name, seeds, a.steps, Path(tmp), out / a.name, earlier.get(name))
             rows = [r for r in rows if r["scenario"] != name] + [row]
             rows.sort(key=lambda r: SCENARIOS.index(r["scenario"]))
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-            (out / "doctor_eval.md").write_text(markdown(command, rows))
+            (out / f"{a.name}.md").write_text(markdown(command, rows))
             print(f"{name}: doctor says {row['recommendation']}, measured best {row['measured_best']}", flush=True)
     return 0
 

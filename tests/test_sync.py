@@ -227,7 +227,7 @@ def test_spec_defaults_and_text():
     ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
     ("delayed:period=2", r"sync: must be delayed with no parameters"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
-    ("gossip", r"sync: must be one of allreduce, delayed, local, diloco, got 'gossip'"),
+    ("push", r"sync: must be one of allreduce, delayed, local, diloco, gossip, dynamic, got 'push'"),
     ("", r"sync: must be one of"),
 ])
 def test_bad_spec_is_refused(text, match):

@@ -178,3 +178,6 @@ def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32
                           "fp16's loss scale changes between steps; use bf16.")
     if plan:
         raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")
+    if sync.mode == "gossip" and comm.text != "none":
+        raise ConfigError("compression", comm.text, "none with --sync gossip", "Gossip sends parameters in fp32: a "
+                          "lossy codec on parameters needs compressed gossip's public copies (CHOCO-SGD), not kept here.")

@@ -19,6 +19,12 @@ form                                           what runs (:mod:`thinwire.compres
                                                of the parameters, one synced every H/F steps (each
                                                every H), its average in flight for ``delay`` inner
                                                steps, then mixed: ``lerp(global, local, alpha)``
+``dynamic[:threshold=D,check_every=B]``        dynamic averaging (Kamp et al. 2018): local steps; every
+                                               B steps a one-byte vote, and an average only when
+                                               some rank drifted ``||x - a|| / ||a|| > D`` (0.01)
+``gossip[:topology=exp2|ring|torus|random]``   decentralized SGD (D-PSGD, Lian et al. 2017): after each
+                                               step, parameters averaged with the neighbours only;
+                                               ``exp2`` is SGP's one-peer exponential graph (default)
 =============================================  =====================================================
 
 Defaults and their sources: ``local`` warm-up 100 steps and no default period (PyTorch's
@@ -46,9 +52,11 @@ from typing import Literal
 
 from thinwire.errors import ConfigError
 
-MODES = ("allreduce", "delayed", "local", "diloco")
+MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic")
+TOPOLOGIES = ("exp2", "ring", "torus", "random")
 #: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
 #: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
+#: Not gossip: these are priced with the plan's codec, and gossip sends fp32 parameters (``simulate --sync gossip``).
 SHOWN = ("delayed", "local:period=4", "local:period=16", "diloco:period=100", "diloco:period=100,fragments=4")
 MAX_PERIOD = 10**9
 _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
@@ -58,6 +66,8 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "local": {"period": (int, None), "warmup": (int, 100)},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
+    "gossip": {"topology": (str, "exp2")},
+    "dynamic": {"threshold": (float, 0.01), "check_every": (int, 4), "warmup": (int, 0)},
 }
 
 
@@ -65,7 +75,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
 class SyncSpec:
     """A parsed sync mode; ``local`` is DiLoCo's outer step with lr 1 and no momentum (plain averaging)."""
 
-    mode: Literal["allreduce", "delayed", "local", "diloco"] = "allreduce"
+    mode: Literal["allreduce", "delayed", "local", "diloco", "gossip", "dynamic"] = "allreduce"
     period: int = 1
     warmup: int = 0
     outer_lr: float = 1.0
@@ -73,9 +83,17 @@ class SyncSpec:
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
+    topology: str = ""
+    threshold: float = 0.01
+    check_every: int = 1
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
+        _check(math.isfinite(self.threshold) and 0 < self.threshold < 10, "threshold", self.threshold,
+               "a relative drift in (0, 10)", "0.01 averages once parameters moved 1% of their norm.")
+        _check(1 <= self.check_every <= MAX_PERIOD, "check_every", self.check_every, f"an integer in [1, {MAX_PERIOD}]")
+        _check((self.mode == "gossip") == (self.topology in TOPOLOGIES), "topology", self.topology,
+               "one of " + ", ".join(TOPOLOGIES) + " (gossip only)", "exp2, the one-peer exponential graph, scales best.")
         _check(1 <= self.period <= MAX_PERIOD, "period", self.period, f"an integer in [1, {MAX_PERIOD}]",
                "period=1 averages after every step; larger periods send less.")
         _check(0 <= self.warmup <= MAX_PERIOD, "warmup", self.warmup, f"an integer in [0, {MAX_PERIOD}]")
@@ -143,7 +161,9 @@ def parse_sync_spec(text: str) -> SyncSpec:
     return SyncSpec(mode=mode, **values)
 
 
-def _number(mode: str, key: str, raw: str, kind: type) -> float | int:
+def _number(mode: str, key: str, raw: str, kind: type) -> float | int | str:
+    if kind is str:
+        return raw.lower()
     if kind is int:
         if not _INT.fullmatch(raw):
             raise ConfigError(f"sync.{key}", raw, "a whole number", _FIX)
@@ -154,4 +174,4 @@ def _number(mode: str, key: str, raw: str, kind: type) -> float | int:
         raise ConfigError(f"sync.{key}", raw, "a number", _FIX) from None
 
 
-_FIX = "E.g. delayed, local:period=8, diloco:period=100,outer_lr=0.7,outer_momentum=0.9"
+_FIX = "E.g. delayed, local:period=8, diloco:period=100,outer_lr=0.7,outer_momentum=0.9, gossip:topology=ring"

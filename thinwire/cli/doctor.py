@@ -102,7 +102,9 @@ def show(r: dict, *, as_json: bool = False) -> None:
     if ar.get("bus_bps"):
         con.print(f"all-reduce: {ar['bus_bps'] / 1e6:.0f} Mbit/s bus bandwidth, {ar['alpha_s'] * 1e6:.0f} us latency; "
                   f"the model predicts DDP fp32 at {_ms(r['model']['ddp_fp32_step_s'])} "
-                  f"({r['model']['error_vs_measured']:+.0%} against measured)")
+                  f"({r['model']['error_vs_measured']:+.0%} against measured); the "
+                  f"{r['model']['unexplained_comm_s'] * 1e3:+.1f} ms it does not explain are charged to every codec "
+                  "by its bytes")
     for h in r["slow_hosts"]:
         con.print(f"rank {h['rank']} computes {h['x_median']:.2f}x slower than the median rank: `thinwire plan` can give "
                   "it a smaller share")
@@ -114,11 +116,11 @@ def show(r: dict, *, as_json: bool = False) -> None:
     for c in r["codecs"]:
         t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}")
     con.print(t)
-    s = Table(title=f"sync modes with {r['sync_modes'][0]['codec']} (what-if: their loss is not predicted)")
-    for col in ("sync", "step", "speed-up"):
-        s.add_column(col, justify="right" if col != "sync" else "left")
+    s = Table(title="sync modes (what-if: their loss at equal samples is not predicted)")
+    for col in ("sync", "codec", "step", "speed-up"):
+        s.add_column(col, justify="right" if col not in ("sync", "codec") else "left")
     for m_ in r["sync_modes"]:
-        s.add_row(m_["sync"], _ms(m_["predicted_step_s"]), f"{m_['speedup']:.2f}x")
+        s.add_row(m_["sync"], m_["codec"], _ms(m_["predicted_step_s"]), f"{m_['speedup']:.2f}x")
     con.print(s)
     rec = r["recommendation"]
     con.print(f"[bold]recommendation[/]: {rec['why']}.")

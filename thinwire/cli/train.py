@@ -47,6 +47,8 @@ def add_parser(sub) -> None:
                    "torch:none|fp16|bf16|powersgd:rank=R|localsgd:period=H (PyTorch's own hooks); see `thinwire codecs`")
     p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
                    "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5]")
+    p.add_argument("--partition", help="which training items each worker draws from: iid (default), "
+                   "label_skew:alpha=A (Dirichlet class skew, classification) or by_file (a contiguous run each)")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
     p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
@@ -65,6 +67,7 @@ def add_parser(sub) -> None:
 
 
 FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression", "sync",
+         "partition",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan", "tensorboard")
 
@@ -129,6 +132,14 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)
+    if cfg.sync_spec.mode == "gossip":
+        from thinwire.compress.sync.gossip import check_topology
+
+        check_topology(cfg.sync_spec.topology, world or _world_size(cfg))
+    if cfg.partition_spec.kind != "iid":  # a split that cannot be made (a class skew of a language model) fails here
+        from thinwire.workloads.partition import shards
+
+        shards(cfg.partition_spec, wl.train, world or _world_size(cfg), cfg.seed, wl.task)
     if cfg.plan:
         _check_plan(cfg)
     else:

@@ -73,6 +73,23 @@ class Wire:
         dist.all_gather(out, t.contiguous(), group=self.group)
         return out
 
+    def exchange(self, t: Tensor, send_to: list[int], recv_from: list[int]) -> list[Tensor]:
+        """Point to point: ``t`` to each rank of ``send_to`` while a tensor like it arrives from each
+        of ``recv_from`` (ranks of this wire's group), all in flight at once; the received tensors."""
+        self.bytes_sent += t.numel() * t.element_size() * len(send_to)
+        self.calls += 1
+        t = t.contiguous()
+        got = [torch.empty_like(t) for _ in recv_from]
+        ops = [dist.P2POp(dist.isend, t, self._global(r), self.group) for r in send_to]
+        ops += [dist.P2POp(dist.irecv, g, self._global(r), self.group) for r, g in zip(recv_from, got)]
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return got
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
     def all_to_all(self, t: Tensor) -> Tensor:
         """Rank r receives chunk r of every rank's ``t`` (``t.shape[0]`` divisible by world size)."""
         self.bytes_sent += alltoall_bytes(t.numel() * t.element_size(), self.world)

@@ -65,6 +65,9 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
                             steals=device.type == "cpu", workload=cfg.workload, codecs=codecs)
             report["elapsed_s"] = time.perf_counter() - start
             report["device"] = str(device)
+            from thinwire.measure.file import save_profile
+
+            save_profile(prof, out / "profile.yaml")  # with report.json's measurements: advise() can be rerun offline
             tmp = out / f".{REPORT}.tmp"
             tmp.write_text(json.dumps(report, indent=1))
             os.replace(tmp, out / REPORT)

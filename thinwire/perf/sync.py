@@ -19,6 +19,14 @@ host's compute with its noise), ``comm_s`` (wire seconds of every bucket, back t
   ``compute + max(0, (comm + codec) / F - T * compute) / (H / F)`` (Douillard et al. 2025). When the
   host has no spare core, the codec work is CPU taken from those steps and is not hidden.
 
+* ``dynamic``: as ``local`` with an average at only some of the checks (every ``check_every``
+  steps): ``compute + (comm + codec) * rate / check_every``; the rate depends on the data (Kamp et
+  al. 2018), so it is priced at its most, 1, unless one is given.
+* ``gossip`` (D-PSGD): compute, then an exchange with the neighbours that nothing overlaps. A rank
+  sends ``degree`` copies of the parameters on its own link, where a ring all-reduce sends
+  ``2 (p-1)/p`` of them: ``compute + comm * degree * p / (2 (p-1))``, ``comm`` being the all-reduce's
+  wire seconds (Lian et al. 2017).
+
 Each sync mode's class (:mod:`thinwire.compress.sync`) prices itself with these functions.
 
 Example: 100 ms compute, 150 ms wire, 10 ms codec::
@@ -60,3 +68,26 @@ def streaming_step_s(*, compute_s: float, comm_s: float, codec_s: float, period:
     hidden = delay * (compute_s - (codec if codec_steals_compute else 0.0))
     exposed = max(0.0, comm + codec - max(0.0, hidden)) + (codec if codec_steals_compute else 0.0)
     return compute_s + exposed / every
+
+
+def gossip_step_s(*, compute_s: float, allreduce_comm_s: float, hosts: int, degree: int) -> float:
+    """One step of gossip: compute, then ``degree`` parameter copies out on this rank's link (see module).
+
+    >>> round(gossip_step_s(compute_s=0.1, allreduce_comm_s=0.15, hosts=4, degree=1), 3)
+    0.2
+    """
+    p = max(2, hosts)
+    return compute_s + allreduce_comm_s * degree * p / (2 * (p - 1))
+
+
+def dynamic_step_s(*, compute_s: float, average_s: float, check_every: int, sync_rate: float) -> float:
+    """One step of dynamic averaging: compute, and an average at ``sync_rate`` of the checks, one
+    check every ``check_every`` steps (its one-byte vote's latency is in ``average_s``'s alpha, not
+    counted apart). ``sync_rate`` 1 is the most it can cost: an average at every check.
+
+    >>> round(dynamic_step_s(compute_s=0.1, average_s=0.16, check_every=4, sync_rate=0.25), 3)
+    0.11
+    """
+    if check_every < 1 or not 0 <= sync_rate <= 1:
+        raise ValueError(f"check_every must be >= 1 and sync_rate in [0, 1], got {check_every}, {sync_rate}")
+    return compute_s + average_s * sync_rate / check_every

@@ -147,10 +147,10 @@ def _with_sync(point: Point, opts: SimOptions, steals: bool) -> Point:
         return point
     mode = sync_kind(opts.sync)
     parts = StepParts(allreduce_step_s=pr.step_s, compute_s=pr.compute_s + pr.noise_s, comm_s=pr.comm_s,
-                      codec_s=pr.codec_s, codec_steals_compute=steals)
+                      codec_s=pr.codec_s, codec_steals_compute=steals, hosts=pr.p)
     point.sync_mode = opts.sync.mode
     point.sync_step_s = mode.step_s(opts.sync, parts)
-    point.sync_bytes_per_step = mode.bytes_per_step(opts.sync, pr.bytes_per_rank)
+    point.sync_bytes_per_step = mode.bytes_per_step(opts.sync, pr.bytes_per_rank, hosts=pr.p)
     return point
 
 

@@ -43,6 +43,7 @@ class TrainConfig:
     compression: str = "none"
     # when averaging happens: allreduce, delayed, local:period=H, diloco:period=H (thinwire.syncspec)
     sync: str = "allreduce"
+    partition: str = "iid"              # iid, label_skew:alpha=A or by_file: which items each rank draws from
     error_feedback: bool = True
     # steps sent uncompressed before the codec starts: Adam's moment estimates start from true
     # gradients (without it PowerSGD from step 0 ends a short charlm run ~2% higher); 2 is also the
@@ -72,6 +73,9 @@ class TrainConfig:
 
         self.sync_spec = parse_sync_spec(self.sync)
         check_sync_pairing(self.sync_spec, self.comm, precision=self.precision, plan=self.plan)
+        from thinwire.workloads.partition import parse_partition
+
+        self.partition_spec = parse_partition(self.partition)
 
     def _check_counts(self) -> None:
         for name, lo, hi in _COUNTS:

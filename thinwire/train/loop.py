@@ -33,6 +33,7 @@ from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
 from thinwire.workloads.base import GlobalSampler, collate, eval_subset, even_shares
+from thinwire.workloads.partition import ShardSampler, shards
 from thinwire.workloads.registry import build_workload
 
 
@@ -96,6 +97,10 @@ class Trainer:
         self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
+        self.shard = None  # --partition: this rank draws from its own shard only
+        if cfg.partition_spec.kind != "iid":
+            own = shards(cfg.partition_spec, self.wl.train, env.world, cfg.seed, self.wl.task)[env.rank]
+            self.shard = ShardSampler(own, cfg.seed, env.rank)
         self.clock = GradReadyClock(model)
         self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
@@ -158,7 +163,11 @@ class Trainer:
 
     def _train_step(self) -> dict:
         t0 = time.perf_counter()
-        x, y = collate(self.wl.train, self.sampler.rank_indices(self.step, self.env.rank, self.shares))
+        if self.shard is not None:
+            indices = self.shard.indices(self.step, self.shares[self.env.rank])
+        else:
+            indices = self.sampler.rank_indices(self.step, self.env.rank, self.shares)
+        x, y = collate(self._sets(self.step)[0], indices)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
         bytes_before = self.comm.wire.bytes_sent
@@ -202,13 +211,17 @@ class Trainer:
         val = f" val {self.last_val['val_loss']:.3f}" if self.last_val else ""
         bar.update(self.step, f"loss {rec['loss']:.3f}{val} {rec['step_time_s'] * 1e3:.0f} ms/step")
 
+    def _sets(self, step: int) -> tuple:
+        """(train, val) at ``step``: a drifting workload's (:attr:`Workload.data_at`), else its own."""
+        return self.wl.data_at(step) if self.wl.data_at is not None else (self.wl.train, self.wl.val)
+
     def _wall(self) -> float:
         return self.wall_before + time.perf_counter() - self.t_start
 
     # -- validation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def _validate(self, bar: ProgressBar) -> None:
-        model, val = self.ddp.module, self.wl.val
+        model, val = self.ddp.module, self._sets(self.step)[1]
         model.eval()
         mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[self.env.rank :: self.env.world]
         per = max(1, self.shares[self.env.rank])
@@ -358,6 +371,7 @@ class Trainer:
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
             "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
             "compression": self.comm.policy.describe(), "compression_stats": self._compression_stats(),
+            "sync": {"mode": self.cfg.sync_spec.text, **self.sync.stats()},
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
             "precision": self.cfg.precision, "restarts": self.restarts, "lr_horizon": self.horizon,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),

@@ -29,7 +29,9 @@ class Workload:
     returning ``(inputs, targets)`` directly, which is faster than collating items one by one.
     ``task`` decides the validation metrics: ``lm`` adds bits per byte, ``classification`` adds
     accuracy. ``info`` goes into ``summary.json`` as it is (e.g. the corpus's unigram entropy).
-    ``lr``/``batch_size``/``steps`` are the workload's suggested defaults.
+    ``lr``/``batch_size``/``steps`` are the workload's suggested defaults. ``data_at(step)``, if given,
+    returns the (train, val) sets in force at a step (a concept-drift workload); item indices keep
+    their meaning across the drift, so shards and samplers are unchanged.
     """
 
     model: nn.Module
@@ -41,6 +43,7 @@ class Workload:
     lr: float = 1e-3
     batch_size: int = 32
     steps: int = 200
+    data_at: Callable[[int], tuple[SizedDataset, SizedDataset]] | None = None  # a drifting workload's sets at a step
 
 
 def collate(dataset: SizedDataset, indices: list[int]) -> tuple[Tensor, Tensor]:

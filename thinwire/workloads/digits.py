@@ -3,6 +3,11 @@
 The set ships inside scikit-learn, so it is always present. A fixed, seeded 80/20 split gives 1437
 training and 360 validation images. ``channels`` scales the network, so the same workload can be made
 compute-bound (wide) or communication-bound (many parameters per FLOP via ``hidden``).
+
+A concept-drift workload: ``--set model.drift_step=S`` changes the data from step S on, for training
+and validation alike: ``model.drift=labels`` (default) renames every class (y -> y + 1 mod 10, so what
+the model learned is now wrong), ``model.drift=inputs`` mirrors every image (the same classes, seen
+differently). The validation curve then shows how fast training recovers its pre-drift quality.
 """
 
 from __future__ import annotations
@@ -21,10 +26,14 @@ from thinwire.workloads.base import Workload
 class DigitsConfig:
     channels: int = 32
     hidden: int = 128
+    drift_step: int = 0        # > 0: from this step on, train and validation data drift (a concept-drift workload)
+    drift: str = "labels"      # labels: every class renamed (y -> y + 1 mod 10); inputs: images mirrored
 
     def __post_init__(self) -> None:
         check(1 <= self.channels <= 4096, "model.channels", self.channels, "an integer in [1, 4096]")
         check(1 <= self.hidden <= 65536, "model.hidden", self.hidden, "an integer in [1, 65536]")
+        check(self.drift_step >= 0, "model.drift_step", self.drift_step, "an integer >= 0 (0: no drift)")
+        check(self.drift in ("labels", "inputs"), "model.drift", self.drift, "labels or inputs")
 
 
 class DigitsCNN(nn.Module):
@@ -71,10 +80,17 @@ def build(cfg: DigitsConfig, data: str | None = None) -> Workload:
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
     n_val = len(x) // 5
     val, train = perm[:n_val], perm[n_val:]
+    sets = (TensorPairs(x[train], y[train]), TensorPairs(x[val], y[val]))
+    data_at = None
+    if cfg.drift_step > 0:
+        shift = (lambda a, b: (a, (b + 1) % 10)) if cfg.drift == "labels" else (lambda a, b: (a.flip(-1), b))
+        drifted = tuple(TensorPairs(*shift(s.x, s.y)) for s in sets)
+        data_at = lambda step: drifted if step >= cfg.drift_step else sets  # noqa: E731
     return Workload(
         model=DigitsCNN(cfg.channels, cfg.hidden),
-        train=TensorPairs(x[train], y[train]),
-        val=TensorPairs(x[val], y[val]),
+        train=sets[0],
+        val=sets[1],
+        data_at=data_at,
         loss=F.cross_entropy,
         task="classification",
         info={"dataset": "sklearn digits", "train_size": len(train), "val_size": n_val},

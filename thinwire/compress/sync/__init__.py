@@ -8,6 +8,8 @@ mode            module                                    averages
 ``local``       :mod:`.local`                             parameter changes, every H steps
 ``diloco``      :mod:`.diloco`                            pseudo-gradients, every H steps (outer Nesterov)
   (streaming)   :mod:`.streaming`                         one of F fragments every H/F steps, in flight
+``gossip``      :mod:`.gossip`                            parameters, with neighbours only, every step
+``dynamic``     :mod:`.dynamic`                           parameter changes, when some rank has drifted
 ==============  ========================================  ===========================================
 
 Every mode averages through a :class:`~thinwire.compress.hook.CommState` (codec, error feedback,
@@ -22,10 +24,13 @@ from thinwire.compress.hook import CommState, Policy, attach
 from thinwire.compress.sync.base import StepParts, SyncMode
 from thinwire.compress.sync.delayed import Delayed
 from thinwire.compress.sync.diloco import DiLoCo
+from thinwire.compress.sync.dynamic import Dynamic
+from thinwire.compress.sync.gossip import Gossip
 from thinwire.compress.sync.local import LocalSGD
 from thinwire.compress.sync.streaming import StreamingDiLoCo
 
-MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "local": LocalSGD, "diloco": DiLoCo}
+MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "local": LocalSGD, "diloco": DiLoCo,
+                                    "gossip": Gossip, "dynamic": Dynamic}
 
 
 def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_steps: int = 0,
@@ -50,4 +55,5 @@ def kind(spec) -> type[SyncMode]:
     return StreamingDiLoCo if spec.mode == "diloco" and spec.streaming else MODES[spec.mode]
 
 
-__all__ = ["MODES", "StepParts", "SyncMode", "kind", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "create"]
+__all__ = ["MODES", "StepParts", "SyncMode", "kind", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "Gossip",
+           "Dynamic", "create"]

@@ -84,6 +84,7 @@ class StepParts:
     comm_s: float
     codec_s: float
     codec_steals_compute: bool = False
+    hosts: int = 2                       # the ranks the all-reduce spans (gossip prices its neighbours from it)
 
 
 class SyncMode:
@@ -109,7 +110,7 @@ class SyncMode:
         return parts.allreduce_step_s
 
     @classmethod
-    def bytes_per_step(cls, spec, bytes_per_average: int) -> float:
+    def bytes_per_step(cls, spec, bytes_per_average: int, hosts: int = 2) -> float:
         """Bytes one rank sends per step, given those of one average of every gradient (or parameter)."""
         return float(bytes_per_average)
 
@@ -131,6 +132,10 @@ class SyncMode:
 
     def flush(self) -> None:
         """Wait for averaging in flight (before the loop's own collectives or a checkpoint)."""
+
+    def stats(self) -> dict:
+        """What the run's summary reports of this mode (e.g. dynamic averaging's sync rate)."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}

@@ -43,7 +43,7 @@ class LocalSGD(SyncMode):
         return periodic_step_s(compute_s=parts.compute_s, average_s=parts.comm_s + parts.codec_s, period=spec.period)
 
     @classmethod
-    def bytes_per_step(cls, spec, bytes_per_average: int) -> float:
+    def bytes_per_step(cls, spec, bytes_per_average: int, hosts: int = 2) -> float:
         return bytes_per_average / spec.period
 
     def no_sync(self):

@@ -1,0 +1,171 @@
+"""Decentralized modes. Gossip (D-PSGD): its topologies mix doubly stochastically, 4 gloo ranks equal
+a closed-form reference of local SGD steps then neighbour averages, it sends ``degree`` parameter
+copies per step, its spec refuses what it cannot run, a resume through ``thinwire train`` is
+bit-identical. Dynamic averaging: a threshold no drift reaches never averages, one every drift
+reaches is local SGD with the check period, and its resume is bit-identical too."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import thinwire
+from thinwire.compress.sync.gossip import TOPOLOGIES, degree, neighbours
+from thinwire.errors import ConfigError
+from thinwire.syncspec import parse_sync_spec
+from tests.distributed import run_ranks
+from tests.test_sync import LR, STEPS, _assert_equal, _data, _grads_one, _loss, _net, _sgd, _straight_and_resumed
+
+
+def mixing(topology: str, world: int, step: int) -> torch.Tensor:
+    w = torch.zeros(world, world, dtype=torch.float64)
+    for i in range(world):
+        recv = neighbours(topology, i, world, step)[1]
+        for j in [i, *recv]:
+            w[i, j] += 1 / (1 + len(recv))
+    return w
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8, 9])
+def test_every_topology_mixes_doubly_stochastically(topology, world):
+    for step in range(6):
+        for i in range(world):
+            send, recv = neighbours(topology, i, world, step)
+            assert i not in send and i not in recv
+            for j in send:  # what i sends, j expects from i
+                assert i in neighbours(topology, j, world, step)[1]
+        w = mixing(topology, world, step)
+        torch.testing.assert_close(w.sum(0), torch.ones(world, dtype=torch.float64))
+        torch.testing.assert_close(w.sum(1), torch.ones(world, dtype=torch.float64))
+
+
+def test_exp2_spreads_every_rank_to_every_rank_in_log2_p_steps():
+    for world in (4, 8, 16):
+        product = torch.eye(world, dtype=torch.float64)
+        for step in range(int(math.log2(world))):
+            product = mixing("exp2", world, step) @ product
+        torch.testing.assert_close(product, torch.full((world, world), 1 / world, dtype=torch.float64))
+
+
+def _train(rank: int, world: int, mode: str) -> dict:
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, mode, codec="none")
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    sent = []
+    for step in range(STEPS):
+        before = sync.comm.wire.bytes_sent
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+        sent.append(sync.comm.wire.bytes_sent - before)
+    sync.close()
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent}
+
+
+@pytest.mark.parametrize("topology", ["ring", "exp2", "random"])
+def test_four_ranks_equal_local_sgd_then_neighbour_averages(topology):
+    out = run_ranks(_train, 4, f"gossip:topology={topology}")
+    ws = [_net().state_dict() for _ in range(4)]
+    for step in range(STEPS):
+        ws = [_sgd(w, _grads_one(w, step, r)) for r, w in enumerate(ws)]
+        mix = mixing(topology, 4, step)
+        ws = [{k: sum(float(mix[i, j]) * ws[j][k] for j in range(4) if mix[i, j] > 0) for k in ws[0]} for i in range(4)]
+    for r in range(4):
+        for k in ws[r]:
+            torch.testing.assert_close(out[r]["params"][k], ws[r][k], rtol=1e-5, atol=1e-6)
+    assert len({tuple(out[r]["params"]["weight"].flatten().tolist()) for r in range(4)}) > 1  # ranks differ
+    numel = 5 * 3 + 3
+    assert out[0]["sent"] == [4 * numel * len(neighbours(topology, 0, 4, s)[0]) for s in range(STEPS)]
+
+
+def test_gossip_on_a_complete_graph_equals_all_reduce_averaging():
+    """Two ranks are each other's only neighbour: every step ends with both at the exact average, as
+    local SGD averaging after every step (an all-reduce)."""
+    gossip = run_ranks(_train, 2, "gossip:topology=ring")
+    allreduce = run_ranks(_train, 2, "local:period=1,warmup=0")
+    for r in range(2):
+        for k in gossip[r]["params"]:
+            torch.testing.assert_close(gossip[r]["params"][k], allreduce[r]["params"][k], rtol=1e-6, atol=1e-7)
+
+
+def test_spec_and_refusals():
+    assert parse_sync_spec("gossip").topology == "exp2"
+    assert parse_sync_spec("gossip:topology=RING").text == "gossip:topology=ring"
+    with pytest.raises(ConfigError, match="sync.topology.*exp2, ring, torus, random.*star"):
+        parse_sync_spec("gossip:topology=star")
+    with pytest.raises(ConfigError, match="compression.*none with --sync gossip"):
+        from thinwire.commspec import check_sync_pairing, parse_comm_spec
+
+        check_sync_pairing(parse_sync_spec("gossip"), parse_comm_spec("int8"))
+    assert degree("ring", 8) == 2 and degree("exp2", 8) == 1 and degree("torus", 9) == 4 and degree("ring", 2) == 1
+    from thinwire.compress.sync.gossip import check_topology
+
+    check_topology("torus", 4)
+    for world in (2, 3, 5, 7):
+        with pytest.raises(ConfigError, match="sync.topology.*torus"):
+            check_topology("torus", world)
+
+
+def test_priced_from_the_all_reduce():
+    from thinwire.compress.sync import StepParts, kind
+
+    spec = parse_sync_spec("gossip:topology=ring")
+    parts = StepParts(allreduce_step_s=0.3, compute_s=0.1, comm_s=0.15, codec_s=0.0, hosts=4)
+    # ring: 2 copies of the parameters out, an all-reduce sends 1.5: 0.1 + 0.15 * 2 / 1.5
+    assert kind(spec).step_s(spec, parts) == pytest.approx(0.3)
+    assert kind(spec).bytes_per_step(spec, 1500, hosts=4) == pytest.approx(2000)
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_through_the_trainer(tmp_path):
+    common = ["--workload", "digits", "--nproc", "2", "--compression", "none", "--sync", "gossip:topology=ring",
+              "--eval-every", "5"]
+    a, b = _straight_and_resumed(common, tmp_path / "straight", tmp_path / "split")
+    for ra, rb in zip(a["ranks"], b["ranks"]):
+        _assert_equal(ra["sync"], rb["sync"])
+        _assert_equal(ra["model"], rb["model"])
+
+
+# -- dynamic averaging ------------------------------------------------------------------------------
+def test_dynamic_never_averages_below_its_threshold_and_always_above_it():
+    never = run_ranks(_train, 2, "dynamic:threshold=9,check_every=2")
+    assert not all(torch.equal(never[0]["params"][k], never[1]["params"][k]) for k in never[0]["params"])
+    assert never[0]["sent"] == [0, 1, 0, 1, 0, 1]  # a one-byte vote every 2 steps, nothing else
+    always = run_ranks(_train, 2, "dynamic:threshold=1e-9,check_every=2")
+    local = run_ranks(_train, 2, "local:period=2,warmup=0")
+    for r in range(2):
+        for k in local[r]["params"]:
+            torch.testing.assert_close(always[r]["params"][k], local[r]["params"][k], rtol=0, atol=0)
+    numel = 5 * 3 + 3
+    assert always[0]["sent"] == [0, 1 + 4 * numel] * 3
+
+
+def test_dynamic_spec():
+    spec = parse_sync_spec("dynamic")
+    assert (spec.threshold, spec.check_every, spec.warmup) == (0.01, 4, 0)
+    assert parse_sync_spec("dynamic:threshold=0.05,check_every=8").text == "dynamic:threshold=0.05,check_every=8,warmup=0"
+    for bad, key in (("dynamic:threshold=0", "threshold"), ("dynamic:threshold=-1", "threshold"),
+                     ("dynamic:check_every=0", "check_every")):
+        with pytest.raises(ConfigError, match=f"sync.{key}"):
+            parse_sync_spec(bad)
+
+
+@pytest.mark.slow
+def test_dynamic_resume_is_bit_identical_and_reports_its_rate(tmp_path):
+    import json
+
+    common = ["--workload", "digits", "--nproc", "2", "--compression", "int8", "--sync",
+              "dynamic:threshold=0.002,check_every=2", "--eval-every", "5"]
+    a, b = _straight_and_resumed(common, tmp_path / "straight", tmp_path / "split")
+    for ra, rb in zip(a["ranks"], b["ranks"]):
+        _assert_equal(ra["sync"], rb["sync"])
+        _assert_equal(ra["model"], rb["model"])
+        _assert_equal(ra["comm"]["residuals"], rb["comm"]["residuals"])
+    sync = json.loads((tmp_path / "straight" / "summary.json").read_text())["sync"]
+    assert sync["mode"].startswith("dynamic") and sync["checks"] == 5 and 0 <= sync["syncs"] <= 5

@@ -1,0 +1,132 @@
+"""``gossip:topology=T``: decentralized SGD, each rank averaging parameters with its neighbours only.
+
+D-PSGD (Lian et al., NeurIPS 2017, https://arxiv.org/abs/1705.09056): after every local optimizer
+step each rank replaces its parameters by the average of its own and those its neighbours sent,
+``x_i <- (x_i + sum_{j in N_in(i)} x_j) / (1 + |N_in(i)|)``. No global collective: a slow or far
+host delays only its neighbours, and each step sends ``degree`` copies of the parameters instead of an
+all-reduce's ``2 (p-1)/p``. The ranks' models differ between steps (they agree in expectation); the
+trainer checkpoints every rank's parameters and optimizer state, as for local SGD.
+
+Topologies (each gives a doubly stochastic mixing matrix, so the average of the ranks' parameters is
+what plain SGD on the average would do, and every rank converges to it):
+
+* ``ring``: the two ring neighbours ``r +- 1`` (one when p = 2); weights ``1/3``.
+* ``torus``: a 2-D torus of ``rows x cols`` ranks (rows the largest divisor of p up to sqrt(p)), up to
+  four neighbours; weights ``1/(degree + 1)`` (uniform degree, so doubly stochastic).
+* ``exp2`` (the default): the one-peer exponential graph of Stochastic Gradient Push (Assran et al.,
+  ICML 2019, https://arxiv.org/abs/1811.10792): at step t rank r sends to ``r + 2^k`` and receives
+  from ``r - 2^k`` (mod p), ``k = t mod ceil(log2 p)``; weights ``1/2``. One peer per step, and
+  after ``log2 p`` steps information from every rank has reached every rank. Each rank receives from
+  exactly one, so the matrix is doubly stochastic and push-sum weights stay 1 (they are not needed).
+* ``random``: a random perfect matching of the ranks per step (the same on every rank, seeded by
+  the step); pairs average, an odd rank out keeps its parameters.
+
+Communication happens after the optimizer step and blocks (point-to-point through
+``torch.distributed``'s ``batch_isend_irecv``, in the mode's own process group); parameters travel
+in fp32: a lossy codec on parameters needs the public copies of compressed gossip (CHOCO-SGD), which
+this mode does not keep, so only ``--compression none`` is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, params_of
+from thinwire.errors import ConfigError
+from thinwire.perf.sync import gossip_step_s
+
+TOPOLOGIES = ("ring", "torus", "exp2", "random")
+
+
+def torus_shape(p: int) -> tuple[int, int]:
+    rows = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
+    return rows, p // rows
+
+
+def neighbours(topology: str, rank: int, world: int, step: int) -> tuple[list[int], list[int]]:
+    """(ranks ``rank`` sends to, ranks it receives from) at ``step``; identical answers on every rank."""
+    if world == 1:
+        return [], []
+    if topology == "ring":
+        peers = sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
+        return peers, peers
+    if topology == "torus":
+        rows, cols = torus_shape(world)
+        r, c = divmod(rank, cols)
+        peers = sorted({((r + dr) % rows) * cols + (c + dc) % cols for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1))}
+                       - {rank})
+        return peers, peers
+    if topology == "exp2":
+        k = step % max(1, math.ceil(math.log2(world)))
+        hop = 2**k
+        return [(rank + hop) % world], [(rank - hop) % world]
+    if topology == "random":
+        perm = torch.randperm(world, generator=torch.Generator().manual_seed(1_000_003 * step + 17)).tolist()
+        where = perm.index(rank)
+        partner = perm[where ^ 1] if (where ^ 1) < world else None
+        return ([partner], [partner]) if partner is not None else ([], [])
+    raise ValueError(f"unknown topology {topology!r}; one of {', '.join(TOPOLOGIES)}")
+
+
+def check_topology(topology: str, world: int) -> None:
+    """Refuse a topology this world size cannot form (a torus needs two rows and two columns)."""
+    if topology == "torus" and torus_shape(world)[0] < 2:
+        raise ConfigError("sync.topology", topology, f"ring, exp2 or random with {world} hosts",
+                          f"A torus needs a world size with two factors >= 2 (4, 6, 8, 9, ...); {world} hosts "
+                          "would form a ring.")
+
+
+def degree(topology: str, world: int) -> int:
+    """Parameter copies a rank sends per step (the most over ranks and steps)."""
+    return max(len(neighbours(topology, r, world, s)[0]) for r in range(world) for s in range(max(1, world)))
+
+
+class Gossip(SyncMode):
+    name = "gossip"
+    diverges = True
+
+    def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, comm, spec)
+        self.topology = spec.topology
+        check_topology(self.topology, comm.wire.world)
+        self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
+        self.steps = 0
+
+    @classmethod
+    def step_s(cls, spec, parts: StepParts) -> float:
+        return gossip_step_s(compute_s=parts.compute_s, allreduce_comm_s=parts.comm_s, hosts=parts.hosts,
+                             degree=degree(spec.topology, max(2, parts.hosts)))
+
+    @classmethod
+    def bytes_per_step(cls, spec, bytes_per_average: int, hosts: int = 2) -> float:
+        """``degree`` copies of the parameters, from one all-reduce's bytes (``2 (p-1)/p`` of them)."""
+        p = max(2, hosts)
+        return bytes_per_average * p / (2 * (p - 1)) * degree(spec.topology, p)
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def after_step(self) -> None:
+        wire = self.comm.wire
+        send_to, recv_from = neighbours(self.topology, wire.rank, wire.world, self.steps)
+        self.steps += 1
+        if not recv_from and not send_to:
+            return
+        flats = self.buckets.flatten(list(self.buckets.params))
+        mixed = []
+        for flat in flats:
+            self.comm.bytes_raw += flat.numel() * flat.element_size()
+            got = wire.exchange(flat, send_to, recv_from)
+            mixed.append(torch.stack([flat, *got]).mean(0) if got else flat)
+        with torch.no_grad():
+            for p, x in zip(self.buckets.params, self.buckets.unflatten(mixed)):
+                p.copy_(x)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.steps = int(sd.get("steps", 0))
