@@ -20,6 +20,7 @@ from pathlib import Path
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec
 from thinwire.errors import ThinwireError
+from thinwire.train.distenv import HOST_CPUS_ENV
 from thinwire.signals import deferred
 from thinwire.train.config import TrainConfig
 
@@ -32,6 +33,7 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
     if not cluster.is_up():
         raise ThinwireError(f"cluster: {spec.name!r} is not up. Start it first: thinwire cluster up {cfg.cluster}")
     hosts = cluster.hosts()
+    cpus = {h.name: h.cpu for h in spec.hosts}  # each host's share: its processes cannot read their cgroup
     if cfg.plan:  # only the hosts the plan trains on
         from thinwire.plan.planfile import read_plan
 
@@ -52,7 +54,8 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
         out = None if i == 0 else open(logs / f"{h.name}.log", "w")
         # a fresh store per rendezvous round (hosted by rank 0's worker): agents count restarts on their
         # own, so a prefix by restart count can differ between hosts after a membership change
-        env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               **({HOST_CPUS_ENV: str(cpus[h.name])} if cpus.get(h.name) else {})}
         procs.append((h, out, h.spawn(argv, env=env,
                                       stdout=out, stderr=subprocess.STDOUT if out else None)))
     _wait(cluster, procs, logs)
