@@ -110,11 +110,12 @@ def show(r: dict, *, as_json: bool = False) -> None:
                   "it a smaller share")
     for q in r["slow_links"]:
         con.print(f"link rank {q['a']} <-> rank {q['b']}: {q['bps'] / 1e6:.0f} Mbit/s, under half the median pair's")
-    t = Table(title="codecs (predicted per step; loss at equal samples not measured here)")
-    for col in ("codec", "step", "speed-up", "MB per rank"):
+    t = Table(title="codecs, tried for a few steps each (loss at equal samples not measured here)")
+    for col in ("codec", "step", "speed-up", "model's", "MB per rank"):
         t.add_column(col, justify="right" if col != "codec" else "left")
     for c in r["codecs"]:
-        t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}")
+        t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x" + ("" if c["source"] == "trial" else " (model)"),
+                  f"{c['model_speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}")
     con.print(t)
     s = Table(title="sync modes (what-if: their loss at equal samples is not predicted)")
     for col in ("sync", "codec", "step", "speed-up"):

@@ -5,7 +5,10 @@ performance model, the model checked against the DDP fp32 step it can be compare
   same per-rank batch (measured on rank 0 just before), is that rank's speed; the slowest sets the pace.
 * **Network**: the measured all-reduce's alpha and beta (the ring's slowest edge, at the efficiency
   the wire really delivers).
-* **Each codec**: :func:`thinwire.perf.model.predict_step` with the codec's own scheme and its costs
+* **Each codec** is judged by its trial (:func:`.probe.codec_trials`: a few real steps with thinwire's
+  hook and the codec): its speed-up is fp32's trial step over its own. The model's price of it is
+  reported beside (``model_speedup``), and used where there was no trial (one rank):
+  :func:`thinwire.perf.model.predict_step` with the codec's own scheme and its costs
   measured on rank 0, then **calibrated on the one step doctor measured both ways**: the DDP fp32 step
   less the step without communication is the communication's measured cost; what of it the model
   does not explain (above all the host CPU a collective uses on a small or busy host, which the model
@@ -15,7 +18,7 @@ performance model, the model checked against the DDP fp32 step it can be compare
 * **Sync modes**, each priced by the class that runs it (:meth:`SyncMode.step_s`) with the best codec
   (gossip, which sends fp32 parameters, with fp32's).
   Their loss at equal samples is not predicted, so they are shown, never recommended.
-* **The recommendation**: the codec with the largest predicted speed-up, when it is at least
+* **The recommendation**: the codec with the largest speed-up, when it is at least
   :data:`WORTH` (5%); otherwise "keep DDP fp32", said plainly. Lossy codecs change the loss at equal
   samples: the recommendation says how to check that (``thinwire profile`` runs the convergence guard
   and ``thinwire plan`` ranks by time to fp32's loss).
@@ -59,12 +62,17 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
         return max(pr.compute_s, pr.step_s + per_byte * pr.bytes_per_rank)
 
     base = calibrated(pn)
+    tried = {c: statistics.median(r["trials"][c] for r in ranks) for c in codecs
+             if all(c in r.get("trials", {}) for r in ranks)}
     rows = []
     for c, pr in preds.items():
-        speedup = base / calibrated(pr)
-        rows.append({"codec": c, "predicted_step_s": ddp / speedup, "model_step_s": pr.step_s, "speedup": speedup,
-                     "uncalibrated_speedup": pn.step_s / pr.step_s, "bytes_per_rank": pr.bytes_per_rank,
-                     "exposed_comm_s": pr.exposed_comm_s})
+        model_speedup = base / calibrated(pr)
+        measured = tried.get(c) if "none" in tried else None
+        speedup = tried["none"] / measured if measured else model_speedup
+        rows.append({"codec": c, "predicted_step_s": measured or ddp / speedup, "speedup": speedup,
+                     "source": "trial" if measured else "model", "model_speedup": model_speedup,
+                     "model_step_s": pr.step_s, "uncalibrated_speedup": pn.step_s / pr.step_s,
+                     "bytes_per_rank": pr.bytes_per_rank, "exposed_comm_s": pr.exposed_comm_s})
     rows.sort(key=lambda r: -r["speedup"])
     best = rows[0]
     pb = preds[best["codec"]]
@@ -100,13 +108,14 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
 def _recommend(worth: bool, best: dict, comm_share: float, workload: str) -> dict:
     if not worth:
         return {"action": "keep", "codec": "none",
-                "why": f"communication is {comm_share:.0%} of the step and no codec is predicted to make it more than "
+                "why": f"communication is {comm_share:.0%} of the step and no codec makes it more than "
                        f"{WORTH - 1:.0%} faster: nothing thinwire offers will help this job here; keep DDP fp32",
                 "command": None}
     c = best["codec"]
+    how = "in its trial" if best["source"] == "trial" else "by the model"
     return {"action": "compress", "codec": c, "speedup": best["speedup"],
-            "why": f"communication is {comm_share:.0%} of the step; {c} is predicted {best['speedup']:.2f}x faster per "
-                   "step than DDP fp32. Its loss at equal samples is not measured here: `thinwire profile` runs the "
+            "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step than "
+                   f"DDP fp32 ({how}). Its loss at equal samples is not measured here: `thinwire profile` runs the "
                    "convergence guard and `thinwire plan` ranks codecs by time to fp32's loss",
             "command": f"thinwire train --workload {workload} --compression {c}",
             "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}

@@ -4,6 +4,7 @@ agent (or the user's torchrun, through ``thinwire doctor`` itself). Every rank m
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -27,7 +28,9 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
     """Measure on every rank, advise on rank 0; rank 0 returns the report (written to ``out``)."""
     from thinwire.compress.spec import default_candidates
     from thinwire.doctor.advise import advise
-    from thinwire.doctor.probe import allreduce, pairs, step_times
+    from thinwire.doctor.probe import allreduce, codec_trials, pairs, step_times
+    from thinwire.precision.setup import sample_from
+    from thinwire.workloads.base import collate
     from thinwire.measure.run import profile_workload
     from thinwire.train.distenv import device_for, init, read_env, set_threads
     from thinwire.train.loop import check_batch
@@ -42,6 +45,7 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
     try:
         torch.manual_seed(cfg.seed)
         wl = build_workload(cfg.workload, cfg.model, cfg.data)
+        pristine = copy.deepcopy(wl.model)  # each codec's trial starts from its own copy
         batch = cfg.batch_size or wl.batch_size
         check_batch(batch, env.world)
         per_rank = batch // env.world
@@ -50,13 +54,17 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
         log.info("doctor: probing the all-reduce and every pair of ranks")
         net = allreduce(steps["grad_bytes"], device)
         links = pairs(steps["grad_bytes"], device) if env.world > 1 else []
+        codecs = default_candidates()
+        log.info("doctor: trying each codec for a few steps: %s", ", ".join(codecs))
+        batch = sample_from(wl.train, collate, device, cfg.seed + env.rank)(per_rank)
+        trials = codec_trials(lambda: copy.deepcopy(pristine), wl.loss, batch, codecs, device,
+                              bucket_mb=cfg.bucket_mb) if env.world > 1 else {}
         log.info("doctor: measuring the codecs' costs and the model's buckets")
         # on every rank at once: the profile wraps the model in DDP, whose constructor is a collective
-        codecs = default_candidates()
         prof = profile_workload(workload=cfg.workload, model=cfg.model, data=cfg.data, batch_sizes=[per_rank],
                                 bucket_mb=cfg.bucket_mb, threads=torch.get_num_threads(), codecs=list(codecs), reps=5,
                                 corun=False, guard_steps=0)
-        mine = {"rank": env.rank, "host": socket.gethostname(), **steps}
+        mine = {"rank": env.rank, "host": socket.gethostname(), **steps, "trials": trials}
         ranks: list = [None] * env.world
         dist.all_gather_object(ranks, mine)
         report = None
