@@ -10,14 +10,12 @@ import math
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-import thinwire
 from thinwire.compress.sync.gossip import TOPOLOGIES, degree, neighbours
 from thinwire.errors import ConfigError
 from thinwire.syncspec import parse_sync_spec
 from tests.distributed import run_ranks
-from tests.test_sync import LR, STEPS, _assert_equal, _data, _grads_one, _loss, _net, _sgd, _straight_and_resumed
+from tests.test_sync import STEPS, _assert_equal, _grads_one, _net, _sgd, _straight_and_resumed, _train
 
 
 def mixing(topology: str, world: int, step: int) -> torch.Tensor:
@@ -51,26 +49,9 @@ def test_exp2_spreads_every_rank_to_every_rank_in_log2_p_steps():
         torch.testing.assert_close(product, torch.full((world, world), 1 / world, dtype=torch.float64))
 
 
-def _train(rank: int, world: int, mode: str) -> dict:
-    ddp = DistributedDataParallel(_net())
-    sync = thinwire.sync(ddp, mode, codec="none")
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    sent = []
-    for step in range(STEPS):
-        before = sync.comm.wire.bytes_sent
-        x, y = _data(step, rank)
-        with sync.no_sync():
-            _loss(ddp, x, y).backward()
-        sync.step(opt)
-        opt.zero_grad(set_to_none=True)
-        sent.append(sync.comm.wire.bytes_sent - before)
-    sync.close()
-    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent}
-
-
 @pytest.mark.parametrize("topology", ["ring", "exp2", "random"])
 def test_four_ranks_equal_local_sgd_then_neighbour_averages(topology):
-    out = run_ranks(_train, 4, f"gossip:topology={topology}")
+    out = run_ranks(_train, 4, f"gossip:topology={topology}", "none")
     ws = [_net().state_dict() for _ in range(4)]
     for step in range(STEPS):
         ws = [_sgd(w, _grads_one(w, step, r)) for r, w in enumerate(ws)]
@@ -87,8 +68,8 @@ def test_four_ranks_equal_local_sgd_then_neighbour_averages(topology):
 def test_gossip_on_a_complete_graph_equals_all_reduce_averaging():
     """Two ranks are each other's only neighbour: every step ends with both at the exact average, as
     local SGD averaging after every step (an all-reduce)."""
-    gossip = run_ranks(_train, 2, "gossip:topology=ring")
-    allreduce = run_ranks(_train, 2, "local:period=1,warmup=0")
+    gossip = run_ranks(_train, 2, "gossip:topology=ring", "none")
+    allreduce = run_ranks(_train, 2, "local:period=1,warmup=0", "none")
     for r in range(2):
         for k in gossip[r]["params"]:
             torch.testing.assert_close(gossip[r]["params"][k], allreduce[r]["params"][k], rtol=1e-6, atol=1e-7)
@@ -134,11 +115,11 @@ def test_resume_is_bit_identical_through_the_trainer(tmp_path):
 
 # -- dynamic averaging ------------------------------------------------------------------------------
 def test_dynamic_never_averages_below_its_threshold_and_always_above_it():
-    never = run_ranks(_train, 2, "dynamic:threshold=9,check_every=2")
+    never = run_ranks(_train, 2, "dynamic:threshold=9,check_every=2", "none")
     assert not all(torch.equal(never[0]["params"][k], never[1]["params"][k]) for k in never[0]["params"])
     assert never[0]["sent"] == [0, 1, 0, 1, 0, 1]  # a one-byte vote every 2 steps, nothing else
-    always = run_ranks(_train, 2, "dynamic:threshold=1e-9,check_every=2")
-    local = run_ranks(_train, 2, "local:period=2,warmup=0")
+    always = run_ranks(_train, 2, "dynamic:threshold=1e-9,check_every=2", "none")
+    local = run_ranks(_train, 2, "local:period=2,warmup=0", "none")
     for r in range(2):
         for k in local[r]["params"]:
             torch.testing.assert_close(always[r]["params"][k], local[r]["params"][k], rtol=0, atol=0)
