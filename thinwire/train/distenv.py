@@ -97,8 +97,9 @@ def available_cores(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs
     """Cores this process may use: its CPU affinity, capped by a CPU quota, the emulated host's
     (:data:`HOST_CPUS_ENV`) or its cgroup's (``cpu.max``, or v1's ``cpu.cfs_quota_us``: what
     ``docker --cpus`` and Kubernetes' CPU limits set). PyTorch's default, ``os.cpu_count()``, ignores
-    the quota: two threads in half a core of quota were 34% slower per step than one on charlm
-    (emulated host at 0.5 core: 153 ms against 114 ms), as each thread's share is throttled in turn."""
+    the quota: two threads in half a core of quota made charlm's step 26% slower than one
+    (benchmarks/results/threads_quota.md: 139.9 against 110.9 ms, 3 seeds interleaved), as the
+    threads' share of the quota is throttled in turn."""
     n = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     given = os.environ.get(HOST_CPUS_ENV)
     try:
