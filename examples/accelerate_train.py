@@ -66,6 +66,7 @@ def main():
         s = comm.stats()
         print(f"val accuracy {acc:.3f}; {s['bytes_sent'] / 1e6:.2f} MB sent for {s['bytes_raw'] / 1e6:.2f} MB "
               f"averaged ({args.codec}{', ' + args.sync if args.sync else ''}); world {accelerator.num_processes}")
+    accelerator.wait_for_everyone()  # leave together: gloo torn down while a peer still talks can abort
     accelerator.end_training()
 
 

@@ -41,6 +41,7 @@ def main() -> None:
         print(f"final loss {loss.item():.4f}; {s['bytes_sent'] / 1e6:.2f} MB sent for {s['bytes_raw'] / 1e6:.2f} MB "
               f"of gradients ({args.codec}); world {world}")
     state.close()
+    dist.barrier()  # leave together: gloo torn down while a peer still talks can abort
     dist.destroy_process_group()
 
 

@@ -48,6 +48,7 @@ def main() -> None:
         print(f"{args.sync}: held-out loss {loss.item():.4f} on rank 0; {s['bytes_sent'] / 1e6:.2f} MB sent "
               f"({args.codec}); world {world}")
     mode.close()
+    dist.barrier()  # leave together: gloo torn down while a peer still talks can abort
     dist.destroy_process_group()
 
 

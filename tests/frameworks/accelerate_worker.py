@@ -42,6 +42,7 @@ def main():
         opt.step()
     accelerator.save_state(f"{a.out}/state")
     torch.save({"state": comm.state_dict(), "stats": comm.stats()}, f"{a.out}/end_rank{rank}.pt")
+    accelerator.wait_for_everyone()  # leave together: gloo torn down while a peer still talks aborts
     accelerator.end_training()
 
 
