@@ -132,6 +132,7 @@ def _worker(args: argparse.Namespace) -> None:
         times.append(per_rep)
     if args.rank == 0:
         print(json.dumps({"times": times}), flush=True)
+    dist.barrier()  # leave together: gloo torn down while a peer still talks can abort
     dist.destroy_process_group()
 
 
