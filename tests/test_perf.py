@@ -227,6 +227,37 @@ def test_predict_step_by_hand():
     assert slow.step_s == pytest.approx(1.2) and slow.compute_s == pytest.approx(1.2)  # the quarter-core host
 
 
+def test_collective_host_cpu_sets_the_pace_on_fast_links_and_takes_backward_time_on_a_busy_core():
+    # one 4 MB bucket ready at the end of backward, 2 ranks (4 MB sent each), 2 ns of host CPU per byte
+    net = lambda rate, cpu: Network(alpha_s=0.0, beta_s_per_byte=8 / rate, cpu_s_per_byte=cpu)
+    one = [Bucket(numel=1_000_000, ready_frac=1.0)]
+    comp = Compute(pre_s=0.0, backward_s=0.1, post_s=0.0)
+    codec = _fake("none", lambda n: 4 * n)
+    step = lambda rate, cpu, speeds, **kw: predict_step(buckets=one, compute=comp, speeds=speeds,
+                                                        network=net(rate, cpu), codec=codec, **kw)
+    assert step(100e9, 0.0, [1.0, 1.0]).comm_s == pytest.approx(4e6 * 8 / 100e9)
+    assert step(100e9, 2e-9, [1.0, 1.0]).comm_s == pytest.approx(8e-3)        # the CPU, not the 0.32 ms wire
+    assert step(100e9, 2e-9, [1.0, 0.5]).comm_s == pytest.approx(16e-3)       # on a half-speed host
+    assert step(100e6, 2e-9, [1.0, 0.5]).comm_s == pytest.approx(0.32)        # hidden under a slow wire
+    # a bucket ready halfway through backward on a host with no core to spare: its 16 ms of CPU delay backward
+    half = [Bucket(numel=1_000_000, ready_frac=0.5)]
+    busy = predict_step(buckets=half, compute=comp, speeds=[1.0, 0.5], network=net(100e6, 2e-9), codec=codec,
+                        codec_steals_compute=True)
+    assert busy.timeline.backward_s == pytest.approx(0.2 + 0.016)
+    free = predict_step(buckets=half, compute=comp, speeds=[1.0, 0.5], network=net(100e6, 2e-9), codec=codec)
+    assert free.timeline.backward_s == pytest.approx(0.2)
+
+
+def test_collective_cpu_probe_measures_a_plausible_per_byte_cost():
+    from thinwire.measure.collective import collective_cpu, per_byte
+
+    assert per_byte([1 << 20, 16 << 20], [0.001, 0.016]) == pytest.approx(0.015 / (15 << 20))
+    got = collective_cpu(reps=2, timeout=120)
+    # two local ranks over loopback: a few hundred MB/s at worst, some tens of GB/s at best
+    assert 1e-11 < got["per_byte_s"] < 1e-8, got
+    assert got["times_s"][1] > got["times_s"][0]
+
+
 def test_scheme_dispatch_and_bytes():
     net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
     n = 1_000_000

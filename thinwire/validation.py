@@ -88,7 +88,7 @@ def scaled_spec(spec: ClusterSpec, p: int) -> ClusterSpec:
     data = spec_to_dict(spec)
     data["hosts"] = [dataclasses.asdict(h) for h in hosts]
     digest = hashlib.sha1(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:6]
-    data.update(name=f"val-{spec.name[:12]}-{p}-{digest}", subnet=SUBNET if p < 250 else "10.231.0.0/16")
+    data.update(name=f"val-{spec.name[:24 - 12 - len(str(p))]}-{p}-{digest}", subnet=SUBNET if p < 250 else "10.231.0.0/16")
     from thinwire.config import from_dict
 
     return from_dict(ClusterSpec, data, where="")

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth (root)")
     p.add_argument("--no-corun", dest="corun", action="store_false",
-                   help="skip measuring the step with every core busy (needed to simulate an emulated cluster)")
+                   help="skip measuring the step with every core busy (needed to simulate an emulated cluster) "
+                        "and the host CPU of an all-reduce")
     p.add_argument("--guard-steps", type=int,
                    help="steps of each codec's convergence-guard run against fp32, from the workload's initial "
                         "weights at the largest batch (default 60, thinwire.measure.convergence.GUARD_STEPS; 0 skips "
@@ -117,6 +118,9 @@ def _show(prof, path: Path) -> None:
         console.print("n copies of the step at once each run at " +
                       ", ".join(f"{v:.2f} (n={k})" for k, v in prof.corun_speed.items()) +
                       f" of their fair share min(1, {prof.machine.get('cores', '?')}/n) of one copy's speed alone")
+    if prof.collective_cpu_s_per_byte:
+        console.print(f"an all-reduce's host CPU: {prof.collective_cpu_s_per_byte * 1e9:.2f} ns per byte sent "
+                      f"(one core: {8 / prof.collective_cpu_s_per_byte / 1e9:.1f} Gbit/s at most)")
     if prof.network:
         n = prof.network
         console.print(f"network: alpha {n.alpha_s * 1e6:.0f} us, {n.measured_bps / 1e6:.1f} of "

@@ -18,6 +18,7 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
       - {numel: 443008, ready_frac: 1.0, params: [12, 11, ...], shapes: [[256, 128], ...]}
     corun_speed: {"2": 0.83, "3": 0.8, "4": 0.78}  # n copies at once: each one's speed over its fair
                                  # share min(1, cores/n) of one copy alone (n > cores: time-sharing)
+    collective_cpu_s_per_byte: 1.1e-9  # host CPU of a gloo all-reduce per byte a rank sends (2 local ranks)
     kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
     codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002,
              convergence: {factor: 1.0, loss: 2.31, reference_loss: 2.31, steps: 60, world: 4}}, ...}
@@ -156,6 +157,7 @@ class Profile:
     activation_bytes_per_sample: float = 0.0
     buckets: list[BucketRecord]
     corun_speed: dict[str, float] = dataclasses.field(default_factory=dict)  # copies -> speed of each / fair share
+    collective_cpu_s_per_byte: float = 0.0  # 0: not measured (thinwire.measure.collective)
     kernels: dict[str, Cost] = dataclasses.field(default_factory=dict)
     codecs: dict[str, CodecCost] = dataclasses.field(default_factory=dict)
     sync: dict[str, ConvergenceRecord] = dataclasses.field(default_factory=dict)  # the guard's sync modes (delayed)
@@ -171,6 +173,7 @@ class Profile:
         check_range("parameters", self.parameters, 0, 2**62, kind="an integer")
         for name in ("flops_per_sample", "achieved_flops", "activation_bytes_per_sample"):
             check_range(name, getattr(self, name), 0, 1e30)
+        check_range("collective_cpu_s_per_byte", self.collective_cpu_s_per_byte, 0, 1e-3)
         for copies, speed in self.corun_speed.items():
             check_range(f"corun_speed.{copies}", speed, 0, 100, open_lo=True)
 

@@ -3,7 +3,8 @@
 Steps: (1) the training step at each per-rank batch size, in DDP on one rank, with the bucket
 layout and each bucket's readiness (:mod:`.compute`); (2) FLOPs and saved-activation bytes per
 sample; (3) how fast the step runs when all cores are busy at once, and when up to twice as many
-single-thread copies as cores time-share them (:mod:`.corun`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
+single-thread copies as cores time-share them (:mod:`.corun`), and the host CPU of a gloo all-reduce
+per byte between two local ranks (:mod:`.collective`); (4) the codecs' encode/decode cost and the schemes' elementwise kernels at the workload's
 bucket sizes (:mod:`.codec_costs`), and each codec's relative error with error feedback on the workload's
 own gradients over a few steps (:func:`.codec_costs.ef_errors`); (5) with ``guard_steps``, the convergence
 guard: each codec's sample factor against fp32 from short runs of the workload from its initial weights
@@ -92,6 +93,11 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             speed = measure_corun(workload=workload, model=dict(model or {}), data=data, batch=b0,
                                   threads=threads, n=n)
             corun_speed[str(n)] = speed / min(1.0, cores / n)
+    collective_cpu = 0.0
+    if corun and cores > 1:  # two ranks, each on a core of its own
+        from thinwire.measure.collective import collective_cpu as measure_collective
+
+        collective_cpu = measure_collective()["per_byte_s"]
     numels = [bk.numel for bk in buckets]
     sizes = sizes_for(numels)
     return Profile(
@@ -100,7 +106,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         compute=points, flops_per_sample=flops,
         achieved_flops=flops * b0 / (points[0].forward_s + points[0].backward_s),
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
-        kernels=measure_kernels(sizes, reps),
+        collective_cpu_s_per_byte=collective_cpu, kernels=measure_kernels(sizes, reps),
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
         network=network)

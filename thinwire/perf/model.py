@@ -12,7 +12,8 @@ and the codec work before and after the last of them, as (kernel, fp32 bytes, ti
 prices them: wire seconds from the collectives, codec seconds from the measured kernel costs.
 
 Collective times are the alpha-beta formulas of :mod:`thinwire.perf.collectives` (gloo runs ring
-all-reduce and ring all-gather). Codec seconds are ``fixed + per_byte * bytes`` measured on one
+all-reduce and ring all-gather), or the host CPU they use (``Network.cpu_s_per_byte`` per byte sent,
+at the host's speed) where that is slower. Codec seconds are ``fixed + per_byte * bytes`` measured on one
 core, divided by the codec's speed. The step is the overlap timeline of
 :mod:`thinwire.perf.timeline` on the slowest host (:mod:`thinwire.perf.straggler`).
 
@@ -112,10 +113,13 @@ class Compute:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Network:
-    """The ring's latency per message (s) and pace (s/byte, the slowest edge's)."""
+    """The ring's latency per message (s) and pace (s/byte, the slowest edge's); ``cpu_s_per_byte``:
+    the host CPU a collective uses per byte a rank sends, at speed 1 (copies through the TCP stack,
+    the reduction; :mod:`thinwire.measure.collective`)."""
 
     alpha_s: float
     beta_s_per_byte: float
+    cpu_s_per_byte: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +128,11 @@ class BucketCost:
     scheme: str
     collectives: tuple[tuple[str, int], ...]  # (all-reduce | all-gather | all-to-all, size argument in bytes)
     bytes_sent: int                           # per rank, as thinwire's Wire counts it
-    comm_s: float
+    comm_s: float                             # the collectives: the wire or the host CPU, whichever is slower
     encode_s: float                           # codec work before the last collective
     decode_s: float                           # codec work after it
     residual_values: int = 0                  # fp32 entries error feedback keeps for this bucket
+    comm_cpu_s: float = 0.0                   # host CPU the collectives use (within comm_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +172,11 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     """Bytes, wire seconds and codec seconds of one bucket (see the module docstring)."""
     t = codec.traffic(index, numel, p)
     ops = tuple(t.collectives)
-    comm = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
+    wire = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
+    cpu = t.bytes_sent * network.cpu_s_per_byte / codec_speed if p > 1 else 0.0
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
-    return BucketCost(numel, t.scheme, ops, t.bytes_sent, comm, before / codec_speed, after / codec_speed, t.residual_values)
+    return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu), before / codec_speed, after / codec_speed,
+                      t.residual_values, cpu)
 
 
 def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[float], network: Network,
@@ -180,8 +187,12 @@ def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequenc
     ``codec``: one model for every bucket, or one per bucket (a per-bucket plan such as ``auto``'s).
 
     The slowest host sets the compute (its backward decides when each bucket is ready); its
-    expected noise ``std_s * z_p`` delays the step; codec work runs at ``codec_speed`` (default: the
-    slowest host's speed, at most 1: the communication thread is single-threaded).
+    expected noise ``std_s * z_p`` delays the step; codec work and the collectives' host CPU run at
+    ``codec_speed`` (default: the slowest host's speed, at most 1: the communication thread is
+    single-threaded). A collective lasts the longer of its wire time and its host CPU time (the
+    two are pipelined: the kernel copies one segment while the link carries the previous one).
+    With ``codec_steals_compute`` (no core to spare) codec work and the collectives' CPU that run
+    during backward delay it.
     """
     p = len(speeds)
     if p < 1 or min(speeds) <= 0:
@@ -197,7 +208,7 @@ def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequenc
     timeline = overlap_timeline(
         ready_s=[min(1.0, max(0.0, b.ready_frac)) * backward for b in buckets],
         comm_s=[c.comm_s for c in costs], encode_s=[c.encode_s for c in costs],
-        decode_s=[c.decode_s for c in costs], backward_s=backward,
+        decode_s=[c.decode_s for c in costs], comm_cpu_s=[c.comm_cpu_s for c in costs], backward_s=backward,
         pre_s=compute.pre_s / slow + noise, post_s=compute.post_s / slow,
         codec_steals_compute=codec_steals_compute)
     return StepPrediction(p=p, timeline=timeline, buckets=costs, compute_s=compute.total_s / slow, noise_s=noise)

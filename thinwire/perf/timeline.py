@@ -16,9 +16,9 @@ decode time lie on that path. Then::
     step = pre + max(backward end, last bucket done) + post
 
 with ``pre`` the data loading and forward, ``post`` the gradient clip and optimizer step. When the
-host has no core to spare for the communication thread (``codec_steals_compute``), codec work that
-runs while backward is still going pushes the rest of backward back by its own duration (one core,
-two threads: the CPU time adds up).
+host has no core to spare for the communication thread (``codec_steals_compute``), codec work and
+the collectives' own host CPU that run while backward is still going push the rest of backward back
+by their duration (one core, two threads: the CPU time adds up).
 
 Example: two buckets ready at 0.1 s and 0.2 s of a 0.2 s backward, 0.15 s of communication each::
 
@@ -100,19 +100,22 @@ class Timeline:
 
 def overlap_timeline(*, ready_s: Sequence[float], comm_s: Sequence[float], backward_s: float,
                      encode_s: Sequence[float] | None = None, decode_s: Sequence[float] | None = None,
-                     pre_s: float = 0.0, post_s: float = 0.0, codec_steals_compute: bool = False) -> Timeline:
+                     comm_cpu_s: Sequence[float] | None = None, pre_s: float = 0.0, post_s: float = 0.0,
+                     codec_steals_compute: bool = False) -> Timeline:
     """Simulate the buckets of one step in DDP order (see the module docstring).
 
     ``ready_s[i]``: seconds after backward starts when bucket ``i``'s last gradient is ready (in a
     multi-host job, on the slowest host); ``comm_s``/``encode_s``/``decode_s``: its time on the wire
-    and in the codec. Returns the :class:`Timeline`.
+    and in the codec; ``comm_cpu_s[i]``: the host CPU its collectives use while on the wire (stolen
+    from backward like codec work). Returns the :class:`Timeline`.
     """
     n = len(ready_s)
     encode_s = list(encode_s) if encode_s is not None else [0.0] * n
     decode_s = list(decode_s) if decode_s is not None else [0.0] * n
-    if not (len(comm_s) == len(encode_s) == len(decode_s) == n):
-        raise ValueError(f"ready_s, comm_s, encode_s and decode_s need one entry per bucket, got lengths "
-                         f"{n}, {len(comm_s)}, {len(encode_s)}, {len(decode_s)}")
+    comm_cpu_s = list(comm_cpu_s) if comm_cpu_s is not None else [0.0] * n
+    if not (len(comm_s) == len(encode_s) == len(decode_s) == len(comm_cpu_s) == n):
+        raise ValueError(f"ready_s, comm_s, encode_s, decode_s and comm_cpu_s need one entry per bucket, got lengths "
+                         f"{n}, {len(comm_s)}, {len(encode_s)}, {len(decode_s)}, {len(comm_cpu_s)}")
     if backward_s < 0 or any(r < 0 or r > backward_s + 1e-12 for r in ready_s):
         raise ValueError(f"ready times must lie in [0, backward_s={backward_s}], got {list(ready_s)}")
     steals: list[tuple[float, float]] = []  # (when, seconds) of codec work that ran during backward
@@ -121,6 +124,7 @@ def overlap_timeline(*, ready_s: Sequence[float], comm_s: Sequence[float], backw
         ready = _shifted(ready_s[i], steals)
         start = max(ready, link_free)
         end = _steal(start, encode_s[i], end, steals, codec_steals_compute)
+        end = _steal(start + encode_s[i], comm_cpu_s[i], end, steals, codec_steals_compute)
         decode_at = start + encode_s[i] + comm_s[i]
         end = _steal(decode_at, decode_s[i], end, steals, codec_steals_compute)
         spans.append(BucketSpan(i, ready, start, encode_s[i], comm_s[i], decode_s[i]))

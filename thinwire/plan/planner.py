@@ -200,7 +200,8 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                  compute=compute_fn(profile, opts), codecs=codecs,
                  links={l.pair: l.bandwidth for l in spec.links}, alpha_s=alpha,
                  efficiency=inputs.efficiency_of(profile), batch=opts.batch_size,
-                 threads=opts.threads or profile.threads, min_gain=opts.min_gain, factors=factors)
+                 threads=opts.threads or profile.threads, min_gain=opts.min_gain, factors=factors,
+                 cpu_s_per_byte=profile.collective_cpu_s_per_byte)
     return pb, notes
 
 

@@ -75,6 +75,7 @@ class Problem:
     alpha_s: float
     efficiency: float
     batch: int
+    cpu_s_per_byte: float = 0.0          # a collective's host CPU per byte sent, at speed 1
     threads: int = 1
     min_gain: float = 0.02
     factors: dict[str, float] = dataclasses.field(default_factory=dict)  # codec -> sample factor (absent: 1)
@@ -131,15 +132,17 @@ class Scored:
 def ring_network(pb: Problem, idx: Sequence[int]) -> Network:
     hs = [pb.hosts[i] for i in idx]
     rates = coll.ring_edge_rates([h.bandwidth for h in hs], [h.group for h in hs], pb.links)
-    return Network(alpha_s=pb.alpha_s, beta_s_per_byte=coll.ring_beta(rates, pb.efficiency))
+    return Network(alpha_s=pb.alpha_s, beta_s_per_byte=coll.ring_beta(rates, pb.efficiency),
+                   cpu_s_per_byte=pb.cpu_s_per_byte)
 
 
-def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int]:
-    """(encode, wire, decode seconds, bytes the busiest rank sends, of which through the codec) of bucket ``i``."""
+def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int, float]:
+    """(encode, wire, decode seconds, bytes the busiest rank sends, of which through the codec, the
+    collectives' host CPU seconds) of bucket ``i``."""
     n, codec = pb.buckets[i].numel, pb.codecs[lay.codecs[i]]
     if lay.groups is None:
         c = bucket_cost(codec, i, n, len(lay.hosts), ring_network(pb, lay.hosts), codec_speed)
-        return c.encode_s, c.comm_s, c.decode_s, c.bytes_sent, c.bytes_sent
+        return c.encode_s, c.comm_s, c.decode_s, c.bytes_sent, c.bytes_sent, c.comm_cpu_s
     intra = bcast = 0.0
     intra_bytes = 0
     for g in lay.groups:
@@ -150,7 +153,8 @@ def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float
             intra_bytes = max(intra_bytes, 2 * (len(g) - 1) * 4 * n // len(g) + (len(g) - 1) * 4 * n)
     leaders = [g[0] for g in lay.groups]
     c = bucket_cost(codec, i, n, len(leaders), ring_network(pb, leaders), codec_speed)
-    return c.encode_s, intra + c.comm_s + bcast, c.decode_s, intra_bytes + c.bytes_sent, c.bytes_sent
+    cpu = intra_bytes * pb.cpu_s_per_byte / codec_speed + c.comm_cpu_s
+    return c.encode_s, intra + c.comm_s + bcast, c.decode_s, intra_bytes + c.bytes_sent, c.bytes_sent, cpu
 
 
 def score(pb: Problem, lay: Layout) -> Scored:
@@ -166,9 +170,9 @@ def score(pb: Problem, lay: Layout) -> Scored:
     codec_speed = min(1.0, min(pb.hosts[h].speed for h in coders))
     steals = min(pb.hosts[h].cores for h in coders) < pb.threads + 1
     costs = [_bucket(pb, lay, i, codec_speed) for i in range(len(pb.buckets))] if len(lay.hosts) > 1 else \
-        [(0.0, 0.0, 0.0, 0, 0)] * len(pb.buckets)
+        [(0.0, 0.0, 0.0, 0, 0, 0.0)] * len(pb.buckets)
     tl = overlap_timeline(ready_s=ready, comm_s=[c[1] for c in costs], encode_s=[c[0] for c in costs],
-                          decode_s=[c[2] for c in costs], backward_s=end, pre_s=max(std) * blom_z(len(lay.hosts)),
+                          decode_s=[c[2] for c in costs], comm_cpu_s=[c[5] for c in costs], backward_s=end, pre_s=max(std) * blom_z(len(lay.hosts)),
                           post_s=max(post), codec_steals_compute=steals)
     compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
     factor = max((pb.factors.get(c, 1.0) for c in set(lay.codecs)), default=1.0) if len(lay.hosts) > 1 else 1.0

@@ -15,7 +15,7 @@ plain values and callables):
   also run at the profile's measured ``corun_speed`` (:func:`thinwire.perf.straggler.corun_factor`).
 * **Network**: the ring's pace is its slowest edge (:func:`thinwire.perf.collectives.ring_edge_rates`),
   at the profile's measured efficiency and latency (defaults when it has no network probe: TCP's
-  1448/1514 payload share and 100 us).
+  1448/1514 payload share and 100 us), and the profile's measured host CPU per byte of a collective.
 * **Compute**: the profile's phases at the per-rank batch, the measured point when there is one,
   else the line in the batch size through the measured points (slope >= 0).
 * **Codec**: the traffic its own scheme states (:mod:`thinwire.compress.schemes`: collectives,
@@ -97,7 +97,8 @@ def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile) -> 
     efficiency = efficiency_of(profile)
     alpha = net.alpha_s if net else DEFAULT_ALPHA_S
     latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
-    return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency))
+    return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency),
+                   cpu_s_per_byte=profile.collective_cpu_s_per_byte)
 
 
 def compute_at(profile: Profile, batch: float) -> Compute:

@@ -1,0 +1,107 @@
+"""Measure the host CPU a collective uses: seconds per byte a rank sends, at the profile's speed 1.
+
+A gloo all-reduce is not only wire time: every byte is copied into and out of the socket (the
+kernel's TCP stack), and every received chunk is summed, all on the host's CPU. On a fast link and
+a slow or CPU-capped host that CPU sets the pace; on a slow link it hides under the wire but still
+takes cycles from a host that has no core to spare. Measured on the development VM's emulated
+cluster (4 hosts, 16 MiB): 3.6 Gbit/s of bus bandwidth at half a core per host and 2.4 Gbit/s at a
+quarter, on 10 Gbit/s links, while 1 Gbit/s links ran at 95% of their rate whatever the quota.
+
+Here two processes on this machine (one thread each, gloo over loopback, nothing listening beyond
+it) all-reduce a small and a large fp32 tensor; each rep after a barrier, the slower rank's time, the
+fastest of ``reps`` kept. Loopback has no wire to speak of, so the slope between the two sizes is
+the CPU's: ``per_byte = (t_large - t_small) / (bytes_sent_large - bytes_sent_small)`` with
+``bytes_sent = 2 (p-1)/p * n`` (one byte per byte on two ranks). The model charges
+``bytes_sent * per_byte / speed`` on the slowest host (:mod:`thinwire.perf.model`).
+
+Run as a module it is one rank: ``python -m thinwire.measure.collective --rank R ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = (1 << 20, 16 << 20)  # bytes of fp32 all-reduced: a small and a large message
+WORLD = 2
+
+
+def _rank(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(args.store, WORLD)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=WORLD)
+    try:
+        best = []
+        for size in SIZES:
+            x = torch.ones(size // 4)
+            dist.all_reduce(x)  # warm-up: connections, buffers
+            times = []
+            for _ in range(args.reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times.append(dt.item())
+            best.append(min(times))
+        dist.barrier()  # leave together: gloo torn down while a peer still talks can abort
+    finally:
+        dist.destroy_process_group()
+    if args.rank == 0:
+        print(json.dumps({"sizes": list(SIZES), "times_s": best}), flush=True)
+
+
+def per_byte(sizes: list[int], times: list[float], p: int = WORLD) -> float:
+    """CPU seconds per byte a rank sends, from the small and the large all-reduce (module docstring)."""
+    (n0, n1), (t0, t1) = sizes, times
+    f = 2 * (p - 1) / p
+    return max(0.0, (t1 - t0) / (f * (n1 - n0)))
+
+
+def collective_cpu(reps: int = 5, timeout: float = 120.0) -> dict:
+    """``{"per_byte_s", "sizes", "times_s"}``: the host CPU of a gloo ring all-reduce (module docstring)."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)  # as thinwire.train.launch's workers
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+               **({"GLOO_SOCKET_IFNAME": loopback} if loopback else {})}
+        cmd = [sys.executable, "-m", "thinwire.measure.collective", "--store", store, "--reps", str(reps)]
+        procs = []
+        try:
+            procs += [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=env) for r in range(WORLD)]
+            deadline = time.monotonic() + timeout
+            outs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+        finally:  # timeout, error or stop signal: no rank outlives the measurement
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"the collective CPU probe failed (exit {p.returncode}): {err.strip()[-800:]}")
+    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    return {"per_byte_s": per_byte(result["sizes"], result["times_s"]), **result}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--reps", type=int, default=5)
+    _rank(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
