@@ -1,4 +1,4 @@
-"""``thinwire cluster up|down|status|exec|bench|link SPEC``: the emulated cluster on this machine.
+"""``thinwire cluster up|down|status|exec|bench|link|kill|restore SPEC``: the emulated cluster on this machine.
 
 Thin wrappers over :mod:`thinwire.cluster.emulator` and :mod:`thinwire.cluster.bench`. Each command
 function takes the parsed namespace and returns the process exit code; user mistakes surface as
@@ -46,6 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     ln = command("link", cmd_link, "take a host's link down or up (fault tests)")
     ln.add_argument("host")
     ln.add_argument("state", choices=["up", "down"])
+    kl = command("kill", cmd_kill, "a host dies: its link down, its processes killed (`restore` brings it back)")
+    kl.add_argument("host")
+    rs = command("restore", cmd_restore, "bring a killed host back; a `train --min-hosts` job starts on it again")
+    rs.add_argument("host")
     return p
 
 
@@ -122,6 +126,18 @@ def cmd_link(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     cluster.set_link(args.host, args.state == "up")
     Console().print(f"{args.host}: link {args.state}")
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    _cluster(args).kill_host(args.host)
+    Console().print(f"{args.host}: killed (link down, processes gone); `thinwire cluster restore` brings it back")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    _cluster(args).restore_host(args.host)
+    Console().print(f"{args.host}: restored (link up)")
     return 0
 
 

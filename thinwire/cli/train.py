@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import math
 from pathlib import Path
 
 from thinwire.errors import ConfigError, ThinwireError
@@ -41,6 +42,9 @@ def add_parser(sub) -> None:
                         "horizon of the run's first start)")
     p.add_argument("--nproc", type=int, help="local worker processes (default 1)")
     p.add_argument("--max-restarts", type=int, help="restart all workers up to K times after a failure")
+    p.add_argument("--min-hosts", type=int, help="with --cluster: go on while at least this many hosts are left; "
+                   "a host that leaves is dropped at the next rendezvous, one that comes back joins "
+                   "(torchrun --nnodes MIN:MAX); needs --max-restarts >= the departures to survive")
     p.add_argument("--out", help="run folder (default: runs/WORKLOAD-TIMESTAMP)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
@@ -66,7 +70,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "out", "resume", "compression", "sync",
+FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "min_hosts", "out", "resume", "compression", "sync",
          "partition",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan", "tensorboard")
@@ -121,7 +125,7 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
 
     Returns the run folder, checked and locked for ``run_id`` but not yet written (see
     :mod:`thinwire.train.runfolder`)."""
-    from thinwire.train.loop import check_batch, resolve
+    from thinwire.train.loop import resolve
     from thinwire.train.metrics import check_tensorboard
     from thinwire.workloads.registry import build_workload, check_workload_name
 
@@ -132,22 +136,37 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)
-    if cfg.sync_spec.mode == "gossip":
-        from thinwire.compress.sync.gossip import check_topology
+    # every world size the run may meet: hosts may leave down to min_hosts
+    worlds = [world] if world else list(range(cfg.min_hosts or _world_size(cfg), _world_size(cfg) + 1))
+    for w in worlds:
+        if cfg.sync_spec.mode == "gossip":
+            from thinwire.compress.sync.gossip import check_topology
 
-        check_topology(cfg.sync_spec.topology, world or _world_size(cfg))
-    if cfg.partition_spec.kind != "iid":  # a split that cannot be made (a class skew of a language model) fails here
-        from thinwire.workloads.partition import shards
+            check_topology(cfg.sync_spec.topology, w)
+        if cfg.partition_spec.kind != "iid":  # a split that cannot be made (a class skew of a language model) fails here
+            from thinwire.workloads.partition import shards
 
-        shards(cfg.partition_spec, wl.train, world or _world_size(cfg), cfg.seed, wl.task)
+            shards(cfg.partition_spec, wl.train, w, cfg.seed, wl.task)
+        if not cfg.plan:
+            _check_batch(cfg, batch, w, worlds)
     if cfg.plan:
         _check_plan(cfg)
-    else:
-        check_batch(batch, world or _world_size(cfg))
     folder = runfolder.RunFolder(cfg, run_id)
     if cfg.resume:
         _check_resume(cfg, wl)
     return folder
+
+
+def _check_batch(cfg: TrainConfig, batch: int, world: int, worlds: list[int]) -> None:
+    from thinwire.train.loop import check_batch
+
+    if len(worlds) == 1:
+        return check_batch(batch, world)
+    if batch % world:
+        lcm = math.lcm(*worlds)
+        raise ConfigError("batch_size", batch, f"divisible by every number of hosts the run may have "
+                          f"({worlds[0]} to {worlds[-1]} with min_hosts {cfg.min_hosts})",
+                          f"Use a multiple of {lcm}, e.g. {max(lcm, batch // lcm * lcm)}.")
 
 
 def _check_fragments(cfg: TrainConfig, model) -> None:

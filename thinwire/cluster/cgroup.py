@@ -130,6 +130,13 @@ class HostCgroups:
         files = [c.parent / self.dirname / host / "cgroup.procs" for c in self.controllers.values()]
         return [str(f) for f in files if f.exists()]
 
+    def pids(self, host: str) -> list[int]:
+        """The processes in ``host``'s groups now."""
+        out: set[int] = set()
+        for f in self.procs_files(host):
+            out |= {int(p) for p in Path(f).read_text().split()}
+        return sorted(out)
+
     def limits(self, host: str) -> tuple[float | None, int | None]:
         """The (cores, memory bytes) the kernel holds for ``host`` now; None = no limit or no group."""
         cpu = mem = None

@@ -38,6 +38,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,6 +181,30 @@ class EmulatedCluster:
         self.require_up()
         netns.set_link_state(self.namespace(host), HOST_IF, up)
 
+    def kill_host(self, host: str) -> None:
+        """``host`` dies as a machine does: its link goes down and every process in it gets SIGKILL
+        (no clean-up, no goodbye to its peers). :meth:`restore_host` brings it back."""
+        self.require_up()
+        self.spec.host(host)  # an unknown name is an error naming the hosts
+        self.set_link(host, False)
+        self._write_state(killed=sorted(self.killed_hosts() | {host}))
+        for _ in range(50):  # until the host's groups are empty (a process may fork while we kill)
+            pids = self.cgroups.pids(host)
+            if not pids:
+                break
+            netns.kill_now(pids)
+            time.sleep(0.02)
+
+    def restore_host(self, host: str) -> None:
+        """Bring a killed ``host`` back: its link up; a launcher that ran a job on it starts it there again."""
+        self.require_up()
+        self.spec.host(host)
+        self.set_link(host, True)
+        self._write_state(killed=sorted(self.killed_hosts() - {host}))
+
+    def killed_hosts(self) -> set[str]:
+        return set(self._state().get("killed", []))
+
     def status(self) -> list[HostStatus]:
         """What the kernel holds now for each host: link state, tc rates, cgroup limits."""
         self.require_up()
@@ -262,6 +287,11 @@ class EmulatedCluster:
             return json.loads(self.state_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
+
+    def _write_state(self, **changes) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**self._state(), **changes}))
+        os.replace(tmp, self.state_file)
 
     def _host_status(self, i: int, h: HostSpec) -> HostStatus:
         ns = self.namespace(h.name)

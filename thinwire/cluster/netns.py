@@ -75,6 +75,15 @@ def kill_pids(pids) -> None:
             return
 
 
+def kill_now(pids) -> None:
+    """SIGKILL the given processes (a machine that dies gives them no chance to clean up)."""
+    for pid in [p for p in pids if p != os.getpid()]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie counts as gone; its parent, maybe a Popen, reaps it and keeps its status)."""
     try:

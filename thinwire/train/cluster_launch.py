@@ -6,6 +6,14 @@ separate machines would run ``torchrun --nnodes N``: c10d rendezvous at the firs
 (``GLOO_SOCKET_IFNAME``), so collectives between workers cross the veths, bridges and tc shaping
 of the emulated links. Rank 0 writes the run folder; the other hosts' agents log to
 ``OUT/hosts/NAME.log``. If any host fails, the others are stopped and the error names the host.
+
+**Hosts that leave and come back** (``min_hosts``): the agents run with ``--nnodes MIN:MAX``. When
+a host dies (``thinwire cluster kill``), the workers on the others fail on their next collective,
+their agents re-rendezvous without it (one of ``--max-restarts``) and the workers start again from
+the last checkpoint at the smaller world size, the data re-split among them. When the host comes
+back (``thinwire cluster restore``) its agent starts again; the running agents see a node waiting
+and re-rendezvous with it (torchrun does not count that as a restart). The first host holds the
+rendezvous store (c10d): it cannot leave, as with torchrun on real machines.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from thinwire.errors import ThinwireError
 from thinwire.train.distenv import HOST_CPUS_ENV
 from thinwire.signals import deferred
 from thinwire.train.config import TrainConfig
+from thinwire.train.progress import console
 
 RDZV_PORT = 29400
 
@@ -39,63 +48,113 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
 
         keep = set(read_plan(cfg.plan).hosts)
         hosts = [h for h in hosts if h.name in keep]
+    down = sorted(cluster.killed_hosts() & {h.name for h in hosts})
+    if down:
+        raise ThinwireError(f"cluster: {', '.join(down)} killed (`thinwire cluster kill`); bring "
+                            f"{'it' if len(down) == 1 else 'them'} back first: thinwire cluster restore {cfg.cluster} HOST")
     logs = Path(cfg.out) / "hosts"
     logs.mkdir(parents=True, exist_ok=True)
     pythonpath = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")] if p)
-    procs = []
+    nnodes = f"{cfg.min_hosts}:{len(hosts)}" if cfg.min_hosts else str(len(hosts))
+    # elastic: a rendezvous round closes this long after the smallest allowed group has joined
+    last_call = f",last_call_timeout={ELASTIC_LAST_CALL_S}" if cfg.min_hosts else ""
+    agents = {}
     for i, h in enumerate(hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}",
                 "--rdzv-id", f"thinwire-{spec.name}", "--local-addr", h.address,
                 # the store lives on the first host; c10d cannot tell by hostname inside a namespace
-                "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout=120",
+                "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout=120{last_call}",
                 "--max-restarts", str(cfg.max_restarts), "--monitor-interval", "0.5",
                 "-m", module, str(config_path)]
-        out = None if i == 0 else open(logs / f"{h.name}.log", "w")
         # a fresh store per rendezvous round (hosted by rank 0's worker): agents count restarts on their
         # own, so a prefix by restart count can differ between hosts after a membership change
         env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                **({HOST_CPUS_ENV: str(cpus[h.name])} if cpus.get(h.name) else {})}
-        procs.append((h, out, h.spawn(argv, env=env,
-                                      stdout=out, stderr=subprocess.STDOUT if out else None)))
-    _wait(cluster, procs, logs)
+        agents[h.name] = Agent(h, argv, env, None if i == 0 else logs / f"{h.name}.log")
+    _wait(cluster, list(agents.values()), logs, min_hosts=cfg.min_hosts)
 
 
-def _wait(cluster: EmulatedCluster, procs, logs: Path) -> None:
+ELASTIC_LAST_CALL_S = 5
+
+
+class Agent:
+    """One host's torchrun agent: started again when an elastic run's host comes back."""
+
+    def __init__(self, host, argv: list[str], env: dict, log: Path | None) -> None:
+        self.host, self.argv, self.env, self.log = host, argv, env, log
+        self.out = None
+        self.proc: subprocess.Popen | None = None
+        self.gone = False    # left an elastic run
+        self.killed = False  # ... by `thinwire cluster kill`: starts again once restored
+        self.start()
+
+    def start(self, append: bool = False) -> None:
+        if self.out:
+            self.out.close()
+        self.out = None if self.log is None else open(self.log, "a" if append else "w")
+        self.proc = self.host.spawn(self.argv, env=self.env, stdout=self.out,
+                                    stderr=subprocess.STDOUT if self.out else None)
+        self.gone = False
+
+
+def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: int | None = None) -> None:
+    """Until every agent has finished. Without ``min_hosts`` any failure stops the run. With it a host
+    other than the first (which holds the rendezvous store) may fail and the run goes on while at
+    least ``min_hosts`` are left: torchrun's agents restart the workers on the hosts that are left
+    from the last checkpoint; a failed host killed with `thinwire cluster kill` starts again when
+    `thinwire cluster restore` brings it back, and joins at the next rendezvous."""
     try:
         while True:
-            failed = [(h, p) for h, _, p in procs if p.poll() not in (None, 0)]
-            if failed:
-                h, p = failed[0]
-                raise ThinwireError(f"cluster: {_diagnose(cluster, logs)}host {h.name} ({h.address}) failed with exit "
-                                    f"code {p.returncode} and the other hosts were stopped. {_tail(logs / f'{h.name}.log')}")
-            if all(p.poll() == 0 for _, _, p in procs):
+            for a in agents:
+                code = a.proc.poll()
+                if a.gone or code in (None, 0):
+                    continue
+                left = [b for b in agents if not b.gone and b is not a and b.proc.poll() is None]
+                if not min_hosts or a is agents[0] or len(left) < min_hosts:
+                    why = "" if not min_hosts else (
+                        " It holds the rendezvous store, so it cannot leave." if a is agents[0] else
+                        f" {len(left)} host(s) left, fewer than min_hosts {min_hosts}.")
+                    raise ThinwireError(f"cluster: {_diagnose(cluster, logs)}host {a.host.name} ({a.host.address}) failed "
+                                        f"with exit code {code} and the other hosts were stopped.{why} "
+                                        f"{_tail(logs / f'{a.host.name}.log')}")
+                a.gone, a.killed = True, a.host.name in cluster.killed_hosts()
+                console.print(f"[yellow]host {a.host.name} left (exit code {code}); the {len(left)} others go on "
+                              "from the last checkpoint[/yellow]" + (" (`thinwire cluster restore` brings it back)"
+                                                                     if a.killed else ""))
+            killed = cluster.killed_hosts() if any(a.gone and a.killed for a in agents) else set()
+            for a in agents:  # a killed host that was restored starts again, while the run is still going
+                if a.gone and a.killed and a.host.name not in killed and \
+                        all(b.proc.poll() is None for b in agents if not b.gone):
+                    console.print(f"host {a.host.name} is back: it joins at the next rendezvous")
+                    a.start(append=True)
+            if all(a.proc.poll() == 0 for a in agents if not a.gone):
                 return
             time.sleep(0.2)
     finally:  # also on Ctrl-C, SIGTERM and SIGHUP (thinwire.signals); a second signal waits for it
         with deferred():
-            _stop_hosts(procs)
+            _stop_hosts(agents)
 
 
 STOP_GRACE_S = 5.0  # all agents together; a failure must still surface within a collective timeout or two
 
 
-def _stop_hosts(procs) -> None:
+def _stop_hosts(agents: list[Agent]) -> None:
     """Stop every host's agent (it stops its worker), within one shared grace period: an agent cut off
     from the rendezvous store may not answer SIGTERM, and waiting for each in turn would delay the
     error a cut link should give at once. What is still running after it is killed."""
-    for _, out, p in procs:
-        if p.poll() is None:
-            p.terminate()
+    for a in agents:
+        if a.proc.poll() is None:
+            a.proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
-    for _, out, p in procs:
+    for a in agents:
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            a.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        if out:
-            out.close()
+            a.proc.kill()
+            a.proc.wait()
+        if a.out:
+            a.out.close()
 
 
 def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:

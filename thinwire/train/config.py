@@ -39,6 +39,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     nproc: int = 1
     max_restarts: int = 0
+    # with --cluster: hosts may leave (and come back) while at least this many are left: torchrun's
+    # --nnodes MIN:MAX; each departure restarts the workers from the last checkpoint (one restart each)
+    min_hosts: int | None = None
     threads: int | None = None          # torch threads per worker; None: cores / local workers
     compression: str = "none"
     # when averaging happens: allreduce, delayed, local:period=H, diloco:period=H (thinwire.syncspec)
@@ -83,6 +86,15 @@ class TrainConfig:
         check_range("nproc", self.nproc, 1, MAX_WORKERS, kind="an integer", fix="Use --nproc 1 for a single process.")
         check_range("threads", self.threads, 1, MAX_THREADS, kind="an integer",
                     fix="Leave it out to share this machine's cores among the workers.")
+        check_range("min_hosts", self.min_hosts, 1, MAX_WORKERS, kind="an integer",
+                    fix="Leave it out to stop the run when any host fails.")
+        if self.min_hosts is not None:
+            check(self.cluster is not None, "min_hosts", self.min_hosts, "used with --cluster SPEC",
+                  "On real nodes pass --nnodes MIN:MAX to torchrun yourself (see `thinwire train --help`).")
+            check(self.plan is None, "min_hosts", self.min_hosts, "left out with --plan",
+                  "A plan fixes its hosts and their shares; train without --plan to let hosts leave and join.")
+            check(self.max_restarts >= 1, "max_restarts", self.max_restarts, "at least 1 with min_hosts",
+                  "Every host that leaves restarts the workers once: set --max-restarts to the departures to survive.")
         check_range("seed", self.seed, 0, MAX_SEED, kind="an integer",
                     fix="Seeds must fit 32 bits (NumPy's limit; torch seeds are derived from it).")
 

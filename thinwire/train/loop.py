@@ -284,11 +284,12 @@ class Trainer:
             ckpt.check_signature(source, box[0]["signature"], ckpt.model_signature(self.ddp.module))
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
-            self.metrics.write({"event": "start", "step": 0, "restart_count": self.restarts})
+            self.metrics.write({"event": "start", "step": 0, "restart_count": self.restarts, "world_size": self.env.world})
             return
         self._load(box[0])
         event = "restart" if self.env.restart_count else "resume"
-        self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source)})
+        self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source),
+                            "world_size": self.env.world, "checkpoint_world_size": len(box[0]["ranks"])})
         if self.env.is_main:
             console.print(f"[bold]{event}[/bold] from {source} at step {self.step}")
 
