@@ -130,7 +130,7 @@ def bench_cluster(key: str, profile: Path, args, folder: Path, work: Path) -> di
                   else f"    FAILED: {r['error'][-300:]}", flush=True)
     finally:
         cluster.down()
-    return {"cluster": CLUSTERS[key], "plan": str(plan_path.relative_to(ROOT)), "runs": runs, **checks(runs)}
+    return {"cluster": CLUSTERS[key], "plan": str(plan_path.relative_to(ROOT) if plan_path.is_relative_to(ROOT) else plan_path), "runs": runs, **checks(runs)}
 
 
 def checks(runs: list[dict]) -> dict:
