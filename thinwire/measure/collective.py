@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from thinwire.measure.corun import collect, kill_all
+
 SIZES = (1 << 20, 16 << 20)  # bytes of fp32 all-reduced: a small and a large message
 WORLD = 2
 
@@ -79,19 +81,16 @@ def collective_cpu(reps: int = 5, timeout: float = 120.0) -> dict:
         cmd = [sys.executable, "-m", "thinwire.measure.collective", "--store", store, "--reps", str(reps)]
         procs = []
         try:
-            procs += [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, env=env) for r in range(WORLD)]
-            deadline = time.monotonic() + timeout
-            outs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+            procs += [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
+                      for r in range(WORLD)]
+            outs = collect(procs, time.monotonic() + timeout)
         finally:  # timeout, error or stop signal: no rank outlives the measurement
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-    for p, (_, err) in zip(procs, outs):
+            kill_all(procs)
+    for p in procs:
         if p.returncode != 0:
-            raise RuntimeError(f"the collective CPU probe failed (exit {p.returncode}): {err.strip()[-800:]}")
-    result = json.loads(outs[0][0].strip().splitlines()[-1])
+            raise RuntimeError(f"the collective CPU probe failed (exit {p.returncode}; its error is above). "
+                               "Skip it with `thinwire profile --no-corun`.")
+    result = json.loads(outs[0].strip().splitlines()[-1])
     return {"per_byte_s": per_byte(result["sizes"], result["times_s"]), **result}
 
 

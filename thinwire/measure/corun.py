@@ -54,18 +54,18 @@ def _run(n: int, argv: list[str], timeout: float) -> float:
         procs = []
         try:
             procs += [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
-            outs = _collect(procs, time.monotonic() + timeout)
+            outs = collect(procs, time.monotonic() + timeout)
         finally:  # timeout, error or stop signal: no copy outlives the measurement
-            _kill(procs)
+            kill_all(procs)
     return statistics.median(json.loads(o.strip().splitlines()[-1])["median_s"] for o in outs)
 
 
-def _collect(procs: list[subprocess.Popen], deadline: float) -> list[str]:
+def collect(procs: list[subprocess.Popen], deadline: float) -> list[str]:
     """Every copy's stdout; ``subprocess.TimeoutExpired`` once ``deadline`` (monotonic) passes."""
     return [p.communicate(timeout=max(0.0, deadline - time.monotonic()))[0] for p in procs]
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def kill_all(procs: list[subprocess.Popen]) -> None:
     """Kill the copies still running and reap all of them (no zombie, no open pipe)."""
     for p in procs:
         if p.poll() is None:
