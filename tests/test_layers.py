@@ -15,9 +15,9 @@ PKG = Path(__file__).resolve().parents[1] / "thinwire"
 LAYERS: list[set[str]] = [
     {"errors", "signals"},                  # errors and stop signals: what every layer may raise
     {"config"},
-    {"units", "syncspec"},                  # plain parsers (syncspec: --sync into a typed spec)
+    {"units", "syncspec", "pipespec"},      # plain parsers (--sync, --pipeline into typed specs)
     {"perf"},                               # pure model: imports no other thinwire layer
-    {"workloads", "precision", "compress"},  # what runs on a host: models and data, numerics, the wire
+    {"workloads", "precision", "compress", "pipeline"},  # what runs on a host: models and data, numerics, the wire, stages
     {"cluster"},                            # the one cluster spec, and the emulator of it
     {"measure"},                            # `thinwire profile`: this machine's costs
     {"sim"},                                # pricing inputs and `thinwire simulate`

@@ -18,6 +18,7 @@ EPILOG = """examples:
   thinwire train --nproc 2 --compression int8      # 2 local workers, int8 gradients on the wire
   thinwire train --nproc 2 --compression int8 --sync delayed           # averaging overlaps the next step
   thinwire train --nproc 2 --compression int8 --sync diloco:period=100  # DiLoCo: average every 100 steps
+  thinwire train --nproc 4 --pipeline 1f1b:stages=4  # the model cut into 4 stages, one per worker
   thinwire train --workload digits --steps 300 --out runs/digits
   thinwire train --resume runs/digits --steps 600  # continue a run where it stopped (LR horizon kept)
   thinwire train --resume runs/digits --steps 600 --reschedule  # ... with the LR schedule fit to 600 steps
@@ -51,6 +52,8 @@ def add_parser(sub) -> None:
                    "torch:none|fp16|bf16|powersgd:rank=R|localsgd:period=H (PyTorch's own hooks); see `thinwire codecs`")
     p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
                    "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5]")
+    p.add_argument("--pipeline", metavar="SCHEDULE", help="cut the model into stages on different workers: "
+                   "gpipe or 1f1b[:stages=S,microbatches=M,layers=A/B/..] (default none); workers = replicas x stages")
     p.add_argument("--partition", help="which training items each worker draws from: iid (default), "
                    "label_skew:alpha=A (Dirichlet class skew, classification) or by_file (a contiguous run each)")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
@@ -71,7 +74,7 @@ def add_parser(sub) -> None:
 
 
 FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "min_hosts", "out", "resume", "compression", "sync",
-         "partition",
+         "partition", "pipeline",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
          "plan", "tensorboard")
 
@@ -147,7 +150,9 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
             from thinwire.workloads.partition import shards
 
             shards(cfg.partition_spec, wl.train, w, cfg.seed, wl.task)
-        if not cfg.plan:
+        if cfg.pipeline_spec.enabled:
+            _check_pipeline(cfg, wl, batch, w)
+        elif not cfg.plan:
             _check_batch(cfg, batch, w, worlds)
     if cfg.plan:
         _check_plan(cfg)
@@ -167,6 +172,14 @@ def _check_batch(cfg: TrainConfig, batch: int, world: int, worlds: list[int]) ->
         raise ConfigError("batch_size", batch, f"divisible by every number of hosts the run may have "
                           f"({worlds[0]} to {worlds[-1]} with min_hosts {cfg.min_hosts})",
                           f"Use a multiple of {lcm}, e.g. {max(lcm, batch // lcm * lcm)}.")
+
+
+def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
+    """The model has a layer list and the world size, batch and micro-batches make a layout."""
+    from thinwire.pipeline.layout import layout
+    from thinwire.pipeline.stages import layer_list
+
+    layout(cfg.pipeline_spec, layer_list(wl.model, wl.layers, cfg.workload), world, batch)
 
 
 def _check_fragments(cfg: TrainConfig, model) -> None:

@@ -47,6 +47,8 @@ class TrainConfig:
     # when averaging happens: allreduce, delayed, local:period=H, diloco:period=H (thinwire.syncspec)
     sync: str = "allreduce"
     partition: str = "iid"              # iid, label_skew:alpha=A or by_file: which items each rank draws from
+    # the model cut into stages on different ranks: none, gpipe[:stages=S,microbatches=M,layers=A/B/..] or 1f1b[:...]
+    pipeline: str = "none"
     error_feedback: bool = True
     # steps sent uncompressed before the codec starts: Adam's moment estimates start from true
     # gradients (without it PowerSGD from step 0 ends a short charlm run ~2% higher); 2 is also the
@@ -79,6 +81,26 @@ class TrainConfig:
         from thinwire.workloads.partition import parse_partition
 
         self.partition_spec = parse_partition(self.partition)
+        from thinwire.pipespec import parse_pipeline_spec
+
+        self.pipeline_spec = parse_pipeline_spec(self.pipeline)
+        if self.pipeline_spec.enabled:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What a pipelined run does not do (yet): each refused with the way to run without it."""
+        from thinwire.commspec import CodecSpec
+
+        off = "Leave --pipeline out to train data-parallel with it."
+        check(self.precision in ("fp32", "bf16"), "precision", self.precision, "fp32 or bf16 with --pipeline", off)
+        check(self.memory_budget is None, "memory_budget", self.memory_budget, "left out with --pipeline",
+              "A stage holds part of the model; choose the stage count (pipeline stages=S) to fit it.")
+        check(isinstance(self.comm, CodecSpec), "compression", self.compression,
+              "a thinwire codec (none, bf16, int8, topk:ratio=...) with --pipeline", off)
+        check(self.sync_spec.mode in ("allreduce", "local", "diloco") and self.sync_spec.delay == 0, "sync", self.sync,
+              "allreduce, local:period=H or diloco:period=H (without delay) with --pipeline", off)
+        check(self.partition_spec.kind == "iid", "partition", self.partition, "iid with --pipeline", off)
+        check(self.plan is None, "plan", self.plan, "left out with --pipeline", "A plan carries its own layout.")
 
     def _check_counts(self) -> None:
         for name, lo, hi in _COUNTS:

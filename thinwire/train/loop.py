@@ -46,11 +46,20 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     set_threads(env, cfg.threads)
     init(env, device, cfg.timeout_s)
     try:
-        summary = Trainer(cfg, out, env, device).fit()
+        summary = trainer_class(cfg)(cfg, out, env, device).fit()
         dist.barrier()  # leave together: a rank tearing down gloo while a peer still talks aborts
         return summary
     finally:
         dist.destroy_process_group()
+
+
+def trainer_class(cfg: TrainConfig) -> type:
+    """The data-parallel :class:`Trainer`, or the pipelined one (``--pipeline``)."""
+    if cfg.pipeline_spec.enabled:
+        from thinwire.train.pipelined import PipelineTrainer
+
+        return PipelineTrainer
+    return Trainer
 
 
 def resolve(cfg: TrainConfig, wl) -> tuple[int, int, float]:
@@ -77,12 +86,34 @@ class Trainer:
         self.wl = build_workload(cfg.workload, cfg.model, cfg.data)
         self.steps, self.batch, lr = resolve(cfg, self.wl)
         self.planned = PlannedRun(cfg.plan, cfg.cluster, cfg.workload, cfg.model, cfg.batch_size) if cfg.plan else None
-        if self.planned:
-            self.batch, self.shares = self.planned.global_batch, self.planned.shares
-        else:
-            check_batch(self.batch, env.world)
-            self.shares = even_shares(self.batch, env.world)
+        self.shares = self._batch_shares()
         self.loss_weight = self.planned.loss_weight(env.rank) if self.planned else 1.0
+        self._setup_model(lr)  # precision, DDP, the hook or sync mode, the optimizer
+        self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
+        self.shard = None  # --partition: this rank draws from its own shard only
+        if cfg.partition_spec.kind != "iid":
+            own = shards(cfg.partition_spec, self.wl.train, env.world, cfg.seed, self.wl.task)[env.rank]
+            self.shard = ShardSampler(own, cfg.seed, env.rank)
+        self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
+        self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
+        self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
+        torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
+        self.step_times: list[float] = []
+        self.waits: list[float] = []
+        self.last_val: dict = {}
+
+    def _batch_shares(self) -> list[int]:
+        """Each rank's items of the global batch (a plan's uneven shares, else equal ones)."""
+        if self.planned:
+            self.batch = self.planned.global_batch
+            return self.planned.shares
+        check_batch(self.batch, self.env.world)
+        return even_shares(self.batch, self.env.world)
+
+    def _setup_model(self, lr: float) -> None:
+        cfg, env, device = self.cfg, self.env, self.device
         model = self.wl.model.to(device)
         self.prec = prepare_precision(  # int8 layers, auto choice, micro-batches under memory_budget
             model, cfg.precision, device=device, batch=self.shares[env.rank], loss_fn=self.wl.loss,
@@ -94,21 +125,8 @@ class Trainer:
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-        self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
-        self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
-        self.shard = None  # --partition: this rank draws from its own shard only
-        if cfg.partition_spec.kind != "iid":
-            own = shards(cfg.partition_spec, self.wl.train, env.world, cfg.seed, self.wl.task)[env.rank]
-            self.shard = ShardSampler(own, cfg.seed, env.rank)
         self.clock = GradReadyClock(model)
-        self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
-        self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
-        self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
-        torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
-        self.step_times: list[float] = []
-        self.waits: list[float] = []
-        self.last_val: dict = {}
+        self.signature = ckpt.model_signature(model)  # after precision's module swaps, as the state dict is
 
     def _attach_comm(self):
         comm = self._attach_hook() if self.cfg.sync_spec.mode == "allreduce" else None
@@ -221,10 +239,10 @@ class Trainer:
     # -- validation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def _validate(self, bar: ProgressBar) -> None:
-        model, val = self.ddp.module, self._sets(self.step)[1]
+        model, val = self._module(), self._sets(self.step)[1]
         model.eval()
-        mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[self.env.rank :: self.env.world]
-        per = max(1, self.shares[self.env.rank])
+        slot, slots, per = self._eval_slot()
+        mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[slot::slots]
         totals = torch.zeros(3, dtype=torch.float64)
         said = time.perf_counter()
         for i in range(0, len(mine), per):
@@ -233,14 +251,27 @@ class Trainer:
                 said = time.perf_counter()
             x, y = collate(val, mine[i : i + per])
             x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                out = model(x)
+            out = self._eval_forward(x, y)
+            if out is None:  # a pipeline stage before the last
+                continue
             totals += torch.tensor([float(self.wl.loss(out, y)) * len(y), self._correct(out, y), len(y)], dtype=torch.float64)
         model.train()
         dist.all_reduce(totals)
         self.last_val = self._val_record(*totals.tolist())
         self.metrics.write({"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), **self.last_val})
         bar.log(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_val.items()))
+
+    def _module(self) -> torch.nn.Module:
+        """This rank's model (a pipeline rank's: its stage)."""
+        return self.ddp.module
+
+    def _eval_slot(self) -> tuple[int, int, int]:
+        """(this rank's slot, the slots, items per forward): rank ``r`` of ``world`` validates every world-th item."""
+        return self.env.rank, self.env.world, max(1, self.shares[self.env.rank])
+
+    def _eval_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        with self._autocast():
+            return self.ddp.module(x)
 
     def _correct(self, out: torch.Tensor, y: torch.Tensor) -> float:
         return float((out.argmax(-1) == y).sum()) if self.wl.task == "classification" else 0.0
@@ -259,7 +290,7 @@ class Trainer:
         s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict(), "precision": self.prec.runner.state_dict(),
              "sync": sync}
         if self.sync.diverges:  # ranks' parameters and optimizer states differ between averages
-            s["model"], s["optimizer"] = self.ddp.module.state_dict(), self.opt.state_dict()
+            s["model"], s["optimizer"] = self._module().state_dict(), self.opt.state_dict()
         if self.device.type == "cuda":
             s["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return s
@@ -270,18 +301,22 @@ class Trainer:
         if not self.env.is_main:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
-                 "model": self.ddp.module.state_dict(), "optimizer": self.opt.state_dict(),
+                 "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
-                 "compression_counts": self._compression_counts(), "signature": ckpt.model_signature(self.ddp.module),
+                 "compression_counts": self._compression_counts(), "signature": self.signature,
                  "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
+
+    def _model_state(self, ranks: list[dict]) -> dict:
+        """The whole model's state dict for the checkpoint (rank 0 holds it; a pipeline merges its stages')."""
+        return self.ddp.module.state_dict()
 
     def _maybe_resume(self) -> None:
         source = self._resume_source()
         box = [None]
         if self.env.is_main and source is not None:
             box[0] = ckpt.load(source)
-            ckpt.check_signature(source, box[0]["signature"], ckpt.model_signature(self.ddp.module))
+            ckpt.check_signature(source, box[0]["signature"], self.signature)
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             self.metrics.write({"event": "start", "step": 0, "restart_count": self.restarts, "world_size": self.env.world})
@@ -309,28 +344,37 @@ class Trainer:
         return None
 
     def _load(self, state: dict) -> None:
-        self.ddp.module.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        self._load_model(state)
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
         self._load_horizon(state)
         self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
         ranks = state["ranks"]
-        if len(ranks) == self.env.world:
-            mine = ranks[self.env.rank]
-            torch.set_rng_state(mine["rng"])
-            if "cuda_rng" in mine and self.device.type == "cuda":
-                torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
-            self.comm.load_state_dict(mine["comm"])
-            self.sync.load_state_dict(mine.get("sync", {}))
-            if "model" in mine:  # a mode whose ranks differ mid-period: this rank's own
-                self.ddp.module.load_state_dict(mine["model"])
-                self.opt.load_state_dict(mine["optimizer"])
-            if mine.get("precision"):
-                self.prec.runner.load_state_dict(mine["precision"])  # fp16 loss scale
+        if self._same_ranks(state):
+            self._load_rank(ranks[self.env.rank])
         elif self.env.is_main:
             console.print(f"[yellow]checkpoint has {len(ranks)} ranks, this job {self.env.world}: "
                           "error-feedback residuals and RNG streams start fresh[/yellow]")
+
+    def _load_model(self, state: dict) -> None:
+        self.ddp.module.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+
+    def _same_ranks(self, state: dict) -> bool:
+        """Whether the checkpoint's per-rank states are this job's ranks' (else they start fresh)."""
+        return len(state["ranks"]) == self.env.world
+
+    def _load_rank(self, mine: dict) -> None:
+        torch.set_rng_state(mine["rng"])
+        if "cuda_rng" in mine and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
+        self.comm.load_state_dict(mine["comm"])
+        self.sync.load_state_dict(mine.get("sync", {}))
+        if "model" in mine:  # a mode whose ranks differ mid-period: this rank's own
+            self._module().load_state_dict(mine["model"])
+            self.opt.load_state_dict(mine["optimizer"])
+        if mine.get("precision"):
+            self.prec.runner.load_state_dict(mine["precision"])  # fp16 loss scale
 
     def _load_horizon(self, state: dict) -> None:
         """Keep the schedule's horizon from the first start, or fit it to this launch's steps (reschedule).
@@ -360,8 +404,16 @@ class Trainer:
         return stats
 
     # -- the end -------------------------------------------------------------------------------------
+    def _bytes_sent(self) -> int:
+        """What this rank sent over the whole run (since this process started)."""
+        return self.comm.wire.bytes_sent
+
+    def _summary_extra(self) -> dict:
+        """More of ``summary.json`` (a pipelined run's layout); called on every rank."""
+        return {}
+
     def _finish(self) -> dict:
-        totals = torch.tensor([float(self.comm.wire.bytes_sent)], dtype=torch.float64)
+        totals = torch.tensor([float(self._bytes_sent())], dtype=torch.float64)
         dist.all_reduce(totals)
         summary = {
             "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,
@@ -370,7 +422,7 @@ class Trainer:
             "backend": dist.get_backend(),
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
-            "bytes_sent_total": self.comm.wire.bytes_sent, "bytes_sent_total_all_ranks": int(totals[0]),
+            "bytes_sent_total": self._bytes_sent(), "bytes_sent_total_all_ranks": int(totals[0]),
             "compression": self.comm.policy.describe(), "compression_stats": self._compression_stats(),
             "sync": {"mode": self.cfg.sync_spec.text, **self.sync.stats()},
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
@@ -378,6 +430,7 @@ class Trainer:
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
+            **self._summary_extra(),
         }
         if self.env.is_main:
             write_summary(self.out, summary)

@@ -31,7 +31,8 @@ class Workload:
     accuracy. ``info`` goes into ``summary.json`` as it is (e.g. the corpus's unigram entropy).
     ``lr``/``batch_size``/``steps`` are the workload's suggested defaults. ``data_at(step)``, if given,
     returns the (train, val) sets in force at a step (a concept-drift workload); item indices keep
-    their meaning across the drift, so shards and samplers are unchanged.
+    their meaning across the drift, so shards and samplers are unchanged. ``layers(model)`` lists the
+    model's layers for ``--pipeline`` (:mod:`thinwire.pipeline.stages`).
     """
 
     model: nn.Module
@@ -44,6 +45,9 @@ class Workload:
     batch_size: int = 32
     steps: int = 200
     data_at: Callable[[int], tuple[SizedDataset, SizedDataset]] | None = None  # a drifting workload's sets at a step
+    # the model as a list of (name, module) in forward order, each taking the previous one's output: where
+    # ``--pipeline`` may cut it into stages (None: an nn.Sequential's children, else no pipelining)
+    layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] | None = None
 
 
 def collate(dataset: SizedDataset, indices: list[int]) -> tuple[Tensor, Tensor]:

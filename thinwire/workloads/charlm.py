@@ -89,6 +89,35 @@ class CharGPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class Embed(nn.Module):
+    """The first pipeline layer: token plus position embedding (the same tensors as the model's)."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class Head(nn.Module):
+    """The last pipeline layer: final LayerNorm and the (tied) output projection."""
+
+    def __init__(self, ln: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln, self.head = ln, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(x))
+
+
+def layers(model: CharGPT) -> list[tuple[str, nn.Module]]:
+    """The model's pipeline layer list: the embedding, each block, the head (charlm's natural stage
+    boundaries). The head's weight is the embedding's: pipelined, the two stages holding it sum its gradient."""
+    return ([("embed", Embed(model.tok, model.pos))] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+            + [("head", Head(model.ln, model.head))])
+
+
 class Windows:
     """Every window of ``context + 1`` bytes of a corpus: input = first ``context``, target = shifted."""
 
@@ -141,5 +170,5 @@ def build(cfg: CharLMConfig, data: str | None = None) -> Workload:
         loss=lm_loss,
         task="lm",
         info=info,
-        lr=3e-3, batch_size=32, steps=600,
+        lr=3e-3, batch_size=32, steps=600, layers=layers,
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from thinwire.compress.hook import CommState, Policy, attach
-from thinwire.compress.sync.base import StepParts, SyncMode
+from thinwire.compress.sync.base import Averaged, StepParts, SyncMode, Unwrapped
 from thinwire.compress.sync.delayed import Delayed
 from thinwire.compress.sync.diloco import DiLoCo
 from thinwire.compress.sync.dynamic import Dynamic
@@ -36,10 +36,11 @@ MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "
 def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_steps: int = 0,
            process_group=None, bucket_mb: float = 25.0) -> SyncMode:
     """The sync mode ``spec.mode`` (a parsed spec: mode, period, warmup, outer_lr, outer_momentum) on a
-    DDP ``model``, averaging with ``policy``'s codec. ``allreduce`` attaches the DDP hook; the others
+    DDP ``model``, averaging with ``policy``'s codec. ``allreduce`` attaches the DDP hook (on a module
+    without DDP, :class:`~.base.Unwrapped`, it averages after backward: :class:`~.base.Averaged`); the others
     average outside backward. ``delayed`` always gets a new process group: its averaging stays in
     flight while the loop issues its own collectives, and so does streaming DiLoCo with a delay."""
-    if spec.mode == "allreduce":
+    if spec.mode == "allreduce" and not isinstance(model, Unwrapped):
         return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                                       process_group=process_group), spec)
     if spec.mode == "delayed" or spec.delay > 0 or process_group is None:
@@ -47,7 +48,8 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
     comm = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=4096,
                      nonfinite="skip", group=process_group)
     policy.bind(comm, model.module)
-    return kind(spec)(model, comm, spec, bucket_mb=bucket_mb)
+    mode = Averaged if spec.mode == "allreduce" else kind(spec)
+    return mode(model, comm, spec, bucket_mb=bucket_mb)
 
 
 def kind(spec) -> type[SyncMode]:
@@ -55,5 +57,5 @@ def kind(spec) -> type[SyncMode]:
     return StreamingDiLoCo if spec.mode == "diloco" and spec.streaming else MODES[spec.mode]
 
 
-__all__ = ["MODES", "StepParts", "SyncMode", "kind", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "Gossip",
+__all__ = ["MODES", "StepParts", "SyncMode", "Averaged", "Unwrapped", "kind", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "Gossip",
            "Dynamic", "create"]

@@ -148,6 +148,39 @@ class SyncMode:
         self.comm.close()
 
 
+class Averaged(SyncMode):
+    """``allreduce`` for a module that DDP does not wrap (a pipeline stage, :mod:`thinwire.pipeline`):
+    after backward, the gradients are averaged in flat buckets through the codec with error feedback,
+    blocking, before the optimizer applies them. The same bytes as DDP's hook, none of its overlap with
+    backward (a stage's backward is spread over the schedule's micro-batches)."""
+
+    def __init__(self, model, comm: CommState, spec=None, *, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, comm, spec)
+        self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
+
+    def before_step(self) -> None:
+        params = self.buckets.params
+        futures = self.buckets.average(self.comm, self.buckets.flatten([p.grad for p in params]))
+        for p, g in zip(params, self.buckets.unflatten([f.wait() for f in futures])):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+
+class Unwrapped:
+    """A module for the sync modes where no DDP wraps it: ``.module`` and a ``no_sync`` that does nothing."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def parameters(self):
+        return self.module.parameters()
+
+
 def params_of(model) -> list[torch.nn.Parameter]:
     module = getattr(model, "module", model)
     return [p for p in module.parameters() if p.requires_grad]

@@ -1,0 +1,236 @@
+"""Pipelined training (``--pipeline``): stages on 4 processes equal one process at equal samples, for
+GPipe and 1F1B, alone and as 2 x 2 pipeline x data parallel; the spec, the layout and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+from tests.test_cli import ROOT, thinwire
+from tests.test_resume import _final_model, _last_step, _worker_pids
+from thinwire.errors import ConfigError, ThinwireError
+from thinwire.pipeline.layout import default_microbatches, layout
+from thinwire.pipeline.stages import Layer, balanced_split, layer_list, layer_params, stage_state
+from thinwire.pipespec import parse_pipeline_spec
+from thinwire.workloads.charlm import CharGPT, CharLMConfig, layers as charlm_layers, lm_loss
+
+CFG = CharLMConfig(layers=2, width=32, heads=2, context=16)
+STEPS, BATCH = 5, 8
+# Float tolerance against the single process: the stages compute the same float ops; what differs is the
+# order of sums (the gradient norm over stages, micro-batch gradients accumulated then divided, a tied
+# weight's two halves summed across ranks), ~1e-7 relative per step, which Adam's division by sqrt(v)
+# can amplify on near-zero gradients over 5 steps at lr 3e-3 (measured: at most 5e-6).
+LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
+
+
+def _data():
+    g = torch.Generator().manual_seed(5)
+    windows = [torch.randint(0, 256, (BATCH, CFG.context + 1), generator=g) for _ in range(STEPS)]
+    return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+def _reference():
+    torch.manual_seed(0)
+    model = CharGPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for x, y in _data():
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _pipelined(rank, world, stages, schedule, microbatches):
+    from thinwire.commspec import parse_comm_spec
+    from thinwire.compress.sync import Unwrapped, create
+    from thinwire.pipeline.runner import Placement, build_rank
+    from thinwire.syncspec import parse_sync_spec
+
+    torch.manual_seed(0)
+    model = CharGPT(CFG)
+    layers = layer_list(model, charlm_layers)
+    runs = balanced_split([layer_params(layer) for layer in layers], stages)
+    place = Placement(stages, world // stages, rank)
+    pipe, stage, cut = build_rank(model, layers, runs, place=place, device=torch.device("cpu"), loss_fn=lm_loss,
+                                  microbatches=microbatches, schedule=schedule)
+    sync = create(Unwrapped(stage), parse_sync_spec("allreduce"), parse_comm_spec("none").policy(),
+                  process_group=pipe.dp_group)
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
+    share = BATCH // place.replicas
+    losses = []
+    for x, y in _data():
+        part = slice(place.replica * share, (place.replica + 1) * share)
+        loss = pipe.train_step(x[part], y[part])
+        sync.before_step()
+        pipe.clip(list(stage.parameters()), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return losses, stage_state(stage, cut.names), place.replica
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [4, 2])
+def test_pipeline_on_4_processes_equals_one_process(schedule, stages):
+    """4 stages x 1 replica, and 2 stages x 2 replicas (pipeline x data parallel), against one process:
+    the charlm's tied embedding lives on the first and last stage; clipping at 0.5 is active."""
+    ref_losses, ref_state = _reference()
+    out = run_ranks(_pipelined, 4, stages, schedule, 4)
+    state = {}
+    for _, part, replica in out:
+        if replica == 0:
+            state.update(part)
+    assert set(state) == set(ref_state)
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=0, atol=PARAM_ATOL, msg=name)
+    last = [losses for losses, _, _ in out if losses[0] is not None]
+    assert len(last) == 4 // stages
+    replica_mean = [sum(step) / len(last) for step in zip(*last)]
+    torch.testing.assert_close(torch.tensor(replica_mean), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
+    if stages == 2:  # the replicas saw different halves of each batch, yet hold the same parameters
+        a = [p for losses, p, r in out if r == 0 and losses[0] is None][0]
+        b = [p for losses, p, r in out if r == 1 and losses[0] is None][0]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- spec, layout, refusals ---------------------------------------------------------------------------
+def test_pipeline_spec_parses_and_refuses_with_the_field():
+    s = parse_pipeline_spec("GPipe:stages=2,microbatches=8")
+    assert (s.schedule, s.stages, s.microbatches, s.text) == ("gpipe", 2, 8, "gpipe:stages=2,microbatches=8")
+    assert not parse_pipeline_spec("none").enabled and parse_pipeline_spec("1f1b").text == "1f1b"
+    for bad, field in [("zigzag", "pipeline.schedule"), ("1f1b:stages=0", "pipeline.stages"),
+                       ("1f1b:stage=2", "pipeline.key"), ("1f1b:layers=2/x", "pipeline.layers"),
+                       ("1f1b:stages=3,layers=1/1", "pipeline.layers"), ("", "pipeline")]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            parse_pipeline_spec(bad)
+
+
+def test_balanced_split_minimizes_the_largest_stage():
+    assert balanced_split([1, 1, 4, 1, 1], 3) == [[0, 1], [2], [3, 4]]
+    assert balanced_split([5, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert balanced_split([1, 2, 3], 3) == [[0], [1], [2]]
+    assert default_microbatches(32, 4) == 16 and default_microbatches(12, 4) == 12 and default_microbatches(10, 2) == 5
+
+
+def _layers(n):
+    return [Layer(f"l{i}", nn.Linear(2, 2)) for i in range(n)]
+
+
+def test_layout_refuses_what_cannot_be_laid_out():
+    spec = parse_pipeline_spec("1f1b")
+    got = layout(spec, _layers(4), 4, 32)
+    assert (got.stages, got.replicas, got.microbatches, got.replica_batch) == (4, 1, 16, 32)
+    assert layout(parse_pipeline_spec("gpipe:stages=2"), _layers(4), 4, 32).replicas == 2
+    with pytest.raises(ConfigError, match=r"pipeline\.stages.*at most the model's 3 layers"):
+        layout(spec, _layers(3), 4, 32)
+    with pytest.raises(ConfigError, match=r"pipeline\.stages.*divisor of the number of workers \(6\)"):
+        layout(parse_pipeline_spec("1f1b:stages=4"), _layers(4), 6, 32)
+    with pytest.raises(ConfigError, match=r"pipeline\.microbatches.*divisor of a replica's batch \(32\)"):
+        layout(parse_pipeline_spec("1f1b:microbatches=5"), _layers(4), 4, 32)
+    with pytest.raises(ConfigError, match=r"pipeline\.microbatches.*at least the 4 stages with 1f1b"):
+        layout(parse_pipeline_spec("1f1b:microbatches=2"), _layers(4), 4, 32)
+    with pytest.raises(ConfigError, match=r"batch_size.*3 pipeline replicas"):
+        layout(parse_pipeline_spec("1f1b:stages=1"), _layers(4), 3, 32)
+    with pytest.raises(ThinwireError, match=r"pipeline\.layers.*add up to the model's 4 layers"):
+        layout(parse_pipeline_spec("1f1b:layers=1/1"), _layers(4), 2, 32)
+
+
+def test_a_model_without_a_layer_list_is_refused_with_the_fix():
+    with pytest.raises(ThinwireError, match="has no layer list.*layers=lambda model"):
+        layer_list(nn.Linear(2, 2), None, "mypkg.mod:make")
+    seq = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    assert [layer.name for layer in layer_list(seq, None)] == ["0", "1"]
+
+
+SMALL = ["--set", "model.layers=2", "--set", "model.width=32", "--set", "model.heads=2", "--set", "model.context=16",
+         "--set", "model.max_bytes=200000", "--batch-size", "8"]
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--nproc", "4", "--pipeline", "1f1b:stages=8"], r"pipeline\.stages.*at most the model's 4 layers"),
+    (["--nproc", "3", "--pipeline", "1f1b:stages=2"], r"pipeline\.stages.*divisor of the number of workers \(3\)"),
+    (["--nproc", "2", "--pipeline", "gpipe:layers=1/2"], r"pipeline\.layers.*add up to the model's 4 layers"),
+    (["--nproc", "2", "--pipeline", "1f1b", "--precision", "int8"], r"precision.*fp32 or bf16 with --pipeline"),
+    (["--nproc", "2", "--pipeline", "1f1b", "--sync", "delayed"], r"sync.*allreduce, local:period=H or diloco"),
+    (["--nproc", "2", "--pipeline", "1f1b", "--compression", "auto"], r"compression.*thinwire codec"),
+    (["--nproc", "2", "--workload", "digits", "--pipeline", "1f1b"], r"has no layer list"),
+])
+def test_train_refuses_a_bad_pipeline_before_anything_starts(tmp_path, args, match):
+    out = tmp_path / "run"
+    base = [] if "digits" in args else SMALL
+    r = thinwire("train", *base, "--steps", "2", *args, "--out", str(out))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert __import__("re").search(match, r.stderr), r.stderr
+    assert not out.exists()
+
+
+# -- the CLI: equal to data parallelism, resume, a killed stage ---------------------------------------
+
+
+def _val_losses(out) -> list[float]:
+    return [json.loads(l)["val_loss"] for l in (out / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]
+
+
+@pytest.mark.slow
+def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
+    """charlm on 4 stages (1F1B) against 1 process at equal samples; then stopped at step 4 and resumed
+    to 8: the same checkpoint as the straight pipelined run, bit for bit. Validation walks all 512 windows
+    in batches of 12, so its last batch is padded (and the padding not counted)."""
+    common = [*SMALL, "--batch-size", "12", "--eval-every", "4", "--checkpoint-every", "4", "--set", "eval_batches=0"]
+    single, piped, split = tmp_path / "single", tmp_path / "piped", tmp_path / "split"
+    assert thinwire("train", *common, "--steps", "8", "--out", str(single)).returncode == 0
+    r = thinwire("train", *common, "--nproc", "4", "--pipeline", "1f1b", "--steps", "8", "--out", str(piped))
+    assert r.returncode == 0, r.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(_val_losses(piped)), torch.tensor(_val_losses(single)), rtol=1e-5, atol=0)
+    a, b = _final_model(single), _final_model(piped)
+    assert set(a["model"]) == set(b["model"]) and a["signature"] == b["signature"]
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=0, atol=PARAM_ATOL, msg=name)
+    summary = json.loads((piped / "summary.json").read_text())
+    assert summary["pipeline"]["stages"] == 4 and summary["pipeline"]["activation_bytes_sent"] > 0
+    r = thinwire("train", *common, "--nproc", "4", "--pipeline", "1f1b", "--steps", "4", "--out", str(split))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = thinwire("train", "--resume", str(split), "--steps", "8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = _final_model(split)
+    for name in b["model"]:
+        assert torch.equal(b["model"][name], c["model"][name]), name
+    for rb, rc in zip(b["ranks"], c["ranks"]):
+        assert all(torch.equal(rb["stage"][k], rc["stage"][k]) for k in rb["stage"])
+
+
+@pytest.mark.slow
+def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", *SMALL, "--nproc", "2", "--pipeline", "gpipe",
+                             "--max-restarts", "1", "--steps", "300", "--checkpoint-every", "25", "--eval-every", "150",
+                             "--set", "eval_batches=2", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 180
+    while _last_step(out) < 60 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    victims = _worker_pids(out / "config.yaml")
+    assert len(victims) == 2 and _last_step(out) < 300, "workers should be running mid-run"
+    killed_at = _last_step(out)
+    os.kill(victims[1], signal.SIGKILL)  # the last stage
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 300 and summary["restarts"] == 1
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    restart = [r for r in records if r.get("event") == "restart"]
+    assert len(restart) == 1 and killed_at - 25 <= restart[0]["step"] <= killed_at and restart[0]["step"] % 25 == 0

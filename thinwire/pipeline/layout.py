@@ -1,0 +1,65 @@
+"""A pipeline's layout for a world size: stages, replicas, each stage's layers and the micro-batch count,
+checked before anything starts (``thinwire train`` runs :func:`layout` in its preflight, the workers
+again at start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from thinwire.errors import ConfigError
+from thinwire.pipeline.stages import Layer, balanced_split, layer_params, split_from_counts
+
+MICROBATCHES_PER_STAGE = 4  # GPipe (Huang et al. 2019): the bubble is negligible from M >= 4 x stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """``replicas`` pipelines of ``stages`` stages; ``runs[s]``: the layer indices of stage ``s``."""
+
+    stages: int
+    replicas: int
+    runs: list[list[int]]
+    microbatches: int
+    replica_batch: int
+    layer_names: list[str]
+
+    def describe(self) -> str:
+        cut = " | ".join("+".join(self.layer_names[i] for i in run) for run in self.runs)
+        return (f"{self.replicas} x {self.stages}-stage pipeline, {self.microbatches} micro-batches of "
+                f"{self.replica_batch // self.microbatches}: {cut}")
+
+
+def default_microbatches(replica_batch: int, stages: int) -> int:
+    """The largest divisor of the replica's batch that is at most 4 x stages."""
+    return max(m for m in range(1, min(replica_batch, MICROBATCHES_PER_STAGE * stages) + 1) if replica_batch % m == 0)
+
+
+def layout(spec, layers: list[Layer], world: int, batch: int) -> Layout:
+    """The layout of ``spec`` (a :class:`~thinwire.pipespec.PipelineSpec`) for ``world`` ranks and a global batch."""
+    stages, names = spec.stage_count(world), [layer.name for layer in layers]
+    if stages > len(layers):
+        raise ConfigError("pipeline.stages", stages, f"at most the model's {len(layers)} layers ({', '.join(names)})",
+                          "A stage holds at least one layer: use fewer stages, or a workload with a longer layer list.")
+    if world % stages:
+        raise ConfigError("pipeline.stages", stages, f"a divisor of the number of workers ({world})",
+                          "The workers form replicas x stages; e.g. --nproc " + str(stages * max(1, world // stages)))
+    replicas = world // stages
+    if batch % replicas:
+        raise ConfigError("batch_size", batch, f"divisible by the {replicas} pipeline replicas",
+                          f"Use {(batch // replicas + 1) * replicas}.")
+    replica_batch = batch // replicas
+    micro = spec.microbatches or default_microbatches(replica_batch, stages)
+    if replica_batch % micro:
+        raise ConfigError("pipeline.microbatches", micro, f"a divisor of a replica's batch ({replica_batch})",
+                          f"Leave it out for {default_microbatches(replica_batch, stages)}.")
+    if spec.schedule == "1f1b" and micro < stages:
+        raise ConfigError("pipeline.microbatches", micro, f"at least the {stages} stages with 1f1b (a replica's batch "
+                          f"is {replica_batch})", "1F1B keeps every stage busy only with one micro-batch per stage in "
+                          "flight: raise the batch size, or use gpipe.")
+    if spec.layers:
+        runs = split_from_counts(list(spec.layers), len(layers), names)
+    else:
+        runs = balanced_split([float(layer_params(layer)) for layer in layers], stages)
+    return Layout(stages=stages, replicas=replicas, runs=runs, microbatches=micro, replica_batch=replica_batch,
+                  layer_names=names)

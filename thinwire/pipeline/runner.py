@@ -1,0 +1,164 @@
+"""One rank's part of a pipeline: its stage, run by a ``torch.distributed.pipelining`` schedule.
+
+Ranks form a 2-D mesh ``(replicas, stages)`` (``init_device_mesh``; rank = replica x stages + stage):
+along ``pp`` the ranks of one replica pass activations forward and their gradients back (the
+schedule's point-to-point sends), along ``dp`` the ranks holding the same stage in different replicas
+average that stage's gradients (DDP over the ``dp`` group, with thinwire's hook; the schedule runs the
+micro-batches under ``no_sync`` and lets the last backward reduce, see ``PipelineStage``). A step:
+
+1. the schedule splits the replica's batch into M micro-batches, runs them through the stages (GPipe or
+   1F1B) and, on the last stage, the loss of each; gradients are divided by M (the loss is a mean);
+2. parameters shared by stages (a tied embedding) get their gradients summed over the stages holding
+   them (:mod:`thinwire.pipeline.stages`);
+3. the gradient norm is summed over the stages (each shared parameter counted once), so clipping is
+   the single-process model's.
+
+Communication per step and replica: each of the S-1 links carries M activations forward and M
+activation gradients back; the bubble is ``(S-1)/(M+S-1)`` of the ideal step for both schedules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from thinwire.pipeline.stages import Layer, StageModule, full_names, shared_parameters
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclasses.dataclass
+class Cut:
+    """A model cut into stage modules (sharing the model's tensors), with the stages' shared parameters."""
+
+    stages: list[StageModule]
+    names: dict[int, list[str]]        # id(tensor) -> its names in the whole model's state dict
+    shared: dict[int, list[int]]       # id(param) -> stage indices holding it
+    runs: list[list[int]]              # layer indices per stage
+    layer_names: list[str]
+
+    def shared_order(self) -> list[int]:
+        """Shared parameters in a fixed order (by name), the same on every rank."""
+        return sorted(self.shared, key=lambda pid: self.names[pid][0])
+
+
+def cut(model: nn.Module, layers: list[Layer], runs: list[list[int]]) -> Cut:
+    stages = [StageModule([layers[i] for i in run]) for run in runs]
+    return Cut(stages=stages, names=full_names(model), shared=shared_parameters(stages), runs=runs,
+               layer_names=[layer.name for layer in layers])
+
+
+@dataclasses.dataclass
+class Tie:
+    """A parameter this stage shares with others: summed over ``group``; ``counted`` in the norm here."""
+
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    counted: bool
+
+
+def make_ties(c: Cut, stage: int, stages: int, replicas: int, rank: int) -> list[Tie]:
+    """Process groups for the shared parameters, created on every rank in the same order (``new_group``
+    is collective); this rank keeps the ties of its own stage."""
+    by_id = {id(p): p for s in c.stages for p in s.parameters()}
+    mine = []
+    for pid in c.shared_order():
+        holders = c.shared[pid]
+        for replica in range(replicas):
+            ranks = [replica * stages + s for s in holders]
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                mine.append(Tie(by_id[pid], group, counted=stage == holders[0]))
+    return mine
+
+
+class PipelineRank:
+    """This rank's stage in its replica's pipeline: train and evaluate steps of whole replica batches."""
+
+    def __init__(self, submod: nn.Module, *, stage: int, stages: int, group: dist.ProcessGroup | None,
+                 device: torch.device, loss_fn, microbatches: int, schedule: str, ties: list[Tie]) -> None:
+        self.stage_index, self.stages, self.ties = stage, stages, ties
+        self.stage = PipelineStage(submod, stage, stages, device, group=group)
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        self.group = group
+        self.first, self.last = stage == 0, stage == stages - 1
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one replica batch; the mean loss on the last stage, else None."""
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*self._inputs(x), target=y if self.last else None, losses=losses if self.last else None,
+                           return_outputs=False)
+        for tie in self.ties:
+            dist.all_reduce(tie.param.grad, group=tie.group)
+        return torch.stack(losses).mean().detach() if self.last else None
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for a replica batch, on the last stage (else None); forward only."""
+        return self.schedule.eval(*self._inputs(x), target=y if self.last else None)
+
+    def _inputs(self, x: torch.Tensor) -> tuple:
+        return (x,) if self.first else ()
+
+    def grad_norm(self, params: list[nn.Parameter]) -> float:
+        """The whole model's gradient 2-norm: squares summed over this replica's stages, shared ones once."""
+        shared = {id(t.param) for t in self.ties if not t.counted}
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in shared]
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum().cpu()
+        if self.stages > 1:
+            dist.all_reduce(sq, group=self.group)
+        return math.sqrt(float(sq))
+
+    def clip(self, params: list[nn.Parameter], max_norm: float | None) -> float:
+        """Scale gradients as ``clip_grad_norm_`` would on the whole model; returns the norm before clipping."""
+        norm = self.grad_norm(params)
+        if max_norm is not None and math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where this rank sits: ``replicas`` x ``stages`` ranks, this one stage ``stage`` of replica ``replica``."""
+
+    stages: int
+    replicas: int
+    rank: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+
+def build_rank(model: nn.Module, layers: list[Layer], runs: list[list[int]], *, place: Placement,
+               device: torch.device, loss_fn, microbatches: int, schedule: str, wrap=None):
+    """This rank's :class:`PipelineRank`, its stage module and the :class:`Cut`.
+
+    ``wrap(module, dp_group)`` may wrap the stage module for data parallelism between replicas (DDP with
+    thinwire's hook); the mesh and the shared parameters' groups are created here, collectively."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    c = cut(model, layers, runs)
+    mesh = init_device_mesh(device.type, (place.replicas, place.stages), mesh_dim_names=("dp", "pp"))
+    module = c.stages[place.stage].to(device)
+    ties = make_ties(c, place.stage, place.stages, place.replicas, place.rank)
+    submod = wrap(module, mesh.get_group("dp")) if wrap is not None else module
+    pr = PipelineRank(submod, stage=place.stage, stages=place.stages, group=mesh.get_group("pp"), device=device,
+                      loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, ties=ties)
+    pr.dp_group = mesh.get_group("dp")
+    return pr, module, c

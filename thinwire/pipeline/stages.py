@@ -1,0 +1,150 @@
+"""A model cut into pipeline stages: its layer list, a contiguous split of it, and the parameters that
+stages share.
+
+A model is pipelined along a **layer list**: modules in forward order, each taking the previous one's
+output (a tensor, or a tuple of tensors) as its only input. A workload names it
+(:attr:`thinwire.workloads.base.Workload.layers`, charlm: embedding, each block, the head); an
+``nn.Sequential`` is its own list. A stage is a contiguous run of layers (:class:`StageModule`); its
+parameters keep their names in the whole model, so a pipelined run's checkpoint holds the same
+``model`` state dict as a data-parallel run's.
+
+**Shared parameters.** A weight used by two stages (charlm's head is tied to its token embedding, Press
+& Wolf 2017) exists once per stage that uses it. The copies start equal (every rank builds the model
+from the same seed) and stay equal because their gradients are summed over the stages that hold them
+before each optimizer step (:func:`shared_parameters`; Megatron-LM does the same for its tied word
+embeddings): the sum is exactly the gradient the single-process model accumulates in its one tensor.
+
+**Splitting.** Without boundaries, :func:`balanced_split` cuts the list into ``stages`` runs with the
+smallest largest parameter count (a contiguous partition by dynamic programming); a plan's split
+(by measured host speed and memory) or the user's ``layers=A/B/C`` replaces it.
+
+    >>> import torch.nn as nn
+    >>> m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    >>> [len(s) for s in balanced_split([p for p in (sum(q.numel() for q in l.parameters()) for l in m)], 2)]
+    [2, 2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from thinwire.errors import ThinwireError
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One entry of a model's layer list: its name (for messages and plans) and the module."""
+
+    name: str
+    module: nn.Module
+
+
+def layer_list(model: nn.Module, layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] | None,
+               workload: str = "the workload") -> list[Layer]:
+    """The model's layers in forward order: the workload's ``layers(model)``, or an ``nn.Sequential``'s children."""
+    if layers is not None:
+        return [Layer(name, module) for name, module in layers(model)]
+    if isinstance(model, nn.Sequential):
+        return [Layer(name, module) for name, module in model.named_children()]
+    raise ThinwireError(
+        f"pipeline: {workload}'s model ({type(model).__name__}) has no layer list to cut into stages. Return "
+        "Workload(..., layers=lambda model: [(name, module), ...]) from the workload function (modules in "
+        "forward order, each taking the previous one's output), or make the model an nn.Sequential.")
+
+
+def layer_params(layer: Layer) -> int:
+    return sum(p.numel() for p in layer.module.parameters())
+
+
+def balanced_split(costs: list[float], stages: int) -> list[list[int]]:
+    """Indices of ``costs`` cut into ``stages`` contiguous non-empty runs minimizing the largest run's sum.
+
+    Dynamic programming over (stage, last index): O(stages x n^2), n being a layer count."""
+    n = len(costs)
+    assert 1 <= stages <= n
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for end in range(s, n - (stages - s) + 1):
+            for start in range(s - 1, end):
+                value = max(best[s - 1][start], prefix[end] - prefix[start])
+                if value < best[s][end]:
+                    best[s][end], cut[s][end] = value, start
+    runs, end = [], n
+    for s in range(stages, 0, -1):
+        runs.append(list(range(cut[s][end], end)))
+        end = cut[s][end]
+    return runs[::-1]
+
+
+def split_from_counts(counts: list[int], n_layers: int, names: list[str]) -> list[list[int]]:
+    """Runs of layer indices from per-stage layer counts (``layers=2/1/1``), checked against the list."""
+    if any(c < 1 for c in counts) or sum(counts) != n_layers:
+        raise ThinwireError(
+            f"pipeline.layers: the stages' layer counts {'/'.join(map(str, counts))} must be positive and add up to "
+            f"the model's {n_layers} layers ({', '.join(names)}). Give one count per stage, or leave layers= out "
+            "for a split balanced by parameters.")
+    runs, start = [], 0
+    for c in counts:
+        runs.append(list(range(start, start + c)))
+        start += c
+    return runs
+
+
+class StageModule(nn.Module):
+    """A contiguous run of layers, applied in order; a tuple output is unpacked into the next layer."""
+
+    def __init__(self, layers: list[Layer]) -> None:
+        super().__init__()
+        self.names = [layer.name for layer in layers]
+        self.layers = nn.ModuleList(layer.module for layer in layers)
+
+    def forward(self, *args):
+        x = args if len(args) > 1 else args[0]
+        for layer in self.layers:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return x
+
+
+def full_names(model: nn.Module) -> dict[int, list[str]]:
+    """Each parameter's (and buffer's) names in the whole model's state dict, by tensor identity (a tied
+    weight has one per use: charlm's ``tok.weight`` and ``head.weight``)."""
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    return names
+
+
+def shared_parameters(stages: list[StageModule]) -> dict[int, list[int]]:
+    """Parameters held by more than one stage: ``id(param) -> [stage indices]`` (all in this process's model)."""
+    holders: dict[int, list[int]] = {}
+    for s, stage in enumerate(stages):
+        for p in stage.parameters():
+            holders.setdefault(id(p), []).append(s)
+    return {pid: ss for pid, ss in holders.items() if len(ss) > 1}
+
+
+def stage_state(stage: nn.Module, names: dict[int, list[str]]) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers under their whole-model names: the stages' states merged are
+    the model's ``state_dict()`` (a shared weight appears in each stage holding it, equal)."""
+    out = {}
+    for t in list(stage.parameters()) + list(stage.buffers()):
+        for name in names[id(t)]:
+            out[name] = t.detach().clone()
+    return out
+
+
+def load_stage_state(stage: nn.Module, names: dict[int, list[str]], state: dict[str, torch.Tensor]) -> None:
+    """Copy a whole-model state dict's entries into this stage's tensors."""
+    with torch.no_grad():
+        for t in list(stage.parameters()) + list(stage.buffers()):
+            t.copy_(state[names[id(t)][0]])

@@ -1,0 +1,102 @@
+"""``--pipeline`` parsed once into a typed :class:`PipelineSpec`: the model split into stages on
+different ranks, run by a schedule of ``torch.distributed.pipelining``.
+
+=====================================================  ==========================================
+form                                                   meaning
+=====================================================  ==========================================
+``none``                                               no pipeline: every rank holds the model
+``gpipe[:stages=S,microbatches=M,layers=A/B/..]``      GPipe (Huang et al. 2019): all forwards,
+                                                       then all backwards; ``ScheduleGPipe``
+``1f1b[:...]``                                         one forward one backward (PipeDream-Flush,
+                                                       Narayanan et al. 2021): the same bubble,
+                                                       at most S micro-batches' activations held
+                                                       per stage; ``Schedule1F1B``
+=====================================================  ==========================================
+
+``stages`` (default: every rank one stage) must divide the world size; the ranks left over form
+data-parallel replicas of the pipeline (world = replicas x stages), whose gradients are averaged through
+``--compression``. ``microbatches`` defaults to the largest divisor of a replica's batch that is at most
+4 x stages: GPipe's paper finds the bubble ``(S-1)/(M+S-1)`` negligible from M >= 4 S. ``layers`` gives each
+stage's count of layers of the model's layer list (``2/1/1``); without it the list is cut so that the
+largest stage holds the fewest parameters.
+
+    >>> s = parse_pipeline_spec("1f1b:stages=4,layers=2/1/1/2")
+    >>> s.schedule, s.stages, s.layers, s.text
+    ('1f1b', 4, (2, 1, 1, 2), '1f1b:stages=4,layers=2/1/1/2')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from thinwire.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b")
+MAX_STAGES = 4096
+_INT = re.compile(r"[0-9]{1,9}", re.ASCII)
+_FIX = "E.g. --pipeline 1f1b:stages=4, gpipe:stages=2,microbatches=8, 1f1b:stages=3,layers=2/3/1; none to turn it off."
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """A parsed ``--pipeline``; ``schedule`` None is no pipeline. 0 in ``stages``/``microbatches``: the default."""
+
+    schedule: str | None = None
+    stages: int = 0
+    microbatches: int = 0
+    layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layers and self.stages:
+            _check(len(self.layers) == self.stages, "layers", "/".join(map(str, self.layers)),
+                   f"one layer count per stage ({self.stages})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.schedule is not None
+
+    def stage_count(self, world: int) -> int:
+        """Stages for a world size: the given count, one per layer count, or every rank one stage."""
+        return self.stages or len(self.layers) or world
+
+    @property
+    def text(self) -> str:
+        if not self.enabled:
+            return "none"
+        keys = [f"stages={self.stages}"] if self.stages else []
+        keys += [f"microbatches={self.microbatches}"] if self.microbatches else []
+        keys += ["layers=" + "/".join(map(str, self.layers))] if self.layers else []
+        return self.schedule + (":" + ",".join(keys) if keys else "")
+
+
+def _check(cond: bool, key: str, value: object, allowed: str, fix: str = _FIX) -> None:
+    if not cond:
+        raise ConfigError(f"pipeline.{key}", value, allowed, fix)
+
+
+def parse_pipeline_spec(text: str | None) -> PipelineSpec:
+    """``SCHEDULE[:key=value,...]`` (or ``none``) to its :class:`PipelineSpec`; a mistake names the key and the fix."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "none"):
+        return PipelineSpec()
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("pipeline", text, "none or one of " + ", ".join(SCHEDULES), _FIX)
+    head, _, params = text.strip().partition(":")
+    schedule = head.strip().lower()
+    _check(schedule in SCHEDULES, "schedule", head, "none or one of " + ", ".join(SCHEDULES))
+    values: dict = {}
+    for item in filter(None, (p.strip() for p in params.split(","))):
+        key, sep, raw = (t.strip() for t in item.partition("="))
+        _check(bool(sep) and key in ("stages", "microbatches", "layers"), "key", item,
+               "stages=S, microbatches=M or layers=A/B/... (key=value, comma-separated)")
+        if key == "layers":
+            parts = raw.split("/")
+            _check(all(_INT.fullmatch(p) and int(p) >= 1 for p in parts), "layers", raw,
+                   "positive layer counts separated by '/', one per stage (e.g. 2/1/1)")
+            values["layers"] = tuple(int(p) for p in parts)
+        else:
+            _check(bool(_INT.fullmatch(raw)) and 1 <= int(raw) <= MAX_STAGES * 64, key, raw,
+                   f"a whole number >= 1 (stages at most {MAX_STAGES})")
+            values[key] = int(raw)
+    _check(values.get("stages", 1) <= MAX_STAGES, "stages", values.get("stages"), f"at most {MAX_STAGES}")
+    return PipelineSpec(schedule=schedule, **values)

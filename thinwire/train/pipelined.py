@@ -1,0 +1,189 @@
+"""The training loop of a pipelined run (``--pipeline``): the :class:`~thinwire.train.loop.Trainer` with
+each rank holding one stage of the model instead of all of it.
+
+What changes from data parallelism (everything else, the sampler, LR schedule, metrics, validation
+subset, checkpoint files and resume, is the trainer's own):
+
+* the ranks form ``replicas x stages`` (:mod:`thinwire.pipeline.layout`); all ranks of a replica draw
+  the replica's slice of the global batch, the first stage feeds the inputs and the last computes the loss;
+* a step is the schedule's (GPipe or 1F1B over M micro-batches), then the stage's gradients are
+  averaged over the replicas through ``--compression`` and the sync mode (no DDP: a stage's backward
+  is spread over the schedule; :class:`~thinwire.compress.sync.base.Averaged`), clipped by the whole
+  model's norm, and applied by the stage's own AdamW;
+* checkpoints hold the whole model's state dict (the stages' merged, so a data-parallel run can resume
+  it and the other way round) and each rank's stage and optimizer state;
+* validation runs the schedule forward only, on batches of the replica's size (the stages' buffers
+  have the training micro-batch's shape), the last one padded and the padding not counted;
+* ``bytes_sent`` counts the activations and activation gradients this rank sends to its neighbours
+  as well as its share of the replicas' averaging.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from thinwire.compress.sync import Unwrapped, create as create_sync
+from thinwire.pipeline.layout import layout
+from thinwire.pipeline.runner import Placement, build_rank
+from thinwire.pipeline.stages import layer_list, load_stage_state, stage_state
+from thinwire.precision import prepare_precision
+from thinwire.train import checkpoint as ckpt
+from thinwire.train.loop import Trainer, check_batch
+from thinwire.train.progress import console
+from thinwire.workloads.base import collate, even_shares
+
+
+class ActivationBytes:
+    """Bytes this stage sends per training step: its outputs forward (unless last), the gradients of its
+    floating-point inputs back (unless first), counted from the tensors its forward sees."""
+
+    def __init__(self, module: torch.nn.Module, first: bool, last: bool) -> None:
+        self.first, self.last, self.total, self.counting = first, last, 0, False
+        module.register_forward_hook(self._count)
+
+    def _count(self, module, inputs, output) -> None:
+        if not self.counting:
+            return
+        outs = output if isinstance(output, tuple) else (output,)
+        if not self.last:
+            self.total += sum(t.numel() * t.element_size() for t in outs if torch.is_tensor(t))
+        if not self.first:
+            self.total += sum(t.numel() * t.element_size() for t in inputs if torch.is_tensor(t) and t.is_floating_point())
+
+
+class PipelineTrainer(Trainer):
+    def _batch_shares(self) -> list[int]:
+        self.layers = layer_list(self.wl.model, self.wl.layers, self.cfg.workload)
+        self.layout = layout(self.cfg.pipeline_spec, self.layers, self.env.world, self.batch)
+        self.place = Placement(self.layout.stages, self.layout.replicas, self.env.rank)
+        check_batch(self.batch, self.layout.replicas)
+        if self.env.is_main:
+            console.print(f"pipeline: {self.layout.describe()}, schedule {self.cfg.pipeline_spec.schedule}")
+        return even_shares(self.batch, self.layout.replicas)  # per replica
+
+    def _setup_model(self, lr: float) -> None:
+        cfg, device = self.cfg, self.device
+        self.signature = ckpt.model_signature(self.wl.model)
+        self.pipe, stage, self.cut = build_rank(
+            self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
+            microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule)
+        self.cut.stages = []  # keep only this rank's stage: the others' tensors can be freed
+        self.wl.model = stage
+        self.stage = stage
+        self.prec = prepare_precision(stage, cfg.precision, device=device, batch=self.layout.replica_batch,
+                                      loss_fn=self.wl.loss, sample=None, optimizer_fn=None, ddp=False, clip=cfg.grad_clip)
+        self.ddp = None
+        self.sync = create_sync(Unwrapped(stage), cfg.sync_spec, cfg.comm.policy(), error_feedback=cfg.error_feedback,
+                                warmup_steps=cfg.compression_warmup, process_group=self.pipe.dp_group,
+                                bucket_mb=cfg.bucket_mb)
+        self.comm = self.sync.comm
+        self.opt = torch.optim.AdamW(stage.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.acts = ActivationBytes(stage, self.pipe.first, self.pipe.last)
+
+    # -- a step --------------------------------------------------------------------------------------
+    def _train_step(self) -> dict:
+        t0 = time.perf_counter()
+        indices = self.sampler.rank_indices(self.step, self.place.replica, self.shares)
+        x, y = collate(self._sets(self.step)[0], indices)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        t1 = time.perf_counter()
+        sent, acts = self.comm.wire.bytes_sent, self.acts.total
+        self.acts.counting = True
+        with self._autocast():
+            loss = self.pipe.train_step(x, y)
+        self.acts.counting = False
+        t2 = time.perf_counter()
+        self.sync.before_step()  # the replicas' average of this stage's gradients
+        wait = time.perf_counter() - t2
+        skipped = self._optimizer_step()
+        t3 = time.perf_counter()
+        self.sync.after_step()   # local, diloco: parameters averaged every H steps
+        wait += time.perf_counter() - t3
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        loss_value = self._mean_loss(loss)
+        t4 = time.perf_counter()
+        self.step_times.append(t4 - t0)
+        self.waits.append(wait)
+        return {"loss": loss_value, "step_time_s": t4 - t0, "compute_s": (t4 - t1) - wait, "comm_wait_s": wait,
+                "data_s": t1 - t0, "bytes_sent": self.comm.wire.bytes_sent - sent + self.acts.total - acts,
+                "activation_bytes": self.acts.total - acts, "lr": self.sched.get_last_lr()[0], "skipped": skipped}
+
+    def _optimizer_step(self) -> bool:
+        """Clip by the whole model's gradient norm and step; True if skipped (a non-finite gradient)."""
+        norm = self.pipe.clip(list(self.stage.parameters()), self.cfg.grad_clip)
+        runner = self.prec.runner
+        runner.steps, runner.last_grad_norm = runner.steps + 1, norm
+        if not math.isfinite(norm):
+            runner.skipped_steps += 1
+            return True
+        self.opt.step()
+        return False
+
+    def _mean_loss(self, loss: torch.Tensor | None) -> float:
+        """The replicas' mean training loss, on every rank (only last stages have a loss)."""
+        t = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0]) / self.layout.replicas
+
+    # -- validation ----------------------------------------------------------------------------------
+    def _module(self) -> torch.nn.Module:
+        return self.stage
+
+    def _eval_slot(self) -> tuple[int, int, int]:
+        return self.place.replica, self.layout.replicas, self.layout.replica_batch
+
+    def _eval_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        k, per = len(x), self.layout.replica_batch
+        if k < per:  # the schedule's buffers have the training batch's shape: pad, then drop the padding
+            x, y = (torch.cat([t, t[-1:].expand(per - k, *t.shape[1:])]) for t in (x, y))
+        with self._autocast():
+            out = self.pipe.evaluate(x, y)
+        return out[:k] if out is not None else None
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _rank_state(self) -> dict:
+        s = super()._rank_state()
+        s.pop("model", None)
+        s.pop("optimizer", None)
+        s["stage"], s["stage_optimizer"] = stage_state(self.stage, self.cut.names), self.opt.state_dict()
+        s["pipeline"] = self._layout_key()
+        return s
+
+    def _layout_key(self) -> dict:
+        return {"stages": self.layout.stages, "replicas": self.layout.replicas, "runs": self.layout.runs}
+
+    def _model_state(self, ranks: list[dict]) -> dict:
+        """The whole model's state dict: the first replica's stages merged."""
+        merged: dict = {}
+        for r in ranks[: self.layout.stages]:
+            merged.update(r["stage"])
+        return merged
+
+    def _load_model(self, state: dict) -> None:
+        load_stage_state(self.stage, self.cut.names, state["model"])
+        if not self._same_ranks(state) and self.env.is_main:
+            console.print("[yellow]checkpoint from another layout (data-parallel, or other stages): the model is "
+                          "loaded, the optimizer's moments start fresh[/yellow]")
+
+    def _same_ranks(self, state: dict) -> bool:
+        ranks = state["ranks"]
+        return len(ranks) == self.env.world and all(r.get("pipeline") == self._layout_key() for r in ranks)
+
+    def _load_rank(self, mine: dict) -> None:
+        super()._load_rank(mine)
+        load_stage_state(self.stage, self.cut.names, mine["stage"])  # a replica's own, between averages
+        self.opt.load_state_dict(mine["stage_optimizer"])
+
+    def _summary_extra(self) -> dict:
+        return {"pipeline": {"spec": self.cfg.pipeline_spec.text, "layout": self.layout.describe(),
+                             "stages": self.layout.stages, "replicas": self.layout.replicas,
+                             "microbatches": self.layout.microbatches, "runs": self.layout.runs,
+                             "activation_bytes_sent": self.acts.total}}
+
+    def _bytes_sent(self) -> int:
+        return self.comm.wire.bytes_sent + self.acts.total
