@@ -234,3 +234,45 @@ def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path):
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     restart = [r for r in records if r.get("event") == "restart"]
     assert len(restart) == 1 and killed_at - 25 <= restart[0]["step"] <= killed_at and restart[0]["step"] % 25 == 0
+
+
+# -- compressed activations between stages ------------------------------------------------------------
+def test_int8_and_bf16_links_pack_forward_and_backward_within_their_error():
+    from thinwire.pipeline.wire import Decode, Encode, pack_int8, payload_bytes, unpack_int8
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 16, generator=g) * torch.logspace(-3, 2, 16)).requires_grad_()
+    packed = pack_int8(x)
+    assert packed.dtype == torch.bfloat16 and packed.numel() * 2 == payload_bytes("int8", x.numel(), 16) == 15 * 20
+    half_scale = x.detach().abs().amax(-1, keepdim=True) / 254
+    assert ((unpack_int8(packed) - x.detach()).abs() <= half_scale * (1 + 1e-6)).all()
+    for codec, bound in [("int8", None), ("bf16", 2**-8)]:
+        enc, dec = Encode(codec), Decode(codec)
+        wire = enc(x)
+        received = wire.detach().requires_grad_()  # what the next stage's schedule hands it
+        y = dec(received)
+        grad_y = torch.randn(y.shape, generator=g)
+        y.backward(grad_y)
+        assert received.grad.dtype == torch.bfloat16 and received.grad.shape == wire.shape  # sent back packed
+        wire.backward(received.grad)
+        err = (x.grad - grad_y).abs()
+        limit = grad_y.abs().amax(-1, keepdim=True) / 254 * (1 + 1e-6) if codec == "int8" else grad_y.abs() * bound
+        assert (err <= limit).all(), codec
+        assert ((y.detach() - x.detach()).abs() <= (half_scale * (1 + 1e-6) if codec == "int8" else x.detach().abs() * bound)).all()
+        x.grad = None
+    with pytest.raises(ValueError, match="even length.*activations=bf16"):
+        pack_int8(torch.zeros(2, 3))
+
+
+@pytest.mark.slow
+def test_int8_activations_send_a_quarter_of_the_bytes_at_nearly_the_same_loss(tmp_path):
+    common = [*SMALL, "--nproc", "2", "--steps", "6", "--eval-every", "6", "--set", "eval_batches=2"]
+    runs = {}
+    for codec in ("fp32", "int8"):
+        out = tmp_path / codec
+        r = thinwire("train", *common, "--pipeline", f"gpipe:activations={codec}", "--out", str(out))
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[codec] = json.loads((out / "summary.json").read_text())
+    fp32, int8 = (runs[c]["pipeline"]["activation_bytes_sent"] for c in ("fp32", "int8"))
+    assert int8 / fp32 == pytest.approx((32 + 4) / (4 * 32))  # width 32: a byte per value and a 4-byte scale per row
+    assert runs["int8"]["val_loss"] == pytest.approx(runs["fp32"]["val_loss"], rel=1e-2)

@@ -1,24 +1,27 @@
 """``--pipeline`` parsed once into a typed :class:`PipelineSpec`: the model split into stages on
 different ranks, run by a schedule of ``torch.distributed.pipelining``.
 
-=====================================================  ==========================================
-form                                                   meaning
-=====================================================  ==========================================
-``none``                                               no pipeline: every rank holds the model
-``gpipe[:stages=S,microbatches=M,layers=A/B/..]``      GPipe (Huang et al. 2019): all forwards,
-                                                       then all backwards; ``ScheduleGPipe``
-``1f1b[:...]``                                         one forward one backward (PipeDream-Flush,
-                                                       Narayanan et al. 2021): the same bubble,
-                                                       at most S micro-batches' activations held
-                                                       per stage; ``Schedule1F1B``
-=====================================================  ==========================================
+==========================  ===================================================================
+form                        meaning
+==========================  ===================================================================
+``none``                    no pipeline: every rank holds the model
+``gpipe[:KEYS]``            GPipe (Huang et al. 2019): all forwards, then all backwards
+                            (``ScheduleGPipe``)
+``1f1b[:KEYS]``             one forward one backward (PipeDream-Flush, Narayanan et al. 2021): the
+                            same bubble, at most S micro-batches' activations held per stage
+                            (``Schedule1F1B``)
+==========================  ===================================================================
+
+KEYS, comma-separated: ``stages=S``, ``microbatches=M``, ``layers=A/B/..``, ``activations=fp32|bf16|int8``.
 
 ``stages`` (default: every rank one stage) must divide the world size; the ranks left over form
 data-parallel replicas of the pipeline (world = replicas x stages), whose gradients are averaged through
 ``--compression``. ``microbatches`` defaults to the largest divisor of a replica's batch that is at most
 4 x stages: GPipe's paper finds the bubble ``(S-1)/(M+S-1)`` negligible from M >= 4 S. ``layers`` gives each
 stage's count of layers of the model's layer list (``2/1/1``); without it the list is cut so that the
-largest stage holds the fewest parameters.
+largest stage holds the fewest parameters. ``activations`` is the format of the activations and their
+gradients on the links between stages (:mod:`thinwire.pipeline.wire`): fp32 (default), bf16, or int8 with a
+scale per row.
 
     >>> s = parse_pipeline_spec("1f1b:stages=4,layers=2/1/1/2")
     >>> s.schedule, s.stages, s.layers, s.text
@@ -33,6 +36,7 @@ import re
 from thinwire.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b")
+ACTIVATIONS = ("fp32", "bf16", "int8")  # thinwire.pipeline.wire.CODECS
 MAX_STAGES = 4096
 _INT = re.compile(r"[0-9]{1,9}", re.ASCII)
 _FIX = "E.g. --pipeline 1f1b:stages=4, gpipe:stages=2,microbatches=8, 1f1b:stages=3,layers=2/3/1; none to turn it off."
@@ -46,6 +50,7 @@ class PipelineSpec:
     stages: int = 0
     microbatches: int = 0
     layers: tuple[int, ...] = ()
+    activations: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.layers and self.stages:
@@ -67,6 +72,7 @@ class PipelineSpec:
         keys = [f"stages={self.stages}"] if self.stages else []
         keys += [f"microbatches={self.microbatches}"] if self.microbatches else []
         keys += ["layers=" + "/".join(map(str, self.layers))] if self.layers else []
+        keys += [f"activations={self.activations}"] if self.activations != "fp32" else []
         return self.schedule + (":" + ",".join(keys) if keys else "")
 
 
@@ -87,9 +93,13 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
     values: dict = {}
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, sep, raw = (t.strip() for t in item.partition("="))
-        _check(bool(sep) and key in ("stages", "microbatches", "layers"), "key", item,
-               "stages=S, microbatches=M or layers=A/B/... (key=value, comma-separated)")
-        if key == "layers":
+        _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations"), "key", item,
+               "stages=S, microbatches=M, layers=A/B/... or activations=fp32|bf16|int8 (key=value, comma-separated)")
+        if key == "activations":
+            _check(raw.lower() in ACTIVATIONS, "activations", raw, "one of " + ", ".join(ACTIVATIONS),
+                   "int8 sends a byte per value and a scale per row; bf16 two bytes per value.")
+            values["activations"] = raw.lower()
+        elif key == "layers":
             parts = raw.split("/")
             _check(all(_INT.fullmatch(p) and int(p) >= 1 for p in parts), "layers", raw,
                    "positive layer counts separated by '/', one per stage (e.g. 2/1/1)")

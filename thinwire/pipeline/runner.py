@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from thinwire.pipeline.stages import Layer, StageModule, full_names, shared_parameters
+from thinwire.pipeline.wire import Decode, Encode
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -47,8 +48,12 @@ class Cut:
         return sorted(self.shared, key=lambda pid: self.names[pid][0])
 
 
-def cut(model: nn.Module, layers: list[Layer], runs: list[list[int]]) -> Cut:
-    stages = [StageModule([layers[i] for i in run]) for run in runs]
+def cut(model: nn.Module, layers: list[Layer], runs: list[list[int]], activations: str = "fp32") -> Cut:
+    """Stage modules over ``runs``; links between stages carry ``activations`` (:mod:`thinwire.pipeline.wire`)."""
+    n = len(runs)
+    link = activations != "fp32"
+    stages = [StageModule([layers[i] for i in run], decode=Decode(activations) if link and s > 0 else None,
+                          encode=Encode(activations) if link and s < n - 1 else None) for s, run in enumerate(runs)]
     return Cut(stages=stages, names=full_names(model), shared=shared_parameters(stages), runs=runs,
                layer_names=[layer.name for layer in layers])
 
@@ -146,14 +151,14 @@ class Placement:
 
 
 def build_rank(model: nn.Module, layers: list[Layer], runs: list[list[int]], *, place: Placement,
-               device: torch.device, loss_fn, microbatches: int, schedule: str, wrap=None):
+               device: torch.device, loss_fn, microbatches: int, schedule: str, activations: str = "fp32", wrap=None):
     """This rank's :class:`PipelineRank`, its stage module and the :class:`Cut`.
 
     ``wrap(module, dp_group)`` may wrap the stage module for data parallelism between replicas (DDP with
     thinwire's hook); the mesh and the shared parameters' groups are created here, collectively."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    c = cut(model, layers, runs)
+    c = cut(model, layers, runs, activations)
     mesh = init_device_mesh(device.type, (place.replicas, place.stages), mesh_dim_names=("dp", "pp"))
     module = c.stages[place.stage].to(device)
     ties = make_ties(c, place.stage, place.stages, place.replicas, place.rank)

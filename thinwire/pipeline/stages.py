@@ -18,10 +18,8 @@ embeddings): the sum is exactly the gradient the single-process model accumulate
 smallest largest parameter count (a contiguous partition by dynamic programming); a plan's split
 (by measured host speed and memory) or the user's ``layers=A/B/C`` replaces it.
 
-    >>> import torch.nn as nn
-    >>> m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
-    >>> [len(s) for s in balanced_split([p for p in (sum(q.numel() for q in l.parameters()) for l in m)], 2)]
-    [2, 2]
+    >>> balanced_split([1, 1, 4, 1, 1], 3)  # parameters per layer -> layer indices per stage
+    [[0, 1], [2], [3, 4]]
 """
 
 from __future__ import annotations
@@ -101,18 +99,24 @@ def split_from_counts(counts: list[int], n_layers: int, names: list[str]) -> lis
 
 
 class StageModule(nn.Module):
-    """A contiguous run of layers, applied in order; a tuple output is unpacked into the next layer."""
+    """A contiguous run of layers, applied in order; a tuple output is unpacked into the next layer.
 
-    def __init__(self, layers: list[Layer]) -> None:
+    ``decode``/``encode`` (:mod:`thinwire.pipeline.wire`) unpack the input received from the previous
+    stage and pack the output sent to the next one (absent at the pipeline's ends)."""
+
+    def __init__(self, layers: list[Layer], decode: nn.Module | None = None, encode: nn.Module | None = None) -> None:
         super().__init__()
         self.names = [layer.name for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
+        self.decode, self.encode = decode, encode
 
     def forward(self, *args):
         x = args if len(args) > 1 else args[0]
+        if self.decode is not None:
+            x = self.decode(x)
         for layer in self.layers:
             x = layer(*x) if isinstance(x, tuple) else layer(x)
-        return x
+        return self.encode(x) if self.encode is not None else x
 
 
 def full_names(model: nn.Module) -> dict[int, list[str]]:

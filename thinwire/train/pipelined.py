@@ -70,7 +70,8 @@ class PipelineTrainer(Trainer):
         self.signature = ckpt.model_signature(self.wl.model)
         self.pipe, stage, self.cut = build_rank(
             self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
-            microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule)
+            microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
+            activations=cfg.pipeline_spec.activations)
         self.cut.stages = []  # keep only this rank's stage: the others' tensors can be freed
         self.wl.model = stage
         self.stage = stage
