@@ -12,7 +12,8 @@ form                        meaning
                             (``Schedule1F1B``)
 ==========================  ===================================================================
 
-KEYS, comma-separated: ``stages=S``, ``microbatches=M``, ``layers=A/B/..``, ``activations=fp32|bf16|int8``.
+KEYS, comma-separated: ``stages=S``, ``microbatches=M``, ``layers=A/B/..``, ``activations=fp32|bf16|int8``
+(one format for every link, or one per link: ``activations=fp32/int8/fp32``).
 
 ``stages`` (default: every rank one stage) must divide the world size; the ranks left over form
 data-parallel replicas of the pipeline (world = replicas x stages), whose gradients are averaged through
@@ -50,12 +51,24 @@ class PipelineSpec:
     stages: int = 0
     microbatches: int = 0
     layers: tuple[int, ...] = ()
-    activations: str = "fp32"
+    activations: tuple[str, ...] = ("fp32",)
 
     def __post_init__(self) -> None:
         if self.layers and self.stages:
             _check(len(self.layers) == self.stages, "layers", "/".join(map(str, self.layers)),
                    f"one layer count per stage ({self.stages})")
+        known = self.stages or len(self.layers)
+        if len(self.activations) > 1 and known:
+            _check(len(self.activations) == known - 1, "activations", "/".join(self.activations),
+                   f"one format, or one per link between the {known} stages ({known - 1})")
+
+    def link_formats(self, stages: int) -> list[str]:
+        """The activation format of each of the ``stages - 1`` links."""
+        if len(self.activations) == 1:
+            return list(self.activations) * (stages - 1)
+        _check(len(self.activations) == stages - 1, "activations", "/".join(self.activations),
+               f"one format, or one per link between the {stages} stages ({stages - 1})")
+        return list(self.activations)
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +85,7 @@ class PipelineSpec:
         keys = [f"stages={self.stages}"] if self.stages else []
         keys += [f"microbatches={self.microbatches}"] if self.microbatches else []
         keys += ["layers=" + "/".join(map(str, self.layers))] if self.layers else []
-        keys += [f"activations={self.activations}"] if self.activations != "fp32" else []
+        keys += ["activations=" + "/".join(self.activations)] if self.activations != ("fp32",) else []
         return self.schedule + (":" + ",".join(keys) if keys else "")
 
 
@@ -96,9 +109,11 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
         _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations"), "key", item,
                "stages=S, microbatches=M, layers=A/B/... or activations=fp32|bf16|int8 (key=value, comma-separated)")
         if key == "activations":
-            _check(raw.lower() in ACTIVATIONS, "activations", raw, "one of " + ", ".join(ACTIVATIONS),
+            parts = tuple(p.strip().lower() for p in raw.split("/"))
+            _check(all(p in ACTIVATIONS for p in parts), "activations", raw,
+                   "one of " + ", ".join(ACTIVATIONS) + ", or one per link separated by '/'",
                    "int8 sends a byte per value and a scale per row; bf16 two bytes per value.")
-            values["activations"] = raw.lower()
+            values["activations"] = parts
         elif key == "layers":
             parts = raw.split("/")
             _check(all(_INT.fullmatch(p) and int(p) >= 1 for p in parts), "layers", raw,

@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-error", type=float, default=MAX_EF_ERROR,
                    help="with --rank step: leave out codecs whose relative error with error feedback on this "
                         f"workload's gradients is above this (default {MAX_EF_ERROR}, as auto's)")
+    p.add_argument("--pipeline", action="store_true", help="plan a pipeline over the hosts (the layer list split by "
+                   "host speed and memory), also where data parallelism fits; planned anyway where it does not")
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.set_defaults(func=run)
 
@@ -76,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     batch = args.batch_size or _default_batch(args, model)
     opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,
-                       device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error, rank=args.rank)
-    profile = _profile(args, model, batch, len(spec.hosts), codecs, guard=args.rank == "time")
+                       device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error, rank=args.rank,
+                       pipeline=args.pipeline)
+    profile = _profile(args, model, batch, len(spec.hosts), codecs, guard=args.rank == "time" and not args.pipeline)
     plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
     path = save_plan(plan, args.out)
     show(plan)
@@ -112,7 +115,7 @@ def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...],
 
 def show(plan) -> None:
     console = Console()
-    if not plan.executable:
+    if plan.pipeline is not None:
         _show_pipeline(console, plan)
     else:
         console.print(candidates_table(plan))
@@ -151,11 +154,13 @@ def hosts_table(plan) -> Table:
 
 
 def _show_pipeline(console: Console, plan) -> None:
-    t = Table(title=f"pipeline stages for {plan.workload} on {plan.cluster} (reported only, not executed)")
-    for col in ("stage", "host", "parameters", "values", "MiB", "ms/sample"):
-        t.add_column(col, justify="right")
-    for i, s in enumerate(plan.pipeline.stages):
-        t.add_row(str(i), s.host, f"{s.first_param}-{s.last_param}", f"{s.parameters:,}",
-                  f"{s.memory_bytes / 2**20:.1f}", f"{s.seconds_per_sample * 1e3:.2f}")
+    p = plan.pipeline
+    t = Table(title=f"pipeline for {plan.workload} on {plan.cluster}, global batch {plan.global_batch}: "
+                    f"{p.schedule.upper()}, {p.microbatches} micro-batches, predicted {p.predicted_step_s * 1e3:.1f} ms/step")
+    for col in ("stage", "host", "layers", "parameters", "MiB", "ms/micro-batch", "link to next"):
+        t.add_column(col, justify="left" if col in ("host", "layers") else "right")
+    for i, s in enumerate(p.stages):
+        names = "+".join(s.layers) if len(s.layers) <= 3 else f"{s.layers[0]}..{s.layers[-1]} ({len(s.layers)})"
+        t.add_row(str(i), s.host, names, f"{s.parameters:,}", f"{s.memory_bytes / 2**20:.1f}",
+                  f"{s.seconds_per_microbatch * 1e3:.2f}", p.links[i] if i < len(p.links) else "-")
     console.print(t)
-    console.print(f"[yellow]{plan.pipeline.note}: `thinwire train --plan` refuses this plan.[/yellow]")

@@ -121,6 +121,31 @@ class BucketRecord:
 
 
 @dataclasses.dataclass(kw_only=True)
+class LayerRecord:
+    """One layer of the workload's layer list (:mod:`thinwire.measure.layers`), per sample at the profile's batch."""
+
+    name: str
+    parameters: int
+    forward_s: float
+    backward_s: float
+    output_bytes: float            # its output: what a pipeline link carries forward (and the gradient back)
+    saved_bytes: float             # activations it saves for backward
+    width: int = 1                 # the output's last dimension (rows of an int8 link)
+
+    def __post_init__(self) -> None:
+        check_range("parameters", self.parameters, 0, 2**62, kind="an integer")
+        for name in ("forward_s", "backward_s"):
+            check_range(name, getattr(self, name), 0, MAX_SECONDS, kind="seconds")
+        for name in ("output_bytes", "saved_bytes"):
+            check_range(name, getattr(self, name), 0, 1e18)
+        check_range("width", self.width, 1, 2**31, kind="an integer")
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclasses.dataclass(kw_only=True)
 class NetworkRecord:
     """From small and large all-reduce probes across ``hosts`` hosts of ``cluster``."""
 
@@ -162,6 +187,8 @@ class Profile:
     codecs: dict[str, CodecCost] = dataclasses.field(default_factory=dict)
     sync: dict[str, ConvergenceRecord] = dataclasses.field(default_factory=dict)  # the guard's sync modes (delayed)
     network: NetworkRecord | None = None
+    layers: list[LayerRecord] = dataclasses.field(default_factory=list)  # the layer list's costs (pipelines)
+    layers_batch: int = 0                                                 # the batch they were measured at
 
     def __post_init__(self) -> None:
         check(self.version == VERSION, "version", self.version, f"{VERSION}",

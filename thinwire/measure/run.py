@@ -8,7 +8,8 @@ per byte between two local ranks (:mod:`.collective`); (4) the codecs' encode/de
 bucket sizes (:mod:`.codec_costs`), and each codec's relative error with error feedback on the workload's
 own gradients over a few steps (:func:`.codec_costs.ef_errors`); (5) with ``guard_steps``, the convergence
 guard: each codec's sample factor against fp32 from short runs of the workload from its initial weights
-(:mod:`.convergence`, what ``thinwire plan`` ranks by); (6) optionally the network's alpha and beta on a running emulated
+(:mod:`.convergence`, what ``thinwire plan`` ranks by); each layer of the workload's layer list on its own
+(:mod:`.layers`: what pipelines are split and priced by); (6) optionally the network's alpha and beta on a running emulated
 cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
 
 Example::
@@ -81,6 +82,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
                                         seed=seed, delayed=True)
         flops = count_flops(wl, b0) / b0
         acts = activation_bytes(wl, b0) / b0
+        layer_costs = _layer_costs(wl, workload, b0, reps)
     corun_speed = {}
     cores = os.cpu_count() or 1
     if corun and cores > 1:
@@ -109,7 +111,20 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         collective_cpu_s_per_byte=collective_cpu, kernels=measure_kernels(sizes, reps),
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
-        network=network)
+        network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0)
+
+
+def _layer_costs(wl, workload: str, batch: int, reps: int) -> list:
+    """Per-layer costs for pipelines, where the workload has a layer list (else none)."""
+    from thinwire.errors import ThinwireError
+    from thinwire.measure.layers import measure_layers
+    from thinwire.pipeline.stages import layer_list
+
+    try:
+        layers = layer_list(wl.model, wl.layers, workload)
+    except ThinwireError:
+        return []
+    return measure_layers(wl, layers, batch, reps=max(3, reps // 2))
 
 
 def measure_compute(*, workload: str, model: dict | None = None, data: str | None = None, batch: int,

@@ -23,11 +23,13 @@ class Layout:
     microbatches: int
     replica_batch: int
     layer_names: list[str]
+    links: list[str]                   # activation format of link s (stage s -> s+1)
 
     def describe(self) -> str:
         cut = " | ".join("+".join(self.layer_names[i] for i in run) for run in self.runs)
+        links = "" if set(self.links) <= {"fp32"} else ", links " + "/".join(self.links)
         return (f"{self.replicas} x {self.stages}-stage pipeline, {self.microbatches} micro-batches of "
-                f"{self.replica_batch // self.microbatches}: {cut}")
+                f"{self.replica_batch // self.microbatches}: {cut}{links}")
 
 
 def default_microbatches(replica_batch: int, stages: int) -> int:
@@ -62,4 +64,4 @@ def layout(spec, layers: list[Layer], world: int, batch: int) -> Layout:
     else:
         runs = balanced_split([float(layer_params(layer)) for layer in layers], stages)
     return Layout(stages=stages, replicas=replicas, runs=runs, microbatches=micro, replica_batch=replica_batch,
-                  layer_names=names)
+                  layer_names=names, links=spec.link_formats(stages))

@@ -48,12 +48,16 @@ class Cut:
         return sorted(self.shared, key=lambda pid: self.names[pid][0])
 
 
-def cut(model: nn.Module, layers: list[Layer], runs: list[list[int]], activations: str = "fp32") -> Cut:
-    """Stage modules over ``runs``; links between stages carry ``activations`` (:mod:`thinwire.pipeline.wire`)."""
-    n = len(runs)
-    link = activations != "fp32"
-    stages = [StageModule([layers[i] for i in run], decode=Decode(activations) if link and s > 0 else None,
-                          encode=Encode(activations) if link and s < n - 1 else None) for s, run in enumerate(runs)]
+def cut(model: nn.Module, layers: list[Layer], runs: list[list[int]], links: list[str] | None = None) -> Cut:
+    """Stage modules over ``runs``; link s (stage s to s+1) carries activations in ``links[s]``
+    (:mod:`thinwire.pipeline.wire`; default fp32)."""
+    links = links or ["fp32"] * (len(runs) - 1)
+    stages = []
+    for s, run in enumerate(runs):
+        before = links[s - 1] if s > 0 else "fp32"
+        after = links[s] if s < len(runs) - 1 else "fp32"
+        stages.append(StageModule([layers[i] for i in run], decode=Decode(before) if before != "fp32" else None,
+                                  encode=Encode(after) if after != "fp32" else None))
     return Cut(stages=stages, names=full_names(model), shared=shared_parameters(stages), runs=runs,
                layer_names=[layer.name for layer in layers])
 
@@ -67,15 +71,15 @@ class Tie:
     counted: bool
 
 
-def make_ties(c: Cut, stage: int, stages: int, replicas: int, rank: int) -> list[Tie]:
+def make_ties(c: Cut, stage: int, grid: list[list[int]]) -> list[Tie]:
     """Process groups for the shared parameters, created on every rank in the same order (``new_group``
-    is collective); this rank keeps the ties of its own stage."""
+    is collective); ``grid[replica][stage]`` is a global rank; this rank keeps its own stage's ties."""
     by_id = {id(p): p for s in c.stages for p in s.parameters()}
-    mine = []
+    rank, mine = dist.get_rank(), []
     for pid in c.shared_order():
         holders = c.shared[pid]
-        for replica in range(replicas):
-            ranks = [replica * stages + s for s in holders]
+        for row in grid:
+            ranks = [row[s] for s in holders]
             group = dist.new_group(ranks=ranks)
             if rank in ranks:
                 mine.append(Tie(by_id[pid], group, counted=stage == holders[0]))
@@ -135,35 +139,45 @@ class PipelineRank:
 
 @dataclasses.dataclass
 class Placement:
-    """Where this rank sits: ``replicas`` x ``stages`` ranks, this one stage ``stage`` of replica ``replica``."""
+    """Where this rank sits among ``replicas`` x ``stages`` positions; ``order[pos]`` is the global rank at
+    position ``pos = replica * stages + stage`` (default: rank = position; a plan orders ranks by host)."""
 
     stages: int
     replicas: int
     rank: int
+    order: list[int] | None = None
+
+    @property
+    def position(self) -> int:
+        return self.order.index(self.rank) if self.order else self.rank
 
     @property
     def stage(self) -> int:
-        return self.rank % self.stages
+        return self.position % self.stages
 
     @property
     def replica(self) -> int:
-        return self.rank // self.stages
+        return self.position // self.stages
+
+    def ranks(self) -> list[int]:
+        return self.order or list(range(self.stages * self.replicas))
 
 
 def build_rank(model: nn.Module, layers: list[Layer], runs: list[list[int]], *, place: Placement,
-               device: torch.device, loss_fn, microbatches: int, schedule: str, activations: str = "fp32", wrap=None):
-    """This rank's :class:`PipelineRank`, its stage module and the :class:`Cut`.
+               device: torch.device, loss_fn, microbatches: int, schedule: str, links: list[str] | None = None):
+    """This rank's :class:`PipelineRank`, its stage module and the :class:`Cut`; the mesh (``dp`` x ``pp``,
+    ranks laid out as ``place.order`` says) and the shared parameters' groups are created here, collectively."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    ``wrap(module, dp_group)`` may wrap the stage module for data parallelism between replicas (DDP with
-    thinwire's hook); the mesh and the shared parameters' groups are created here, collectively."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    c = cut(model, layers, runs, activations)
-    mesh = init_device_mesh(device.type, (place.replicas, place.stages), mesh_dim_names=("dp", "pp"))
+    c = cut(model, layers, runs, links)
+    grid = torch.tensor(place.ranks()).view(place.replicas, place.stages)
+    mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp"))
     module = c.stages[place.stage].to(device)
-    ties = make_ties(c, place.stage, place.stages, place.replicas, place.rank)
-    submod = wrap(module, mesh.get_group("dp")) if wrap is not None else module
-    pr = PipelineRank(submod, stage=place.stage, stages=place.stages, group=mesh.get_group("pp"), device=device,
+    ties = make_ties(c, place.stage, grid.tolist())
+    pp = mesh.get_group("pp")
+    pr = PipelineRank(module, stage=place.stage, stages=place.stages, group=pp, device=device,
                       loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, ties=ties)
+    row = grid[place.replica].tolist()  # the group's ranks are numbered in global-rank order: map stages to them
+    pr.stage.stage_index_to_group_rank = {s: dist.get_group_rank(pp, r) for s, r in enumerate(row)}
     pr.dp_group = mesh.get_group("dp")
     return pr, module, c

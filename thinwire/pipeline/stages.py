@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from thinwire.errors import ThinwireError
+from thinwire.perf.pipeline import split_for_speeds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,29 +60,11 @@ def layer_params(layer: Layer) -> int:
 
 
 def balanced_split(costs: list[float], stages: int) -> list[list[int]]:
-    """Indices of ``costs`` cut into ``stages`` contiguous non-empty runs minimizing the largest run's sum.
-
-    Dynamic programming over (stage, last index): O(stages x n^2), n being a layer count."""
-    n = len(costs)
-    assert 1 <= stages <= n
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for end in range(s, n - (stages - s) + 1):
-            for start in range(s - 1, end):
-                value = max(best[s - 1][start], prefix[end] - prefix[start])
-                if value < best[s][end]:
-                    best[s][end], cut[s][end] = value, start
-    runs, end = [], n
-    for s in range(stages, 0, -1):
-        runs.append(list(range(cut[s][end], end)))
-        end = cut[s][end]
-    return runs[::-1]
+    """Indices of ``costs`` cut into ``stages`` contiguous non-empty runs minimizing the largest run's sum
+    (:func:`thinwire.perf.pipeline.split_for_speeds` with equal speeds)."""
+    runs = split_for_speeds(list(costs), [1.0] * stages)
+    assert runs is not None
+    return runs
 
 
 def split_from_counts(counts: list[int], n_layers: int, names: list[str]) -> list[list[int]]:

@@ -213,12 +213,24 @@ def sync_lines(pb: Problem, base: dict[str, Scored | None], guarded: dict | None
             "samples (benchmarks/results/sync_emulated.md)."]
 
 
-def pipeline_lines(pipe, profile, all_hosts: list[HostModel]) -> list[str]:
-    stages = "; ".join(f"{s.host}: parameters {s.first_param}-{s.last_param} ({s.parameters:,} values, "
-                       f"{s.memory_bytes / 2**20:.1f} MiB, {_ms(s.seconds_per_sample)}/sample)" for s in pipe.stages)
-    return [f"No host can hold {profile.parameters:,} parameters with their gradients, optimizer state and one "
-            "sample's activations, so data parallelism is impossible here.",
-            f"A pipeline of {len(pipe.stages)} stages fits: {stages}. Its slowest stage takes "
-            f"{_ms(pipe.bottleneck_s_per_sample)} per sample (compute taken proportional to parameters; "
-            "activation transfers between stages not priced).",
-            "This plan is reported only: thinwire does not execute pipeline plans yet, so `train --plan` refuses it."]
+def pipeline_lines(pipe, profile, ddp_s: float | None, fits_one: bool) -> list[str]:
+    """Why this pipeline: what each stage holds and takes, the links' formats, against an even split and DDP."""
+    stages = "; ".join(f"{s.host}: {'+'.join(s.layers) if len(s.layers) <= 3 else s.layers[0] + '..' + s.layers[-1]} "
+                       f"({s.parameters:,} parameters, {s.memory_bytes / 2**20:.1f} MiB, {_ms(s.seconds_per_microbatch)} "
+                       "per micro-batch)" for s in pipe.stages)
+    head = ("No host can hold the model with its gradients, optimizer state and one sample's activations, so data "
+            "parallelism is impossible here; a pipeline splits it." if not fits_one else
+            "A pipeline over the hosts (asked for with --pipeline).")
+    links = "/".join(pipe.links) if pipe.links else "none"
+    lines = [head,
+             f"{len(pipe.stages)} stages, {pipe.schedule.upper()} over {pipe.microbatches} micro-batches: {stages}.",
+             f"Links between stages carry activations as {links} (compressed only where the link paces the "
+             f"pipeline). Predicted step {_ms(pipe.predicted_step_s)}; the pace is set by {pipe.bottleneck}.",
+             f"Split by measured host speed and memory: the even split by parameters ({'/'.join(map(str, pipe.even_split))} "
+             f"layers) is predicted at {_ms(pipe.even_split_step_s)} "
+             f"({pipe.even_split_step_s / pipe.predicted_step_s:.2f}x this plan's step)."]
+    if ddp_s is not None:
+        lines.append(f"Uniform DDP fp32 on the same hosts is predicted at {_ms(ddp_s)} per step "
+                     f"({ddp_s / pipe.predicted_step_s:.2f}x the pipeline's).")
+    lines.append(f"Run it: thinwire train --cluster SPEC --plan PLAN (= --pipeline {pipe.spec_text()}).")
+    return lines

@@ -108,21 +108,40 @@ def _check_unique(field: str, names: list[str], allowed: str) -> None:
 
 @dataclasses.dataclass(kw_only=True)
 class Stage:
-    """One pipeline stage: parameters ``[first, last]`` (model order) on ``host``."""
+    """One pipeline stage: layers ``first_layer..last_layer`` of the workload's layer list on ``host``."""
 
     host: str
-    first_param: int
-    last_param: int
+    first_layer: int
+    last_layer: int
+    layers: list[str]
     parameters: int
     memory_bytes: int
-    seconds_per_sample: float
+    seconds_per_microbatch: float
 
 
 @dataclasses.dataclass(kw_only=True)
 class PipelinePlan:
+    """A pipeline over the hosts (stage s on ``stages[s].host``), run by ``train --plan`` as
+    ``--pipeline SCHEDULE:stages=S,microbatches=M,layers=...,activations=...`` (:meth:`spec_text`)."""
+
     stages: list[Stage]
-    bottleneck_s_per_sample: float
-    note: str = "reported only: thinwire does not execute pipeline plans yet"
+    schedule: str
+    microbatches: int
+    links: list[str]
+    predicted_step_s: float
+    even_split_step_s: float
+    even_split: list[int]
+    bottleneck: str
+    note: str = ""
+
+    @property
+    def hosts(self) -> list[str]:
+        return [s.host for s in self.stages]
+
+    def spec_text(self) -> str:
+        counts = "/".join(str(s.last_layer - s.first_layer + 1) for s in self.stages)
+        text = f"{self.schedule}:stages={len(self.stages)},microbatches={self.microbatches},layers={counts}"
+        return text + (",activations=" + "/".join(self.links) if self.links else "")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -163,6 +182,8 @@ class Plan:
     # -- what the trainer calls ------------------------------------------------------------------
     @property
     def decision(self) -> Decision:
+        if self.pipeline is not None and self.executable:
+            raise ThinwireError("plan: this is a pipeline plan: it has stages, not data-parallel shares")
         if self.chosen is None or not self.executable:
             raise ThinwireError("plan: this plan is not executable: " + (self.pipeline.note if self.pipeline else
                                 "it holds no data-parallel decision") + ". Plan for hosts that can hold the model.")
@@ -170,7 +191,9 @@ class Plan:
 
     @property
     def hosts(self) -> list[str]:
-        """The hosts that train, in rank order."""
+        """The hosts that train, in rank order (a pipeline's: in stage order)."""
+        if self.pipeline is not None and self.executable:
+            return self.pipeline.hosts
         return list(self.decision.hosts)
 
     def shares(self, world: int) -> list[int]:

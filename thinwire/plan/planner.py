@@ -10,9 +10,9 @@ Steps of :func:`make_plan`:
 2. **Memory** (:mod:`thinwire.perf.memory`, ZeRO's accounting): parameters, gradients, AdamW state,
    DDP's bucket copy, error-feedback residuals when the host compresses, activations per sample
    from the profile. The largest micro-batch that fits is the host's cap; a host that cannot hold
-   the model with one sample is left out. If no host can, a pipeline partition is planned and
-   reported instead (:func:`pipeline_partition`, dynamic programming), and the plan is marked not
-   executable; if even that does not fit, the model fits nowhere and planning fails.
+   the model with one sample is left out. If no host can (or with ``--pipeline``), a pipeline over the
+   hosts is planned instead (:mod:`thinwire.plan.pipeline`: the layer list split by host speed and
+   memory, each link's activation format); if even that does not fit, the model fits nowhere.
 3. **Search** (:mod:`thinwire.plan.search`): host subsets, groupings, balanced shares, per-bucket
    codecs, scored by the performance model; uniform DDP with every single codec is always scored,
    so the chosen plan is never predicted slower than uniform DDP fp32.
@@ -40,12 +40,11 @@ from thinwire.perf.model import Bucket, Compute
 from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
 from thinwire.plan import explain
 from thinwire.plan.choose import MAX_EF_ERROR
-from thinwire.plan.planfile import (Decision, PipelinePlan, Plan, Stage, cluster_fingerprint, host_summary,
-                                    normalized_model, workload_fingerprint)
+from thinwire.plan.planfile import (Decision, Plan, cluster_fingerprint, host_summary, normalized_model,
+                                    workload_fingerprint)
 from thinwire.plan.search import HostModel, Problem, Scored, search, uniform
 from thinwire.sim import inputs
 
-MAX_PIPELINE_UNITS = 64
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -63,6 +62,7 @@ class PlanOptions:
     optimizer: str = "adamw"
     max_error: float = MAX_EF_ERROR       # with --rank step (or no guard): the cap on a codec's relative error with EF
     rank: str = "time"                    # "time": by predicted time to fp32's loss (the guard's factors); "step"
+    pipeline: bool = False                # plan a pipeline over the hosts (also when data parallelism fits)
 
     def __post_init__(self) -> None:
         check(self.batch_size >= 1, "--batch-size", self.batch_size, "an integer >= 1")
@@ -205,58 +205,6 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
     return pb, notes
 
 
-# -- pipeline partition (reported, not executed) -------------------------------------------------------
-def _units(profile: Profile) -> list[tuple[int, int, int]]:
-    """(first param, last param, numel) in model order, merged to at most MAX_PIPELINE_UNITS units."""
-    params = sorted((i, math.prod(s)) for b in profile.buckets for i, s in zip(b.params, b.shapes))
-    per = math.ceil(len(params) / MAX_PIPELINE_UNITS)
-    return [(params[k][0], params[min(k + per, len(params)) - 1][0], sum(n for _, n in params[k:k + per]))
-            for k in range(0, len(params), per)]
-
-
-def pipeline_partition(hosts: list[HostSpec], speeds: list[float], profile: Profile, one_sample_s: float,
-                       opts: PlanOptions) -> PipelinePlan | None:
-    """Contiguous stages over hosts in ring order minimising the slowest stage's seconds per sample,
-    each within its host's memory (DP over (hosts used, units placed); a host may be skipped).
-
-    A stage of ``P_s`` of the model's ``P`` parameters holds their weights, gradients and optimizer
-    state and ``P_s / P`` of one sample's activations, and computes ``P_s / P`` of a step per sample
-    (compute proportional to parameters: dense layers). Inter-stage activation transfers are not priced."""
-    units, total = _units(profile), profile.parameters
-    per_param = 8 + memory_per_rank(1, optimizer=opts.optimizer).optimizer
-    prefix = [0]
-    for u in units:
-        prefix.append(prefix[-1] + u[2])
-    inf = float("inf")
-    best = [[inf] * (len(units) + 1) for _ in range(len(hosts) + 1)]
-    arg: dict[tuple[int, int], int | None] = {}
-    best[0][0] = 0.0
-    for j, h in enumerate(hosts, start=1):
-        for i in range(len(units) + 1):
-            best[j][i], arg[(j, i)] = best[j - 1][i], None  # host j unused
-            for k in range(i):
-                n = prefix[i] - prefix[k]
-                mem = n * per_param + profile.activation_bytes_per_sample * n / total
-                if h.memory is not None and mem > h.memory:
-                    continue
-                t = max(best[j - 1][k], one_sample_s * n / total / speeds[j - 1])
-                if t < best[j][i]:
-                    best[j][i], arg[(j, i)] = t, k
-    if best[len(hosts)][len(units)] == inf:
-        return None
-    stages, i = [], len(units)
-    for j in range(len(hosts), 0, -1):
-        k = arg[(j, i)]
-        if k is None:
-            continue
-        n = prefix[i] - prefix[k]
-        stages.append(Stage(host=hosts[j - 1].name, first_param=units[k][0], last_param=units[i - 1][1], parameters=n,
-                            memory_bytes=int(n * per_param + profile.activation_bytes_per_sample * n / total),
-                            seconds_per_sample=one_sample_s * n / total / speeds[j - 1]))
-        i = k
-    return PipelinePlan(stages=stages[::-1], bottleneck_s_per_sample=best[len(hosts)][len(units)])
-
-
 def fits_nowhere(spec: ClusterSpec, profile: Profile, opts: PlanOptions, workload: str) -> ThinwireError:
     need = static_bytes(profile, opts, compressed=False, p=len(spec.hosts)) + profile.activation_bytes_per_sample
     largest = max(spec.hosts, key=lambda h: h.memory or 0)
@@ -292,8 +240,8 @@ def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict
                 workload_fingerprint=workload_fingerprint(workload, model), parameters=profile.parameters,
                 global_batch=options.batch_size, bucket_mb=profile.bucket_mb,
                 bucket_numels=[b.numel for b in profile.buckets], threads=options.threads or profile.threads)
-    if not fit:
-        return _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0)
+    if not fit or options.pipeline:
+        return _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0, fits_one=bool(fit))
     pb, notes = problem(spec, profile, options, fit)
     ranked = search(pb, keep=options.keep + 1)
     base = {c: uniform(pb, c) for c in pb.codecs}
@@ -310,12 +258,26 @@ def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict
     return Plan(**head, chosen=chosen, alternatives=alts, baselines=baselines, explanation=lines, planning=planning)
 
 
-def _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0) -> Plan:
-    hosts = inputs.replicate_hosts(spec, len(spec.hosts))
-    one = compute_fn(profile, options)(1).total_s
-    pipe = pipeline_partition(hosts, [h.speed for h in all_hosts], profile, one, options)
+def _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0, *, fits_one: bool) -> Plan:
+    """A pipeline over all hosts (:mod:`thinwire.plan.pipeline`), with uniform DDP fp32's prediction beside it
+    when data parallelism fits."""
+    from thinwire.plan.pipeline import plan_pipeline
+
+    if not profile.layers:
+        if fits_one:
+            raise ThinwireError(f"plan: --pipeline needs the per-layer costs of {workload}'s layer list; this profile "
+                                "has none. Profile again (`thinwire profile`), for a workload with a layer list.")
+        raise fits_nowhere(spec, profile, options, workload)
+    pipe = plan_pipeline(spec, profile, batch=options.batch_size, threads=options.threads or profile.threads,
+                         colocated_cores=options.colocated_cores)
     if pipe is None:
         raise fits_nowhere(spec, profile, options, workload)
-    lines = explain.pipeline_lines(pipe, profile, all_hosts)
+    baselines = {}
+    if fits_one:
+        pb, _ = problem(spec, profile, options, [h for h in all_hosts if h.cap_dense is None or h.cap_dense >= 1])
+        ddp = uniform(pb, "none")
+        if ddp is not None:
+            baselines = {"uniform_ddp_fp32_s": ddp.step_s}
+    lines = explain.pipeline_lines(pipe, profile, baselines.get("uniform_ddp_fp32_s"), fits_one)
     planning = {"seconds": time.perf_counter() - t0, "candidates_scored": 0, "hosts": len(spec.hosts)}
-    return Plan(**head, executable=False, pipeline=pipe, explanation=lines, planning=planning)
+    return Plan(**head, executable=True, pipeline=pipe, baselines=baselines, explanation=lines, planning=planning)

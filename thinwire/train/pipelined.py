@@ -71,7 +71,7 @@ class PipelineTrainer(Trainer):
         self.pipe, stage, self.cut = build_rank(
             self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
-            activations=cfg.pipeline_spec.activations)
+            links=cfg.pipeline_spec.link_formats(self.layout.stages))
         self.cut.stages = []  # keep only this rank's stage: the others' tensors can be freed
         self.wl.model = stage
         self.stage = stage

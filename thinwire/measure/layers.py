@@ -1,0 +1,84 @@
+"""Each layer of a workload's layer list measured on its own: forward and backward time, the bytes of
+its output (what a pipeline link carries forward, and its gradient back), the activations it saves for
+backward, and its parameters: what the planner splits a model into stages by, and what the model prices
+a pipeline step from (:mod:`thinwire.perf.pipeline`).
+
+Each layer runs on the previous layer's output, detached, so its backward is its own: forward layer by
+layer, then backward layer by layer from the last (with the loss's gradient at the end), timed per layer;
+the median of ``reps`` after ``warmup``. Saved activations are counted with autograd's saved-tensor hooks
+(distinct storages, parameters excluded), as :func:`thinwire.measure.compute.activation_bytes` does for the
+whole model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from thinwire.measure.file import LayerRecord
+from thinwire.workloads.base import collate
+
+
+def _saved_bytes(fn, params: set[int]) -> tuple[object, int]:
+    """``fn()`` and the bytes of the distinct non-parameter storages autograd saved while it ran."""
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(n for (ptr, _), n in seen.items() if ptr not in params)
+
+
+def _one_pass(layers, x, y, loss_fn) -> tuple[list[float], list[float], list, list[int]]:
+    ins, outs, fwd, saved = [], [], [], []
+    for layer in layers:
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        params = {p.untyped_storage().data_ptr() for p in layer.module.parameters()}
+        t0 = time.perf_counter()
+        out, nbytes = _saved_bytes(lambda: layer.module(inp), params)
+        fwd.append(time.perf_counter() - t0)
+        saved.append(nbytes)
+        ins.append(inp)
+        outs.append(out)
+        x = out
+    bwd = [0.0] * len(layers)
+    grad = None
+    for i in range(len(layers) - 1, -1, -1):
+        t0 = time.perf_counter()
+        if grad is None:
+            loss_fn(outs[i], y).backward()
+        else:
+            outs[i].backward(grad)
+        bwd[i] = time.perf_counter() - t0
+        grad = ins[i].grad
+    return fwd, bwd, outs, saved
+
+
+def measure_layers(workload, layers, batch: int, *, reps: int = 5, warmup: int = 2) -> list[LayerRecord]:
+    """Per-layer costs at ``batch`` samples, reported per sample (see the module docstring)."""
+    x, y = collate(workload.train, list(range(batch)))
+    times: list[tuple[list[float], list[float]]] = []
+    for i in range(warmup + reps):
+        fwd, bwd, outs, saved = _one_pass(layers, x, y, workload.loss)
+        if i >= warmup:
+            times.append((fwd, bwd))
+        for layer in layers:
+            layer.module.zero_grad(set_to_none=True)
+    records = []
+    for k, layer in enumerate(layers):
+        out = outs[k]
+        out_bytes = out.numel() * out.element_size() if torch.is_tensor(out) else 0
+        records.append(LayerRecord(
+            name=layer.name, parameters=sum(p.numel() for p in layer.module.parameters()),
+            forward_s=statistics.median(f[k] for f, _ in times) / batch,
+            backward_s=statistics.median(b[k] for _, b in times) / batch,
+            output_bytes=out_bytes / batch, saved_bytes=saved[k] / batch,
+            width=out.shape[-1] if torch.is_tensor(out) and out.dim() else 1))
+    return records

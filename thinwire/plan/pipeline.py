@@ -1,0 +1,112 @@
+"""The planner's pipeline: the layer list cut over the cluster's hosts by their measured speed and memory,
+the activation format of each link, the micro-batch count, and the predicted step.
+
+Steps of :func:`plan_pipeline`:
+
+1. **Hosts** in the spec's order, one stage each (the fastest ones, in order, if there are more hosts
+   than layers); speeds as the simulator has them (:func:`thinwire.sim.pipeline.stage_speeds`).
+2. **Micro-batches**: the largest divisor of the batch up to 4 x stages (GPipe's rule); 1F1B (the same
+   bubble as GPipe, fewer activations held) unless there are fewer micro-batches than stages.
+3. **Split**: for each link format (fp32, bf16, int8 on every link) the contiguous split minimizing the
+   slowest stage or link (:func:`thinwire.perf.pipeline.split_for_speeds`), each stage within its host's
+   memory (:func:`stage_memory`); each priced by :func:`thinwire.sim.pipeline.predict_pipeline`.
+4. **Links**: the most precise uniform format within 5% of the fastest, then each link put back to
+   fp32 (or bf16) where that costs at most 2% of the step: compression only on the links that pace
+   the pipeline (its loss effect is measured in ``benchmarks/results/pipeline.md``).
+5. **Why**: the same hosts with the split balanced by parameters (what ``--pipeline 1f1b`` does without
+   ``layers=``) are priced too, so the explanation says what the uneven split buys.
+"""
+
+from __future__ import annotations
+
+from thinwire.cluster.spec import ClusterSpec, HostSpec
+from thinwire.measure.file import Profile
+from thinwire.perf.pipeline import split_for_speeds
+from thinwire.pipeline.layout import default_microbatches
+from thinwire.pipeline.stages import balanced_split
+from thinwire.plan.planfile import PipelinePlan, Stage
+from thinwire.sim.pipeline import needs_layers, predict_pipeline, stage_speeds
+
+FORMATS = ("fp32", "bf16", "int8")  # most precise first
+UNIFORM_SLACK, LINK_SLACK = 1.05, 1.02
+STATE_BYTES = 16                    # fp32 weights, gradients and AdamW's two moments per parameter
+
+
+def stage_memory(profile: Profile, run: list[int], *, micro: int, inflight: int) -> int:
+    """Bytes a stage holds: its parameters' training state, the activations of ``inflight`` micro-batches
+    (1F1B: at most the stages after it; GPipe: all of them), and its input and output buffers."""
+    layers = [profile.layers[i] for i in run]
+    params = sum(l.parameters for l in layers)
+    acts = sum(l.saved_bytes for l in layers) * micro * inflight
+    buffers = 2 * (layers[-1].output_bytes + profile.layers[max(0, run[0] - 1)].output_bytes) * micro * inflight
+    return int(params * STATE_BYTES + acts + buffers)
+
+
+def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: int = 1,
+                  colocated_cores: float | None = None) -> PipelinePlan | None:
+    """The fastest predicted pipeline over the spec's hosts (module docstring); None if no split fits memory."""
+    needs_layers(profile)
+    hosts = list(spec.hosts)
+    n = len(profile.layers)
+    if len(hosts) > n:
+        speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores)
+        keep = sorted(sorted(range(len(hosts)), key=lambda i: -speeds[i])[:n])
+        hosts = [hosts[i] for i in keep]
+    S = len(hosts)
+    micro_n = default_microbatches(batch, S)
+    schedule = "1f1b" if micro_n >= S else "gpipe"
+    micro = batch // micro_n
+    speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores)
+    price = dict(spec=spec, profile=profile, hosts=hosts, microbatches=micro_n, replica_batch=batch, threads=threads,
+                 colocated_cores=colocated_cores)
+
+    def fits(s: int, first: int, last: int) -> bool:
+        inflight = min(micro_n, S - s) if schedule == "1f1b" else micro_n
+        mem = hosts[s].memory
+        return mem is None or stage_memory(profile, list(range(first, last + 1)), micro=micro, inflight=inflight) <= mem
+
+    candidates = []
+    for fmt in FORMATS:
+        runs = _split(profile, speeds, fmt, micro, hosts, fits)
+        if runs is not None:
+            candidates.append((predict_pipeline(**price, runs=runs, activations=[fmt] * (S - 1)).step_s, fmt, runs))
+    if not candidates:
+        return None
+    fastest = min(c[0] for c in candidates)
+    step, fmt, runs = next(c for c in candidates if c[0] <= fastest * UNIFORM_SLACK)  # most precise that is close
+    links = _relax_links(price, runs, [fmt] * (S - 1), step)
+    pred = predict_pipeline(**price, runs=runs, activations=links)
+    even = balanced_split([float(l.parameters) for l in profile.layers], S)
+    even_pred = predict_pipeline(**price, runs=even, activations=links)
+    stages = [Stage(host=h.name, first_layer=run[0], last_layer=run[-1],
+                    layers=[profile.layers[i].name for i in run],
+                    parameters=sum(profile.layers[i].parameters for i in run),
+                    memory_bytes=stage_memory(profile, run, micro=micro,
+                                              inflight=min(micro_n, S - s) if schedule == "1f1b" else micro_n),
+                    seconds_per_microbatch=pred.stage_s[s]) for s, (h, run) in enumerate(zip(hosts, runs))]
+    return PipelinePlan(stages=stages, schedule=schedule, microbatches=micro_n, links=links,
+                        predicted_step_s=pred.step_s, even_split_step_s=even_pred.step_s,
+                        even_split=[len(r) for r in even], bottleneck=pred.bottleneck, note="")
+
+
+def _split(profile: Profile, speeds: list[float], fmt: str, micro: int, hosts: list[HostSpec], fits):
+    """The split for one uniform link format: layer seconds per micro-batch; a cut after layer k costs its
+    output and gradient on the slower host's egress."""
+    from thinwire.pipeline.wire import payload_bytes
+
+    layer_s = [l.seconds * micro for l in profile.layers]
+    slowest = min(h.bandwidth for h in hosts) / 8
+    link_s = [2 * payload_bytes(fmt, int(l.output_bytes * micro / 4), l.width) / slowest for l in profile.layers]
+    return split_for_speeds(layer_s, speeds, link_s=link_s, fits=fits)
+
+
+def _relax_links(price: dict, runs, links: list[str], step: float) -> list[str]:
+    """Each compressed link back to the most precise format that costs at most ``LINK_SLACK`` of the step."""
+    links = list(links)
+    for k, fmt in enumerate(links):
+        for better in FORMATS[:FORMATS.index(fmt)]:
+            trial = links[:k] + [better] + links[k + 1:]
+            if predict_pipeline(**price, runs=runs, activations=trial).step_s <= step * LINK_SLACK:
+                links = trial
+                break
+    return links
