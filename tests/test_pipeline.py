@@ -18,7 +18,8 @@ from tests.distributed import run_ranks
 from tests.test_cli import ROOT, thinwire
 from tests.test_resume import _final_model, _last_step, _worker_pids
 from thinwire.errors import ConfigError, ThinwireError
-from thinwire.pipeline.layout import default_microbatches, layout
+from thinwire.train import checkpoint as ckpt
+from thinwire.pipeline.layout import default_microbatches, layout_of as layout
 from thinwire.pipeline.stages import Layer, balanced_split, layer_list, layer_params, stage_state
 from thinwire.pipespec import parse_pipeline_spec
 from thinwire.workloads.charlm import CharGPT, CharLMConfig, layers as charlm_layers, lm_loss
@@ -196,9 +197,10 @@ def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(_val_losses(piped)), torch.tensor(_val_losses(single)), rtol=1e-5, atol=0)
     a, b = _final_model(single), _final_model(piped)
-    assert set(a["model"]) == set(b["model"]) and a["signature"] == b["signature"]
+    b_model = _merged(piped, b)
+    assert set(a["model"]) == set(b_model) and a["signature"] == b["signature"] and not b["model"]
     for name in a["model"]:
-        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=0, atol=PARAM_ATOL, msg=name)
+        torch.testing.assert_close(b_model[name], a["model"][name], rtol=0, atol=PARAM_ATOL, msg=name)
     summary = json.loads((piped / "summary.json").read_text())
     assert summary["pipeline"]["stages"] == 4 and summary["pipeline"]["activation_bytes_sent"] > 0
     r = thinwire("train", *common, "--nproc", "4", "--pipeline", "1f1b", "--steps", "4", "--out", str(split))
@@ -206,10 +208,24 @@ def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
     r = thinwire("train", "--resume", str(split), "--steps", "8")
     assert r.returncode == 0, r.stderr[-3000:]
     c = _final_model(split)
-    for name in b["model"]:
-        assert torch.equal(b["model"][name], c["model"][name]), name
-    for rb, rc in zip(b["ranks"], c["ranks"]):
-        assert all(torch.equal(rb["stage"][k], rc["stage"][k]) for k in rb["stage"])
+    c_model = _merged(split, c)
+    for name in b_model:
+        assert torch.equal(b_model[name], c_model[name]), name
+    for rank in range(4):  # every stage's optimizer state continued exactly
+        sb, sc = (ckpt.load_shard(_last(o), rank)["stage_optimizer"]["state"] for o in (piped, split))
+        assert all(torch.equal(sb[i]["exp_avg_sq"], sc[i]["exp_avg_sq"]) for i in sb)
+    # a data-parallel run resumes the pipelined run's checkpoint (the model merged from its stages)
+    r = thinwire("train", "--resume", str(split), "--steps", "9", "--pipeline", "none", "--nproc", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optimizer's moments start fresh" in " ".join((r.stdout + r.stderr).split())
+
+
+def _last(out):
+    return sorted((out / "checkpoints").glob("step_*.pt"))[-1]
+
+
+def _merged(out, state):
+    return ckpt.model_state(_last(out), state)
 
 
 @pytest.mark.slow
@@ -291,3 +307,76 @@ def test_int8_activations_send_a_quarter_of_the_bytes_at_nearly_the_same_loss(tm
     fp32, int8 = (runs[c]["pipeline"]["activation_bytes_sent"] for c in ("fp32", "int8"))
     assert int8 / fp32 == pytest.approx((32 + 4) / (4 * 32))  # a byte per value and a 4-byte scale per block of 32
     assert runs["int8"]["val_loss"] == pytest.approx(runs["fp32"]["val_loss"], rel=1e-2)
+
+
+# -- the model of a pipeline step and the planner's split --------------------------------------------
+def test_pipeline_step_formula_by_hand():
+    from thinwire.perf.pipeline import bubble_fraction, pipeline_step_s, split_for_speeds
+
+    # fill: 1 + 2 + 0.5 (stages) + 0.25 + 0.25 (links); steady: (4 - 1) x slowest host max(2, 1.5) = 6
+    assert pipeline_step_s(stage_s=[1, 2, 0.5], egress_s=[0.1, 1.5, 0.1], link_s=[0.25, 0.25], microbatches=4,
+                           after_s=0.3) == pytest.approx(1 + 2 + 0.5 + 0.5 + 3 * 2 + 0.3)
+    # a link slower than every stage paces the pipeline
+    assert pipeline_step_s(stage_s=[1, 1], egress_s=[3, 3], link_s=[3], microbatches=2) == pytest.approx(2 + 3 + 3)
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert split_for_speeds([1] * 6, [1.0, 0.5]) == [[0, 1, 2, 3], [4, 5]]
+    assert split_for_speeds([1] * 6, [1.0, 1.0], link_s=[0, 0, 9, 0, 0, 0]) == [[0, 1], [2, 3, 4, 5]]  # not after 2
+    assert split_for_speeds([1] * 4, [1.0, 1.0], fits=lambda s, a, b: b - a < 2) == [[0, 1], [2, 3]]
+    assert split_for_speeds([1] * 4, [1.0, 1.0], fits=lambda s, a, b: False) is None
+
+
+def _layered_profile(**kw):
+    from tests.test_plan import profile
+    from thinwire.measure.file import LayerRecord
+
+    def layer(name, params, ms, saved=4e4):
+        return LayerRecord(name=name, parameters=params, forward_s=ms / 3e3, backward_s=2 * ms / 3e3,
+                           output_bytes=16384, saved_bytes=saved, width=64)
+
+    layers = [layer("embed", 24_000, 0.05, 1e3)] + [layer(f"blocks.{i}", 94_000, 0.7) for i in range(8)] + \
+             [layer("head", 24_000, 0.2)]
+    import dataclasses as dc
+    return dc.replace(profile(**kw), layers=layers, layers_batch=8)
+
+
+def _cluster(rate="1gbit", **by_host):
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+    hosts = [HostSpec(name=f"h{i}", **by_host.get(f"h{i}", {})) for i in range(4)]
+    return ClusterSpec(name="pp", defaults=DefaultsSpec(bandwidth=rate, cpu=0.5), hosts=hosts)
+
+
+def _plan(spec, batch=32):
+    from thinwire.plan.planner import PlanOptions, make_plan
+    return make_plan(spec, _layered_profile(), workload="charlm", model={},
+                     options=PlanOptions(batch_size=batch, codecs=("none",), pipeline=True))
+
+
+def test_planner_gives_a_slow_host_fewer_layers_and_says_what_it_buys():
+    even = _plan(_cluster())
+    uneven = _plan(_cluster(h2={"cpu": 0.25}))
+    counts = lambda plan: [s.last_layer - s.first_layer + 1 for s in plan.pipeline.stages]  # noqa: E731
+    assert uneven.executable and uneven.hosts == ["h0", "h1", "h2", "h3"]
+    assert counts(uneven)[2] < counts(even)[2] and sum(counts(uneven)) == 10
+    p = uneven.pipeline
+    assert p.predicted_step_s < p.even_split_step_s and p.schedule == "1f1b" and p.microbatches == 16
+    assert any("even split by parameters" in line for line in uneven.explanation)
+    spec = parse_pipeline_spec(p.spec_text())  # what `train --plan` runs
+    assert spec.layers == tuple(counts(uneven)) and spec.microbatches == 16
+    with pytest.raises(ThinwireError, match="pipeline plan"):
+        uneven.shares(4)
+
+
+def test_planner_compresses_only_links_that_pace_the_pipeline():
+    fast, slow = _plan(_cluster("10gbit")), _plan(_cluster("5mbit"))
+    assert set(fast.pipeline.links) == {"fp32"}
+    assert "int8" in slow.pipeline.links and slow.pipeline.predicted_step_s > fast.pipeline.predicted_step_s
+
+
+def test_a_memory_limit_no_split_meets_names_the_smallest_that_would_fit():
+    from thinwire.plan.pipeline import smallest_stage_memory
+
+    need = smallest_stage_memory(_layered_profile(), 4, batch=32)
+    with pytest.raises(ThinwireError, match=rf"fits nowhere.*smallest split still needs {need / 2**20:.1f} MiB"):
+        _plan(_cluster(**{f"h{i}": {"memory": int(need * 0.9)} for i in range(4)}))
+    fits = _plan(_cluster(**{f"h{i}": {"memory": need} for i in range(4)}))
+    assert all(s.memory_bytes <= need for s in fits.pipeline.stages)

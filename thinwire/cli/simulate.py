@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sync", default="allreduce", metavar="MODE",
                    help="also price a sync mode: delayed, local:period=H, diloco:period=H[,fragments=F] (columns next to "
                    "allreduce's), or all: a table of the modes side by side")
+    p.add_argument("--pipeline", metavar="SCHEDULE", help="also price a pipeline over the spec's hosts, e.g. 1f1b, "
+                   "gpipe:layers=3/2/2/1,activations=int8 (as `train --pipeline`), beside data parallelism")
     p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
     p.add_argument("--scaling", default="weak", choices=["weak", "strong"],
@@ -155,9 +157,37 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     console.print(output.table(points, f"predicted: {title} ({opts.scaling} scaling)"))
     if args.sync == "all":
         console.print(_sync_table(spec, profile, opts, default_batch, own))
+    if args.pipeline:
+        console.print(_pipeline_table(args, spec, profile, opts, default_batch, own))
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
                   "scaling.png, timeline.png")
     return 0
+
+
+def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> Table:
+    """``--pipeline``: the pipeline's predicted step and its parts, against data parallelism on the same hosts."""
+    from thinwire.pipeline.layout import layout
+    from thinwire.pipespec import parse_pipeline_spec
+    from thinwire.sim.output import _ms
+    from thinwire.sim.pipeline import needs_layers, predict_pipeline
+
+    needs_layers(profile)
+    pipe = parse_pipeline_spec(args.pipeline)
+    lay = layout(pipe, [l.name for l in profile.layers], [l.parameters for l in profile.layers], len(spec.hosts),
+                 args.batch_size or default_batch)
+    stage_hosts = list(spec.hosts)[: lay.stages]
+    pred = predict_pipeline(spec, profile, stage_hosts, lay.runs, microbatches=lay.microbatches,
+                            replica_batch=lay.replica_batch, activations=lay.links, replicas=lay.replicas,
+                            threads=opts.threads or profile.threads, colocated_cores=opts.colocated_cores)
+    t = Table(title=f"pipeline {pipe.text}: {lay.describe()}; predicted {_ms(pred.step_s)} per step "
+                    f"({own.prediction.step_s / pred.step_s:.2f}x data parallelism's {_ms(own.prediction.step_s)}); "
+                    f"paced by {pred.bottleneck}")
+    for col in ("stage", "host", "layers", "compute / micro-batch", "sending / micro-batch", "link to next"):
+        t.add_column(col, justify="left" if col in ("host", "layers") else "right")
+    for s, run in enumerate(lay.runs):
+        t.add_row(str(s), stage_hosts[s].name, "+".join(lay.layer_names[i] for i in run), _ms(pred.stage_s[s]),
+                  _ms(pred.egress_s[s]), lay.links[s] if s < len(lay.links) else "-")
+    return t
 
 
 def _sync_table(spec, profile, opts, default_batch: int, own):

@@ -117,10 +117,25 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     cfg = load_train_config(base, overrides, args.set)
     if args.resume and not args.out:
         cfg = dataclasses.replace(cfg, out=args.resume)
+    if cfg.plan:
+        cfg = _pipeline_from_plan(cfg)
     if not cfg.out:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg = dataclasses.replace(cfg, out=str(Path("runs") / f"{cfg.workload.replace(':', '.')}-{stamp}"))
     return cfg
+
+
+def _pipeline_from_plan(cfg: TrainConfig) -> TrainConfig:
+    """A pipeline plan runs as ``--pipeline`` with the plan's layout (the plan also orders ranks by host)."""
+    from thinwire.plan.planfile import read_plan
+
+    plan = read_plan(cfg.plan)
+    if plan.pipeline is None:
+        if cfg.pipeline_spec.enabled:
+            raise ConfigError("pipeline", cfg.pipeline, "none with a data-parallel --plan",
+                              "Make a pipeline plan with `thinwire plan --pipeline`, or leave --pipeline out.")
+        return cfg
+    return dataclasses.replace(cfg, pipeline=plan.pipeline.spec_text())
 
 
 def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfolder.RunFolder:
@@ -176,10 +191,10 @@ def _check_batch(cfg: TrainConfig, batch: int, world: int, worlds: list[int]) ->
 
 def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
     """The model has a layer list and the world size, batch and micro-batches make a layout."""
-    from thinwire.pipeline.layout import layout
+    from thinwire.pipeline.layout import layout_of
     from thinwire.pipeline.stages import layer_list
 
-    layout(cfg.pipeline_spec, layer_list(wl.model, wl.layers, cfg.workload), world, batch)
+    layout_of(cfg.pipeline_spec, layer_list(wl.model, wl.layers, cfg.workload), world, batch)
 
 
 def _check_fragments(cfg: TrainConfig, model) -> None:
@@ -205,10 +220,15 @@ def _check_plan(cfg: TrainConfig) -> None:
     if not cfg.cluster:
         raise ThinwireError("plan: --plan needs --cluster SPEC, the cluster the plan was made for.")
     plan = load_plan(cfg.plan, load_cluster_spec(cfg.cluster), cfg.workload, cfg.model, batch_size=cfg.batch_size)
-    plan.shares(len(plan.hosts))  # refuses a plan that is not executable (pipeline-only)
+    if plan.pipeline is None:
+        plan.shares(len(plan.hosts))  # refuses a plan that is not executable
 
 
 def _world_size(cfg: TrainConfig) -> int:
+    if cfg.plan and cfg.pipeline_spec.enabled:  # a pipeline plan launches its stages' hosts only
+        from thinwire.plan.planfile import read_plan
+
+        return len(read_plan(cfg.plan).hosts)
     if cfg.cluster:
         from thinwire.cluster.spec import load_cluster_spec
 

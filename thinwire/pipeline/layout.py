@@ -37,9 +37,15 @@ def default_microbatches(replica_batch: int, stages: int) -> int:
     return max(m for m in range(1, min(replica_batch, MICROBATCHES_PER_STAGE * stages) + 1) if replica_batch % m == 0)
 
 
-def layout(spec, layers: list[Layer], world: int, batch: int) -> Layout:
-    """The layout of ``spec`` (a :class:`~thinwire.pipespec.PipelineSpec`) for ``world`` ranks and a global batch."""
-    stages, names = spec.stage_count(world), [layer.name for layer in layers]
+def layout_of(spec, layers: list[Layer], world: int, batch: int) -> Layout:
+    """:func:`layout` for a model's layer list."""
+    return layout(spec, [layer.name for layer in layers], [layer_params(layer) for layer in layers], world, batch)
+
+
+def layout(spec, names: list[str], params: list[int], world: int, batch: int) -> Layout:
+    """The layout of ``spec`` (a :class:`~thinwire.pipespec.PipelineSpec`) for ``world`` ranks and a global batch,
+    over a layer list of ``names`` holding ``params`` parameters each."""
+    stages, layers = spec.stage_count(world), names
     if stages > len(layers):
         raise ConfigError("pipeline.stages", stages, f"at most the model's {len(layers)} layers ({', '.join(names)})",
                           "A stage holds at least one layer: use fewer stages, or a workload with a longer layer list.")
@@ -62,6 +68,6 @@ def layout(spec, layers: list[Layer], world: int, batch: int) -> Layout:
     if spec.layers:
         runs = split_from_counts(list(spec.layers), len(layers), names)
     else:
-        runs = balanced_split([float(layer_params(layer)) for layer in layers], stages)
+        runs = balanced_split([float(n) for n in params], stages)
     return Layout(stages=stages, replicas=replicas, runs=runs, microbatches=micro, replica_batch=replica_batch,
                   layer_names=names, links=spec.link_formats(stages))

@@ -42,6 +42,16 @@ def stage_memory(profile: Profile, run: list[int], *, micro: int, inflight: int)
     return int(params * STATE_BYTES + acts + buffers)
 
 
+def smallest_stage_memory(profile: Profile, stages: int, *, batch: int) -> int:
+    """The least memory every host needs for some split into ``stages``: the split minimizing the largest
+    stage's memory (1F1B, the first stage holding ``stages`` micro-batches' activations)."""
+    micro_n = default_microbatches(batch, stages)
+    micro, inflight = batch // micro_n, min(micro_n, stages)
+    per_layer = [float(stage_memory(profile, [i], micro=micro, inflight=inflight)) for i in range(len(profile.layers))]
+    runs = balanced_split(per_layer, stages)
+    return max(stage_memory(profile, run, micro=micro, inflight=inflight) for run in runs)
+
+
 def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: int = 1,
                   colocated_cores: float | None = None) -> PipelinePlan | None:
     """The fastest predicted pipeline over the spec's hosts (module docstring); None if no split fits memory."""

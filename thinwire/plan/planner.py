@@ -209,11 +209,19 @@ def fits_nowhere(spec: ClusterSpec, profile: Profile, opts: PlanOptions, workloa
     need = static_bytes(profile, opts, compressed=False, p=len(spec.hosts)) + profile.activation_bytes_per_sample
     largest = max(spec.hosts, key=lambda h: h.memory or 0)
     total = sum(h.memory or 0 for h in spec.hosts)
+    if profile.layers:
+        from thinwire.plan.pipeline import smallest_stage_memory
+
+        least = smallest_stage_memory(profile, min(len(spec.hosts), len(profile.layers)), batch=opts.batch_size)
+        pipe = (f"no pipeline over the {len(spec.hosts)} hosts fits either: its smallest split still needs "
+                f"{least / 2**20:.1f} MiB on some host (the smallest per-host memory that would fit)")
+    else:
+        pipe = (f"and {workload} has no layer list to pipeline over the {len(spec.hosts)} hosts "
+                f"({total / 2**20:.1f} MiB in total)")
     return ThinwireError(
         f"model: {workload} with {profile.parameters:,} parameters fits nowhere: training it with one sample needs "
         f"{need / 2**20:.1f} MiB on a host (parameters, gradients, {opts.optimizer} state, DDP buckets, activations), "
-        f"the largest host {largest.name} has {largest.memory / 2**20:.1f} MiB, and no pipeline partition across all "
-        f"{len(spec.hosts)} hosts ({total / 2**20:.1f} MiB in total) fits either. Give the hosts more memory "
+        f"the largest host {largest.name} has {largest.memory / 2**20:.1f} MiB, {pipe}. Give the hosts more memory "
         "(hosts[].memory) or plan a smaller model (--set model.width=...).")
 
 

@@ -1,6 +1,7 @@
 """Checkpoints that survive a killed worker: atomic writes, loaded with ``weights_only=True``.
 
-Layout: ``OUT/checkpoints/step_000123.pt``. A checkpoint is written to a temporary file in the same
+Layout: ``OUT/checkpoints/step_000123.pt`` (a pipelined run's stages in ``OUT/checkpoints/shards/``, one file
+per rank, written before the checkpoint that names them: :func:`save_shard`). A checkpoint is written to a temporary file in the same
 folder, flushed and fsync'ed, then renamed over its final name (``os.replace`` is atomic on POSIX),
 and the folder is fsync'ed so the rename itself survives a crash. A reader therefore sees either the
 previous checkpoint or the complete new one, never half of one. Only the newest ``keep`` are kept.
@@ -63,11 +64,55 @@ def save_atomic(obj: dict, path: Path) -> None:
 
 
 def save(out: Path, state: dict, keep: int) -> Path:
+    """Write ``step_N.pt`` (after any shards of it: its presence means the whole checkpoint is there) and
+    drop all but the newest ``keep`` checkpoints, with their shards."""
     path = checkpoint_dir(out) / f"step_{state['step']:09d}.pt"
     save_atomic({"format": FORMAT, **state}, path)
     for old in list_checkpoints(out)[:-keep]:
         old.unlink(missing_ok=True)
+        for shard in (old.parent / "shards").glob(old.stem + ".rank*.pt"):
+            shard.unlink(missing_ok=True)
     return path
+
+
+def shard_path(main: Path, rank: int) -> Path:
+    """Rank ``rank``'s own part of checkpoint ``main`` (a pipeline stage's parameters and optimizer state):
+    ``checkpoints/shards/step_N.rankR.pt``."""
+    return main.parent / "shards" / f"{main.stem}.rank{rank:05d}.pt"
+
+
+def save_shard(out: Path, step: int, rank: int, shard: dict) -> None:
+    """Each rank writes its shard atomically before rank 0 writes the checkpoint itself, so a rank never
+    gathers another's tensors: a model too large for one host is checkpointed by the hosts holding it."""
+    save_atomic({"format": FORMAT, **shard}, shard_path(checkpoint_dir(out) / f"step_{step:09d}.pt", rank))
+
+
+def load_shard(main: Path, rank: int) -> dict:
+    path = shard_path(main, rank)
+    if not path.is_file():
+        raise ThinwireError(f"checkpoint {str(main)!r} is incomplete: its shard {path.name} (rank {rank}'s stage) is "
+                            "missing. Resume from another checkpoint or start a new run without --resume.")
+    return load_shard_file(path)
+
+
+def load_shard_file(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ThinwireError(_load_failure(path, e)) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ThinwireError(f"checkpoint shard {str(path)!r} is not a thinwire checkpoint (format {FORMAT} expected).")
+    return state
+
+
+def model_state(main: Path, state: dict) -> dict:
+    """The whole model's state dict of a checkpoint: its own, or its shards' stages merged (a pipeline's)."""
+    if state["model"] or not state.get("shards"):
+        return state["model"]
+    merged: dict = {}
+    for rank in range(int(state["shards"])):
+        merged.update(load_shard(main, rank)["stage"])
+    return merged
 
 
 REQUIRED = {"step": int, "wall_s": (int, float), "model": dict, "optimizer": dict, "scheduler": dict,

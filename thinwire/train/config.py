@@ -100,7 +100,6 @@ class TrainConfig:
         check(self.sync_spec.mode in ("allreduce", "local", "diloco") and self.sync_spec.delay == 0, "sync", self.sync,
               "allreduce, local:period=H or diloco:period=H (without delay) with --pipeline", off)
         check(self.partition_spec.kind == "iid", "partition", self.partition, "iid with --pipeline", off)
-        check(self.plan is None, "plan", self.plan, "left out with --pipeline", "A plan carries its own layout.")
 
     def _check_counts(self) -> None:
         for name, lo, hi in _COUNTS:

@@ -85,7 +85,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.wl = build_workload(cfg.workload, cfg.model, cfg.data)
         self.steps, self.batch, lr = resolve(cfg, self.wl)
-        self.planned = PlannedRun(cfg.plan, cfg.cluster, cfg.workload, cfg.model, cfg.batch_size) if cfg.plan else None
+        self.planned = self._planned_run()
         self.shares = self._batch_shares()
         self.loss_weight = self.planned.loss_weight(env.rank) if self.planned else 1.0
         self._setup_model(lr)  # precision, DDP, the hook or sync mode, the optimizer
@@ -103,6 +103,10 @@ class Trainer:
         self.step_times: list[float] = []
         self.waits: list[float] = []
         self.last_val: dict = {}
+
+    def _planned_run(self) -> PlannedRun | None:
+        cfg = self.cfg
+        return PlannedRun(cfg.plan, cfg.cluster, cfg.workload, cfg.model, cfg.batch_size) if cfg.plan else None
 
     def _batch_shares(self) -> list[int]:
         """Each rank's items of the global batch (a plan's uneven shares, else equal ones)."""
@@ -304,8 +308,11 @@ class Trainer:
                  "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
-                 "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks}
+                 "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks, **self._checkpoint_extra()}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
+
+    def _checkpoint_extra(self) -> dict:
+        return {}
 
     def _model_state(self, ranks: list[dict]) -> dict:
         """The whole model's state dict for the checkpoint (rank 0 holds it; a pipeline merges its stages')."""
@@ -313,11 +320,13 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         source = self._resume_source()
-        box = [None]
+        box = [None, None]
         if self.env.is_main and source is not None:
             box[0] = ckpt.load(source)
             ckpt.check_signature(source, box[0]["signature"], self.signature)
+            box[1] = str(source)
         dist.broadcast_object_list(box, src=0)
+        self.resumed_from = Path(box[1]) if box[1] else None
         if box[0] is None:
             self.metrics.write({"event": "start", "step": 0, "restart_count": self.restarts, "world_size": self.env.world})
             return
@@ -357,12 +366,17 @@ class Trainer:
                           "error-feedback residuals and RNG streams start fresh[/yellow]")
 
     def _load_model(self, state: dict) -> None:
-        self.ddp.module.load_state_dict(state["model"])
+        self.ddp.module.load_state_dict(ckpt.model_state(self.resumed_from, state))  # a pipeline's: its stages merged
+        if state.get("shards"):  # a pipelined run's: each stage had its own optimizer
+            if self.env.is_main:
+                console.print("[yellow]checkpoint of a pipelined run: the model is loaded, the optimizer's moments "
+                              "start fresh[/yellow]")
+            return
         self.opt.load_state_dict(state["optimizer"])
 
     def _same_ranks(self, state: dict) -> bool:
         """Whether the checkpoint's per-rank states are this job's ranks' (else they start fresh)."""
-        return len(state["ranks"]) == self.env.world
+        return len(state["ranks"]) == self.env.world and not state.get("shards")
 
     def _load_rank(self, mine: dict) -> None:
         torch.set_rng_state(mine["rng"])

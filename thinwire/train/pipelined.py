@@ -21,13 +21,16 @@ subset, checkpoint files and resume, is the trainer's own):
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 
 import torch
 import torch.distributed as dist
 
 from thinwire.compress.sync import Unwrapped, create as create_sync
-from thinwire.pipeline.layout import layout
+from thinwire.errors import ThinwireError
+from thinwire.pipeline.layout import layout_of
 from thinwire.pipeline.runner import Placement, build_rank
 from thinwire.pipeline.stages import layer_list, load_stage_state, stage_state
 from thinwire.precision import prepare_precision
@@ -56,10 +59,39 @@ class ActivationBytes:
 
 
 class PipelineTrainer(Trainer):
+    def _planned_run(self) -> None:
+        """Which rank holds which stage. On an emulated cluster ranks take stages in the order of their hosts
+        (``THINWIRE_HOST``): the spec's order, or a plan's (its layout is already ``--pipeline``, set by
+        ``thinwire train``); elsewhere in rank order."""
+        self.order, self.predicted_step_s = None, None
+        cfg = self.cfg
+        if not cfg.cluster:
+            return None
+        from thinwire.cluster.spec import load_cluster_spec
+
+        spec = load_cluster_spec(cfg.cluster)
+        hosts = [h.name for h in spec.hosts]
+        if cfg.plan:
+            from thinwire.plan.planfile import load_plan
+
+            plan = load_plan(cfg.plan, spec, cfg.workload, cfg.model, batch_size=cfg.batch_size)
+            hosts, self.predicted_step_s = plan.hosts, plan.pipeline.predicted_step_s
+        names = self._host_names()
+        if not set(names) <= set(hosts) or len(set(names)) != len(names):
+            raise ThinwireError(f"pipeline: workers run on {names}, the stages belong on {hosts}. Launch the "
+                                "cluster's (or the plan's) hosts, one worker each.")
+        self.order = [names.index(h) for h in hosts if h in names]
+        return None
+
+    def _host_names(self) -> list[str]:
+        names = [None] * self.env.world
+        dist.all_gather_object(names, os.environ.get("THINWIRE_HOST") or socket.gethostname())
+        return names
+
     def _batch_shares(self) -> list[int]:
         self.layers = layer_list(self.wl.model, self.wl.layers, self.cfg.workload)
-        self.layout = layout(self.cfg.pipeline_spec, self.layers, self.env.world, self.batch)
-        self.place = Placement(self.layout.stages, self.layout.replicas, self.env.rank)
+        self.layout = layout_of(self.cfg.pipeline_spec, self.layers, self.env.world, self.batch)
+        self.place = Placement(self.layout.stages, self.layout.replicas, self.env.rank, self.order)
         check_batch(self.batch, self.layout.replicas)
         if self.env.is_main:
             console.print(f"pipeline: {self.layout.describe()}, schedule {self.cfg.pipeline_spec.schedule}")
@@ -72,7 +104,7 @@ class PipelineTrainer(Trainer):
             self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
             links=cfg.pipeline_spec.link_formats(self.layout.stages))
-        self.cut.stages = []  # keep only this rank's stage: the others' tensors can be freed
+        self.cut.stages, self.layers = [], None  # keep only this rank's stage: the others' tensors are freed
         self.wl.model = stage
         self.stage = stage
         self.prec = prepare_precision(stage, cfg.precision, device=device, batch=self.layout.replica_batch,
@@ -147,11 +179,22 @@ class PipelineTrainer(Trainer):
         return out[:k] if out is not None else None
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    # Each rank writes its stage's parameters and optimizer state to its own shard (checkpoint.save_shard)
+    # before rank 0 writes the checkpoint, which holds the rest and the shard count: no rank ever holds
+    # another stage's tensors, so a model too large for one host checkpoints and resumes on the hosts
+    # that hold it. ``checkpoint.model_state`` merges the stages into the whole model's state dict.
+    def _checkpoint(self) -> None:
+        self.sync.flush()
+        ckpt.save_shard(self.out, self.step, self.env.rank,
+                        {"stage": stage_state(self.stage, self.cut.names), "stage_optimizer": self.opt.state_dict(),
+                         "pipeline": self._layout_key()})
+        dist.barrier()  # every shard is on disk before the checkpoint that names them
+        super()._checkpoint()
+
     def _rank_state(self) -> dict:
         s = super()._rank_state()
         s.pop("model", None)
         s.pop("optimizer", None)
-        s["stage"], s["stage_optimizer"] = stage_state(self.stage, self.cut.names), self.opt.state_dict()
         s["pipeline"] = self._layout_key()
         return s
 
@@ -159,17 +202,18 @@ class PipelineTrainer(Trainer):
         return {"stages": self.layout.stages, "replicas": self.layout.replicas, "runs": self.layout.runs}
 
     def _model_state(self, ranks: list[dict]) -> dict:
-        """The whole model's state dict: the first replica's stages merged."""
-        merged: dict = {}
-        for r in ranks[: self.layout.stages]:
-            merged.update(r["stage"])
-        return merged
+        return {}  # in the shards
+
+    def _checkpoint_extra(self) -> dict:
+        return {"shards": self.env.world}
 
     def _load_model(self, state: dict) -> None:
-        load_stage_state(self.stage, self.cut.names, state["model"])
-        if not self._same_ranks(state) and self.env.is_main:
+        if self._same_ranks(state):
+            return  # this rank's own shard, in _load_rank
+        if self.env.is_main:
             console.print("[yellow]checkpoint from another layout (data-parallel, or other stages): the model is "
                           "loaded, the optimizer's moments start fresh[/yellow]")
+        load_stage_state(self.stage, self.cut.names, ckpt.model_state(self.resumed_from, state))
 
     def _same_ranks(self, state: dict) -> bool:
         ranks = state["ranks"]
@@ -177,14 +221,21 @@ class PipelineTrainer(Trainer):
 
     def _load_rank(self, mine: dict) -> None:
         super()._load_rank(mine)
-        load_stage_state(self.stage, self.cut.names, mine["stage"])  # a replica's own, between averages
-        self.opt.load_state_dict(mine["stage_optimizer"])
+        shard = ckpt.load_shard(self.resumed_from, self.env.rank)
+        load_stage_state(self.stage, self.cut.names, shard["stage"])  # a replica's own, between averages
+        self.opt.load_state_dict(shard["stage_optimizer"])
 
     def _summary_extra(self) -> dict:
         return {"pipeline": {"spec": self.cfg.pipeline_spec.text, "layout": self.layout.describe(),
                              "stages": self.layout.stages, "replicas": self.layout.replicas,
                              "microbatches": self.layout.microbatches, "runs": self.layout.runs,
+                             "links": self.layout.links, "hosts_in_stage_order": self._stage_hosts(),
+                             "predicted_step_s": self.predicted_step_s,
                              "activation_bytes_sent": self.acts.total}}
+
+    def _stage_hosts(self) -> list[str]:
+        names = self._host_names()
+        return [names[r] for r in self.place.ranks()]
 
     def _bytes_sent(self) -> int:
         return self.comm.wire.bytes_sent + self.acts.total
