@@ -6,7 +6,7 @@ seed before the next seed, medians over seeds):
 * ``uneven``: 4 hosts at 1 Gbit/s, 0.5 core each but h2 at 0.25: the planner's split (``plan --pipeline``
   from a profile measured now; the slow host gets fewer layers) against the split balanced by parameters,
   both run as plans (stage s on host h<s>); the table gives each plan's predicted step beside the measured.
-* ``does-not-fit``: a charlm whose training state exceeds a 450 MiB host: ``thinwire plan`` on one such host,
+* ``does-not-fit``: a charlm whose training state exceeds a 640 MiB host: ``thinwire plan`` on one such host,
   ``thinwire train`` on one (its cgroup kills it), then the planner's pipeline over 4 such hosts, and one
   unlimited process as the reference; validation losses at equal samples side by side.
 * ``thin-links``: 4 hosts x 100 Mbit/s, 0.45 core each, charlm cut into 4 stages (1F1B). Contenders: the
@@ -180,10 +180,10 @@ def make_plans(sc: dict, spec: Path, folder: Path) -> dict:
 
 
 FIT = {  # does not fit, then trains
-    "about": "charlm 8 x 512 wide, context 64 (25.3M parameters), batch 8, hosts of 450 MiB (cgroup memory limit), "
+    "about": "charlm 8 x 512 wide, context 64 (25.3M parameters), batch 8, hosts of 640 MiB (cgroup memory limit), "
              "0.45 core, 1 Gbit/s",
     "model": {"layers": 8, "width": 512, "heads": 8, "context": 64}, "batch": 8, "steps": 40, "evals": 4,
-    "memory": "450MiB", "cpu": 0.45, "rate": "1gbit", "subnet": "10.241.0.0/24", "one_subnet": "10.242.0.0/24",
+    "memory": "640MiB", "cpu": 0.45, "rate": "1gbit", "subnet": "10.241.0.0/24", "one_subnet": "10.242.0.0/24",
 }
 
 
@@ -222,7 +222,8 @@ def bench_fit(seeds: list[int], work: Path) -> dict:
     try:
         out = work / "fit-one-host"
         t0 = time.time()
-        proc = subprocess.run(train_argv(sc, [], out, seeds[0], one), capture_output=True, text=True, env=env, timeout=1800)
+        proc = subprocess.run(train_argv({**sc, "steps": 3}, [], out, seeds[0], one), capture_output=True, text=True,
+                              env=env, timeout=1800)
         result["one_host_train"] = {"exit": proc.returncode, "elapsed_s": time.time() - t0,
                                     "stderr": (proc.stderr or proc.stdout).strip()[-1500:]}
         print(f"[does-not-fit] one host: exit {proc.returncode}", flush=True)
@@ -284,21 +285,29 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     profile = load_profile(prof)
     result["profile"] = prof.read_text()
-    hosts = [{"name": f"h{i}"} for i in range(sc["hosts"])]
+    hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
+             for i in range(sc["hosts"])]
     for name, args in sc["contenders"].items():
-        if "--pipeline" not in args:
-            continue
         rate = "100gbit" if name in sc.get("unshaped", []) else sc["rate"]
         path = work / f"{key}-predict.yaml"
         path.write_text(spec_text("predict", hosts, rate, sc["cpu"], sc["subnet"]))
         spec = load(path)
-        pipe = parse_pipeline_spec(args[args.index("--pipeline") + 1])
+        if "--plan" in args:  # the plan the runs executed (stored with them)
+            from thinwire.plan.planfile import read_plan
+
+            stored = work / f"{key}-stored-plan.yaml"
+            stored.write_text(result["plans"][args[args.index("--plan") + 1].strip("{}")])
+            pipe = parse_pipeline_spec(read_plan(stored).pipeline.spec_text())
+        else:
+            pipe = parse_pipeline_spec(args[args.index("--pipeline") + 1])
         lay = layout(pipe, [l.name for l in profile.layers], [l.parameters for l in profile.layers], sc["hosts"],
                      sc["batch"])
         pred = predict_pipeline(spec, profile, list(spec.hosts), lay.runs, microbatches=lay.microbatches,
                                 replica_batch=lay.replica_batch, activations=lay.links, threads=1,
                                 colocated_cores=float(os.cpu_count() or 2))
         for run in result["runs"][name]:
+            if "--plan" in args:
+                run.setdefault("planned_step_s", run.get("predicted_step_s"))  # what the plan said when made
             run["predicted_step_s"] = pred.step_s
         print(f"[{key}] {name}: predicted {pred.step_s * 1e3:.0f} ms ({pred.bottleneck})", flush=True)
 

@@ -152,6 +152,19 @@ class HostCgroups:
                 mem = None if raw == "max" or int(raw) >= 2**62 else int(raw)
         return cpu, mem
 
+    def oom_kills(self, host: str) -> int:
+        """How many processes ``host``'s memory limit has killed (v2 ``memory.events``, v1 ``memory.oom_control``)."""
+        c = self.controllers.get("memory")
+        d = c.parent / self.dirname / host if c else None
+        f = d / ("memory.events" if c.version == 2 else "memory.oom_control") if d else None
+        if f is None or not f.is_file():
+            return 0
+        for line in f.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
+
     def remove(self, extra: list[str] = ()) -> None:
         """Kill the processes left in our groups, then remove the groups; missing ones are fine."""
         for base in {*self.base_dirs(), *map(Path, extra)}:

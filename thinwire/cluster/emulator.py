@@ -202,6 +202,10 @@ class EmulatedCluster:
         self.set_link(host, True)
         self._write_state(killed=sorted(self.killed_hosts() - {host}))
 
+    def oom_kills(self, host: str) -> int:
+        """Processes of ``host`` killed by its memory limit since the cluster came up."""
+        return self.cgroups.oom_kills(host)
+
     def killed_hosts(self) -> set[str]:
         return set(self._state().get("killed", []))
 

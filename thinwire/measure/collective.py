@@ -72,26 +72,33 @@ def per_byte(sizes: list[int], times: list[float], p: int = WORLD) -> float:
 
 def collective_cpu(reps: int = 5, timeout: float = 120.0) -> dict:
     """``{"per_byte_s", "sizes", "times_s"}``: the host CPU of a gloo ring all-reduce (module docstring)."""
+    out = run_pair("thinwire.measure.collective", ["--reps", str(reps)], timeout, what="the collective CPU probe")
+    result = json.loads(out.strip().splitlines()[-1])
+    return {"per_byte_s": per_byte(result["sizes"], result["times_s"]), **result}
+
+
+def run_pair(module: str, args: list[str], timeout: float, *, what: str) -> str:
+    """Run ``python -m module --rank R --store S ARGS`` as two local ranks (one thread each, gloo over loopback
+    through a file store); rank 0's output. No rank outlives the call (timeout, error or stop signal)."""
     names = {name for _, name in socket.if_nameindex()}
     loopback = next((n for n in ("lo", "lo0") if n in names), None)  # as thinwire.train.launch's workers
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
                **({"GLOO_SOCKET_IFNAME": loopback} if loopback else {})}
-        cmd = [sys.executable, "-m", "thinwire.measure.collective", "--store", store, "--reps", str(reps)]
+        cmd = [sys.executable, "-m", module, "--store", store, *args]
         procs = []
         try:
             procs += [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
                       for r in range(WORLD)]
             outs = collect(procs, time.monotonic() + timeout)
-        finally:  # timeout, error or stop signal: no rank outlives the measurement
+        finally:
             kill_all(procs)
     for p in procs:
         if p.returncode != 0:
-            raise RuntimeError(f"the collective CPU probe failed (exit {p.returncode}; its error is above). "
+            raise RuntimeError(f"{what} failed (exit {p.returncode}; its error is above). "
                                "Skip it with `thinwire profile --no-corun`.")
-    result = json.loads(outs[0].strip().splitlines()[-1])
-    return {"per_byte_s": per_byte(result["sizes"], result["times_s"]), **result}
+    return outs[0]
 
 
 def main(argv: list[str] | None = None) -> None:

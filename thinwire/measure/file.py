@@ -189,6 +189,8 @@ class Profile:
     network: NetworkRecord | None = None
     layers: list[LayerRecord] = dataclasses.field(default_factory=list)  # the layer list's costs (pipelines)
     layers_batch: int = 0                                                 # the batch they were measured at
+    runtime_bytes: int = 0  # a worker process's memory before its model: Python, torch, thinwire (0: not measured)
+    pipeline_overhead_s: float = 0.0  # a stage's schedule and send/receive time per micro-batch (measure.pipeline_overhead)
 
     def __post_init__(self) -> None:
         check(self.version == VERSION, "version", self.version, f"{VERSION}",

@@ -9,7 +9,8 @@ bucket sizes (:mod:`.codec_costs`), and each codec's relative error with error f
 own gradients over a few steps (:func:`.codec_costs.ef_errors`); (5) with ``guard_steps``, the convergence
 guard: each codec's sample factor against fp32 from short runs of the workload from its initial weights
 (:mod:`.convergence`, what ``thinwire plan`` ranks by); each layer of the workload's layer list on its own
-(:mod:`.layers`: what pipelines are split and priced by); (6) optionally the network's alpha and beta on a running emulated
+(:mod:`.layers`: what pipelines are split and priced by) and a stage's time per micro-batch beyond them
+(:mod:`.pipeline_overhead`); (6) optionally the network's alpha and beta on a running emulated
 cluster (:mod:`.network`). All timings use ``threads`` torch threads: the simulator's speed 1.
 
 Example::
@@ -63,6 +64,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
     check(guard_steps == 0 or guard_steps >= 2 * GUARD_EVERY, "--guard-steps", guard_steps,
           f"0 (no guard) or at least {2 * GUARD_EVERY} (two evaluations)", f"The default is {GUARD_STEPS}.")
     torch.set_num_threads(threads)
+    runtime = _resident_bytes()  # before any model: what every worker process holds anyway
     with single_process_group():
         torch.manual_seed(seed)
         wl = build_workload(workload, dict(model or {}), data)
@@ -100,6 +102,11 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         from thinwire.measure.collective import collective_cpu as measure_collective
 
         collective_cpu = measure_collective()["per_byte_s"]
+    pipe_overhead = 0.0
+    if corun and cores > 1 and layer_costs:  # a pipeline stage's time per micro-batch beyond its layers
+        from thinwire.measure.pipeline_overhead import pipeline_overhead
+
+        pipe_overhead = pipeline_overhead()["per_microbatch_s"]
     numels = [bk.numel for bk in buckets]
     sizes = sizes_for(numels)
     return Profile(
@@ -111,7 +118,21 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         collective_cpu_s_per_byte=collective_cpu, kernels=measure_kernels(sizes, reps),
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
-        network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0)
+        network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0, runtime_bytes=runtime,
+        pipeline_overhead_s=pipe_overhead)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (``/proc/self/status``; the peak where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _layer_costs(wl, workload: str, batch: int, reps: int) -> list:

@@ -33,13 +33,20 @@ STATE_BYTES = 16                    # fp32 weights, gradients and AdamW's two mo
 
 
 def stage_memory(profile: Profile, run: list[int], *, micro: int, inflight: int) -> int:
-    """Bytes a stage holds: its parameters' training state, the activations of ``inflight`` micro-batches
-    (1F1B: at most the stages after it; GPipe: all of them), and its input and output buffers."""
+    """Bytes a stage's process holds at its peak: the process itself (``runtime_bytes``), then the larger of
+    the whole model's weights (every rank builds the model from the seed before keeping its stage) and its
+    stage's training state with the activations of ``inflight`` micro-batches (1F1B: at most the stages
+    after it; GPipe: all of them) and its input and output buffers."""
+    whole = sum(l.parameters for l in profile.layers) * 4
+    return int(profile.runtime_bytes + max(whole, _state_bytes(profile, run, micro=micro, inflight=inflight)))
+
+
+def _state_bytes(profile: Profile, run: list[int], *, micro: int, inflight: int) -> float:
     layers = [profile.layers[i] for i in run]
     params = sum(l.parameters for l in layers)
     acts = sum(l.saved_bytes for l in layers) * micro * inflight
     buffers = 2 * (layers[-1].output_bytes + profile.layers[max(0, run[0] - 1)].output_bytes) * micro * inflight
-    return int(params * STATE_BYTES + acts + buffers)
+    return params * STATE_BYTES + acts + buffers
 
 
 def smallest_stage_memory(profile: Profile, stages: int, *, batch: int) -> int:
@@ -47,7 +54,7 @@ def smallest_stage_memory(profile: Profile, stages: int, *, batch: int) -> int:
     stage's memory (1F1B, the first stage holding ``stages`` micro-batches' activations)."""
     micro_n = default_microbatches(batch, stages)
     micro, inflight = batch // micro_n, min(micro_n, stages)
-    per_layer = [float(stage_memory(profile, [i], micro=micro, inflight=inflight)) for i in range(len(profile.layers))]
+    per_layer = [_state_bytes(profile, [i], micro=micro, inflight=inflight) for i in range(len(profile.layers))]
     runs = balanced_split(per_layer, stages)
     return max(stage_memory(profile, run, micro=micro, inflight=inflight) for run in runs)
 

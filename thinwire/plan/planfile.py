@@ -141,7 +141,7 @@ class PipelinePlan:
     def spec_text(self) -> str:
         counts = "/".join(str(s.last_layer - s.first_layer + 1) for s in self.stages)
         text = f"{self.schedule}:stages={len(self.stages)},microbatches={self.microbatches},layers={counts}"
-        return text + (",activations=" + "/".join(self.links) if self.links else "")
+        return text + (",activations=" + "/".join(self.links) if set(self.links) - {"fp32"} else "")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -117,9 +117,11 @@ def compute_fn(profile: Profile, opts: PlanOptions):
 
 
 def static_bytes(profile: Profile, opts: PlanOptions, *, compressed: bool, p: int) -> int:
+    """A rank's bytes before activations: the training state and the process itself (Python, torch, gloo:
+    the profile's measured ``runtime_bytes``, which a host's memory limit counts too)."""
     numels = [b.numel for b in profile.buckets]
     resid = residual_values(numels, compressed=compressed, p=p, reduced_chunk=compressed)
-    return memory_per_rank(profile.parameters, optimizer=opts.optimizer, residual_values=resid).total
+    return memory_per_rank(profile.parameters, optimizer=opts.optimizer, residual_values=resid).total + profile.runtime_bytes
 
 
 def micro_cap(memory: int | None, static: int, per_sample: float) -> int | None:

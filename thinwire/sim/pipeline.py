@@ -2,8 +2,10 @@
 the plain inputs of :func:`thinwire.perf.pipeline.pipeline_step_s`.
 
 * **Stage compute** per micro-batch: the profile's forward + backward seconds per sample of the stage's
-  layers (:mod:`thinwire.measure.layers`) times the micro-batch, over the host's speed (as for data
-  parallelism, :func:`thinwire.sim.inputs.host_speeds`: its cores, co-located hosts sharing this machine).
+  layers (:mod:`thinwire.measure.layers`) times the micro-batch, plus the schedule's own time per
+  micro-batch (:mod:`thinwire.measure.pipeline_overhead`) and the host CPU of the bytes it sends and
+  receives (the profile's collective CPU per byte), all over the host's speed (as for data parallelism,
+  :func:`thinwire.sim.inputs.host_speeds`: its cores, co-located hosts sharing this machine).
 * **Links**: a micro-batch's output of the stage before a cut, forward, and its gradient, back, in the
   link's activation format (:func:`thinwire.pipeline.wire.payload_bytes`); a host's egress carries its own
   outputs forward and its inputs' gradients back, at its bandwidth times TCP's payload share, plus the
@@ -75,11 +77,13 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
     needs_layers(profile)
     S, micro = len(runs), replica_batch // microbatches
     speeds = stage_speeds(profile, hosts, replicas=replicas, threads=threads, colocated_cores=colocated_cores)
-    stage_s = stage_seconds(profile, runs, speeds, micro)
     efficiency = efficiency_of(profile)
     alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + max(
         (l.latency or 0.0 for l in spec.links), default=0.0)
     fwd = [cut_bytes(profile, runs[s], activations[s], micro) for s in range(S - 1)]  # link s: stage s -> s+1
+    moved = [2 * ((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) for s in range(S)]  # in and out
+    stage_s = [c + (profile.pipeline_overhead_s + profile.collective_cpu_s_per_byte * m) / v
+               for c, m, v in zip(stage_seconds(profile, runs, speeds, micro), moved, speeds)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
     egress = [((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) / rate[s]
               + alpha * ((s < S - 1) + (s > 0)) for s in range(S)]

@@ -164,6 +164,11 @@ def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
     text = " ".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
     named = sorted({name for addr, name in by_addr.items() if re.search(rf"\b{re.escape(addr)}\b.*(?:[Tt]imed out|reset|refused|closed)", text)})
     parts = []
+    oom = [h for h in cluster.spec.hosts if h.memory is not None and cluster.oom_kills(h.name)]
+    if oom:
+        parts.append("; ".join(f"{h.name}'s memory limit ({h.memory / 2**20:.0f} MiB) killed its worker" for h in oom)
+                     + " (the cgroup's OOM killer): give it more memory, or split the model over hosts "
+                     "(`thinwire plan --pipeline`, `--pipeline`);")
     if down:
         parts.append(f"{', '.join(down)} unreachable (link down):")
     elif named:

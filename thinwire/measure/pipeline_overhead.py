@@ -1,0 +1,79 @@
+"""Measure what a pipeline stage spends per micro-batch beyond its layers' compute: the schedule's
+bookkeeping and the point-to-point sends and receives of an activation and its gradient, at speed 1.
+
+Two processes on this machine (one thread each, gloo over loopback) run a 2-stage pipeline of one tiny
+layer each (``torch.distributed.pipelining``'s 1F1B) at M = 4 and M = 16 micro-batches; each rep after a
+barrier, the slower rank's step, the fastest of ``reps`` kept. The layers' compute is negligible and
+loopback has no wire to speak of, so the step grows by one stage's per-micro-batch overhead for each
+micro-batch added: ``overhead = (t16 - t4) / 12`` (its forward and backward actions, one send and one
+receive each way). The model adds it to every stage's compute per micro-batch, over the host's speed
+(:mod:`thinwire.sim.pipeline`).
+
+Run as a module it is one rank: ``python -m thinwire.measure.pipeline_overhead --rank R ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from thinwire.measure.collective import WORLD, run_pair
+
+MICROBATCHES = (4, 16)
+
+
+def _rank(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(args.store, WORLD), rank=args.rank, world_size=WORLD)
+    try:
+        best = []
+        for m in MICROBATCHES:
+            stage = PipelineStage(torch.nn.Linear(8, 8), args.rank, WORLD, torch.device("cpu"))
+            sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, y: out.square().mean())
+            x, y = torch.randn(m, 8), torch.zeros(m, 8)
+            times = []
+            for i in range(args.reps + 2):  # two warm-ups: shape inference, connections
+                dist.barrier()
+                t0 = time.perf_counter()
+                sched.step(*((x,) if args.rank == 0 else ()), target=y if args.rank == WORLD - 1 else None)
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if i >= 2:
+                    times.append(dt.item())
+            best.append(min(times))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if args.rank == 0:
+        print(json.dumps({"microbatches": list(MICROBATCHES), "times_s": best}), flush=True)
+
+
+def per_microbatch(microbatches: list[int], times: list[float]) -> float:
+    """Seconds one stage spends per micro-batch beyond compute, from the two steps (module docstring)."""
+    (m0, m1), (t0, t1) = microbatches, times
+    return max(0.0, (t1 - t0) / (m1 - m0))
+
+
+def pipeline_overhead(reps: int = 5, timeout: float = 120.0) -> dict:
+    """``{"per_microbatch_s", "microbatches", "times_s"}`` (module docstring)."""
+    out = run_pair("thinwire.measure.pipeline_overhead", ["--reps", str(reps)], timeout,
+                   what="the pipeline overhead probe")
+    result = json.loads(out.strip().splitlines()[-1])
+    return {"per_microbatch_s": per_microbatch(result["microbatches"], result["times_s"]), **result}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--reps", type=int, default=5)
+    _rank(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
