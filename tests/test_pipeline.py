@@ -4,19 +4,14 @@ GPipe and 1F1B, alone and as 2 x 2 pipeline x data parallel; the spec, the layou
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.test_cli import ROOT, thinwire
-from tests.test_resume import _final_model, _last_step, _worker_pids
+from tests.test_cli import thinwire
+from tests.test_resume import _final_model, kill_a_worker_mid_run
 from thinwire.errors import ConfigError, ThinwireError
 from thinwire.train import checkpoint as ckpt
 from thinwire.pipeline.layout import default_microbatches, layout_of as layout
@@ -231,20 +226,9 @@ def _merged(out, state):
 @pytest.mark.slow
 def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", *SMALL, "--nproc", "2", "--pipeline", "gpipe",
-                             "--max-restarts", "1", "--steps", "300", "--checkpoint-every", "25", "--eval-every", "150",
-                             "--set", "eval_batches=2", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.time() + 180
-    while _last_step(out) < 60 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    victims = _worker_pids(out / "config.yaml")
-    assert len(victims) == 2 and _last_step(out) < 300, "workers should be running mid-run"
-    killed_at = _last_step(out)
-    os.kill(victims[1], signal.SIGKILL)  # the last stage
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output[-3000:]
+    killed_at = kill_a_worker_mid_run([*SMALL, "--nproc", "2", "--pipeline", "gpipe", "--max-restarts", "1", "--steps",
+                                       "300", "--checkpoint-every", "25", "--eval-every", "150", "--set", "eval_batches=2"],
+                                      out, at_step=60, steps=300)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 300 and summary["restarts"] == 1
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]

@@ -68,22 +68,28 @@ def _last_step(out: Path) -> int:
     return max(steps, default=0)
 
 
-def test_sigkill_worker_restarts_from_checkpoint(tmp_path):
-    out = tmp_path / "run"
+def kill_a_worker_mid_run(train_args: list[str], out: Path, *, at_step: int, steps: int, workers: int = 2) -> int:
+    """Start ``thinwire train ARGS --out OUT``, SIGKILL its last worker once ``at_step`` is logged, wait for the
+    run to finish (it must, restarting from a checkpoint); the step the kill came at."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--workload", "digits", "--nproc", "2",
-                             "--max-restarts", "1", "--steps", "400", "--checkpoint-every", "50",
-                             "--eval-every", "100", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", *train_args, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.time() + 180
-    while _last_step(out) < 120 and time.time() < deadline and proc.poll() is None:
+    while _last_step(out) < at_step and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     victims = _worker_pids(out / "config.yaml")
-    assert len(victims) == 2 and _last_step(out) < 400, "workers should be running mid-run"
+    assert len(victims) == workers and _last_step(out) < steps, "workers should be running mid-run"
     killed_at = _last_step(out)
-    os.kill(victims[1], signal.SIGKILL)
+    os.kill(victims[-1], signal.SIGKILL)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
+    return killed_at
+
+
+def test_sigkill_worker_restarts_from_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    killed_at = kill_a_worker_mid_run(["--workload", "digits", "--nproc", "2", "--max-restarts", "1", "--steps", "400",
+                                       "--checkpoint-every", "50", "--eval-every", "100"], out, at_step=120, steps=400)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 400 and summary["restarts"] == 1
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]

@@ -101,12 +101,17 @@ def run_pair(module: str, args: list[str], timeout: float, *, what: str) -> str:
     return outs[0]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rank_args(argv: list[str] | None, doc: str) -> argparse.Namespace:
+    """A probe rank's arguments, as :func:`run_pair` passes them."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--store", required=True)
     p.add_argument("--reps", type=int, default=5)
-    _rank(p.parse_args(argv))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _rank(rank_args(argv, __doc__))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from thinwire.measure.collective import WORLD, run_pair
+from thinwire.measure.collective import WORLD, rank_args, run_pair
 
 MICROBATCHES = (4, 16)
 
@@ -68,11 +68,7 @@ def pipeline_overhead(reps: int = 5, timeout: float = 120.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--store", required=True)
-    p.add_argument("--reps", type=int, default=5)
-    _rank(p.parse_args(argv))
+    _rank(rank_args(argv, __doc__))
 
 
 if __name__ == "__main__":

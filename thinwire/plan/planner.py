@@ -28,10 +28,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
-from thinwire.cluster.spec import ClusterSpec, HostSpec
+from thinwire.cluster.spec import ClusterSpec
 from thinwire.compress.spec import default_candidates
 from thinwire.config import check, check_range
 from thinwire.errors import ThinwireError
