@@ -304,7 +304,7 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
                      sc["batch"])
         pred = predict_pipeline(spec, profile, list(spec.hosts), lay.runs, microbatches=lay.microbatches,
                                 replica_batch=lay.replica_batch, activations=lay.links, threads=1,
-                                colocated_cores=float(os.cpu_count() or 2))
+                                colocated_cores=float(os.cpu_count() or 2), recompute=pipe.recompute)
         for run in result["runs"][name]:
             if "--plan" in args:
                 run.setdefault("planned_step_s", run.get("predicted_step_s"))  # what the plan said when made

@@ -49,7 +49,7 @@ def _reference():
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(rank, world, stages, schedule, microbatches):
+def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
     from thinwire.commspec import parse_comm_spec
     from thinwire.compress.sync import Unwrapped, create
     from thinwire.pipeline.runner import Placement, build_rank
@@ -62,6 +62,9 @@ def _pipelined(rank, world, stages, schedule, microbatches):
     place = Placement(stages, world // stages, rank)
     pipe, stage, cut = build_rank(model, layers, runs, place=place, device=torch.device("cpu"), loss_fn=lm_loss,
                                   microbatches=microbatches, schedule=schedule)
+    if recompute:
+        from thinwire.precision.memory import apply_checkpointing
+        apply_checkpointing(stage)
     sync = create(Unwrapped(stage), parse_sync_spec("allreduce"), parse_comm_spec("none").policy(),
                   process_group=pipe.dp_group)
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
@@ -78,13 +81,14 @@ def _pipelined(rank, world, stages, schedule, microbatches):
     return losses, stage_state(stage, cut.names), place.replica
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages", [4, 2])
-def test_pipeline_on_4_processes_equals_one_process(schedule, stages):
+@pytest.mark.parametrize("schedule, stages, recompute", [("gpipe", 4, False), ("1f1b", 4, False), ("gpipe", 2, False),
+                                                       ("1f1b", 2, False), ("1f1b", 4, True)])
+def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute):
     """4 stages x 1 replica, and 2 stages x 2 replicas (pipeline x data parallel), against one process:
-    the charlm's tied embedding lives on the first and last stage; clipping at 0.5 is active."""
+    the charlm's tied embedding lives on the first and last stage; clipping at 0.5 is active; with
+    ``recompute`` every layer's activations are recomputed in backward (activation checkpointing)."""
     ref_losses, ref_state = _reference()
-    out = run_ranks(_pipelined, 4, stages, schedule, 4)
+    out = run_ranks(_pipelined, 4, stages, schedule, 4, recompute)
     state = {}
     for _, part, replica in out:
         if replica == 0:
@@ -108,7 +112,7 @@ def test_pipeline_spec_parses_and_refuses_with_the_field():
     assert (s.schedule, s.stages, s.microbatches, s.text) == ("gpipe", 2, 8, "gpipe:stages=2,microbatches=8")
     assert not parse_pipeline_spec("none").enabled and parse_pipeline_spec("1f1b").text == "1f1b"
     for bad, field in [("zigzag", "pipeline.schedule"), ("1f1b:stages=0", "pipeline.stages"),
-                       ("1f1b:stage=2", "pipeline.key"), ("1f1b:layers=2/x", "pipeline.layers"),
+                       ("1f1b:stage=2", "pipeline.key"), ("1f1b:recompute=yes", "pipeline.recompute"), ("1f1b:layers=2/x", "pipeline.layers"),
                        ("1f1b:stages=3,layers=1/1", "pipeline.layers"), ("", "pipeline")]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             parse_pipeline_spec(bad)
@@ -364,3 +368,28 @@ def test_a_memory_limit_no_split_meets_names_the_smallest_that_would_fit():
         _plan(_cluster(**{f"h{i}": {"memory": int(need * 0.9)} for i in range(4)}))
     fits = _plan(_cluster(**{f"h{i}": {"memory": need} for i in range(4)}))
     assert all(s.memory_bytes <= need for s in fits.pipeline.stages)
+
+
+def test_planner_recomputes_activations_or_takes_smaller_microbatches_only_when_memory_asks():
+    import dataclasses as dc
+
+    from thinwire.plan.pipeline import stage_memory
+
+    roomy = _plan(_cluster())
+    assert not roomy.pipeline.recompute and roomy.pipeline.microbatches == 16
+    heavy = dc.replace(_layered_profile(), layers=[dc.replace(l, saved_bytes=2e6) for l in _layered_profile().layers])
+    from thinwire.plan.planner import PlanOptions, make_plan
+
+    def plan(memory):
+        spec = _cluster(**{f"h{i}": {"memory": memory} for i in range(4)})
+        return make_plan(spec, heavy, workload="charlm", model={},
+                         options=PlanOptions(batch_size=32, codecs=("none",), pipeline=True)).pipeline
+
+    free = plan(None)
+    tight = plan(int(max(s.memory_bytes for s in free.stages) * 0.5))
+    assert tight.recompute or tight.microbatches > free.microbatches
+    assert all(s.memory_bytes <= int(max(x.memory_bytes for x in free.stages) * 0.5) for s in tight.stages)
+    assert tight.predicted_step_s >= free.predicted_step_s
+    assert parse_pipeline_spec(tight.spec_text()).recompute == tight.recompute
+    run = list(range(1, 4))
+    assert stage_memory(heavy, run, micro=2, inflight=4, recompute=True) < stage_memory(heavy, run, micro=2, inflight=4)

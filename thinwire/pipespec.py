@@ -13,7 +13,9 @@ form                        meaning
 ==========================  ===================================================================
 
 KEYS, comma-separated: ``stages=S``, ``microbatches=M``, ``layers=A/B/..``, ``activations=fp32|bf16|int8``
-(one format for every link, or one per link: ``activations=fp32/int8/fp32``).
+(one format for every link, or one per link: ``activations=fp32/int8/fp32``), ``recompute=on|off``
+(activation checkpointing of every layer: its activations recomputed in backward, one more forward of
+compute for the memory of its input alone).
 
 ``stages`` (default: every rank one stage) must divide the world size; the ranks left over form
 data-parallel replicas of the pipeline (world = replicas x stages), whose gradients are averaged through
@@ -52,6 +54,7 @@ class PipelineSpec:
     microbatches: int = 0
     layers: tuple[int, ...] = ()
     activations: tuple[str, ...] = ("fp32",)
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.layers and self.stages:
@@ -86,6 +89,7 @@ class PipelineSpec:
         keys += [f"microbatches={self.microbatches}"] if self.microbatches else []
         keys += ["layers=" + "/".join(map(str, self.layers))] if self.layers else []
         keys += ["activations=" + "/".join(self.activations)] if self.activations != ("fp32",) else []
+        keys += ["recompute=on"] if self.recompute else []
         return self.schedule + (":" + ",".join(keys) if keys else "")
 
 
@@ -106,9 +110,14 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
     values: dict = {}
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, sep, raw = (t.strip() for t in item.partition("="))
-        _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations"), "key", item,
-               "stages=S, microbatches=M, layers=A/B/... or activations=fp32|bf16|int8 (key=value, comma-separated)")
-        if key == "activations":
+        _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations", "recompute"), "key", item,
+               "stages=S, microbatches=M, layers=A/B/..., activations=fp32|bf16|int8 or recompute=on|off "
+               "(key=value, comma-separated)")
+        if key == "recompute":
+            _check(raw.lower() in ("on", "off"), "recompute", raw, "on or off",
+                   "on recomputes each layer's activations in backward: less memory, one more forward.")
+            values["recompute"] = raw.lower() == "on"
+        elif key == "activations":
             parts = tuple(p.strip().lower() for p in raw.split("/"))
             _check(all(p in ACTIVATIONS for p in parts), "activations", raw,
                    "one of " + ", ".join(ACTIVATIONS) + ", or one per link separated by '/'",

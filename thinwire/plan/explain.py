@@ -223,7 +223,8 @@ def pipeline_lines(pipe, profile, ddp_s: float | None, fits_one: bool) -> list[s
             "A pipeline over the hosts (asked for with --pipeline).")
     links = "/".join(pipe.links) if pipe.links else "none"
     lines = [head,
-             f"{len(pipe.stages)} stages, {pipe.schedule.upper()} over {pipe.microbatches} micro-batches: {stages}.",
+             f"{len(pipe.stages)} stages, {pipe.schedule.upper()} over {pipe.microbatches} micro-batches"
+             + (", activations recomputed in backward to fit memory" if pipe.recompute else "") + f": {stages}.",
              f"Links between stages carry activations as {links} (compressed only where the link paces the "
              f"pipeline). Predicted step {_ms(pipe.predicted_step_s)}; the pace is set by {pipe.bottleneck}.",
              f"Split by measured host speed and memory: the even split by parameters ({'/'.join(map(str, pipe.even_split))} "

@@ -5,8 +5,11 @@ Steps of :func:`plan_pipeline`:
 
 1. **Hosts** in the spec's order, one stage each (the fastest ones, in order, if there are more hosts
    than layers); speeds as the simulator has them (:func:`thinwire.sim.pipeline.stage_speeds`).
-2. **Micro-batches**: the largest divisor of the batch up to 4 x stages (GPipe's rule); 1F1B (the same
-   bubble as GPipe, fewer activations held) unless there are fewer micro-batches than stages.
+2. **Micro-batches and memory**: from the largest divisor of the batch up to 4 x stages (GPipe's rule)
+   upward through the batch's larger divisors (smaller micro-batches hold less), each with and without
+   recomputing activations in backward (activation checkpointing: one more forward, only each layer's
+   input held); the fastest that fits. 1F1B (the same bubble as GPipe, fewer activations held) unless
+   there are fewer micro-batches than stages.
 3. **Split**: for each link format (fp32, bf16, int8 on every link) the contiguous split minimizing the
    slowest stage or link (:func:`thinwire.perf.pipeline.split_for_speeds`), each stage within its host's
    memory (:func:`stage_memory`); each priced by :func:`thinwire.sim.pipeline.predict_pipeline`.
@@ -32,31 +35,46 @@ UNIFORM_SLACK, LINK_SLACK = 1.05, 1.02
 STATE_BYTES = 16                    # fp32 weights, gradients and AdamW's two moments per parameter
 
 
-def stage_memory(profile: Profile, run: list[int], *, micro: int, inflight: int) -> int:
+def stage_memory(profile: Profile, run: list[int], *, micro: int, inflight: int, recompute: bool = False) -> int:
     """Bytes a stage's process holds at its peak: the process itself (``runtime_bytes``), then the larger of
     the whole model's weights (every rank builds the model from the seed before keeping its stage) and its
     stage's training state with the activations of ``inflight`` micro-batches (1F1B: at most the stages
-    after it; GPipe: all of them) and its input and output buffers."""
+    after it; GPipe: all of them) and its input and output buffers. With ``recompute`` a micro-batch in
+    flight holds only each layer's input, plus one layer's activations while it is recomputed."""
     whole = sum(l.parameters for l in profile.layers) * 4
-    return int(profile.runtime_bytes + max(whole, _state_bytes(profile, run, micro=micro, inflight=inflight)))
+    return int(profile.runtime_bytes + max(whole, _state_bytes(profile, run, micro=micro, inflight=inflight,
+                                                                recompute=recompute)))
 
 
-def _state_bytes(profile: Profile, run: list[int], *, micro: int, inflight: int) -> float:
+def _state_bytes(profile: Profile, run: list[int], *, micro: int, inflight: int, recompute: bool = False) -> float:
     layers = [profile.layers[i] for i in run]
     params = sum(l.parameters for l in layers)
-    acts = sum(l.saved_bytes for l in layers) * micro * inflight
+    if recompute:
+        inputs = sum(profile.layers[i - 1].output_bytes if i > 0 else 0.0 for i in run)
+        acts = inputs * micro * inflight + max(l.saved_bytes for l in layers) * micro
+    else:
+        acts = sum(l.saved_bytes for l in layers) * micro * inflight
     buffers = 2 * (layers[-1].output_bytes + profile.layers[max(0, run[0] - 1)].output_bytes) * micro * inflight
     return params * STATE_BYTES + acts + buffers
 
 
 def smallest_stage_memory(profile: Profile, stages: int, *, batch: int) -> int:
     """The least memory every host needs for some split into ``stages``: the split minimizing the largest
-    stage's memory (1F1B, the first stage holding ``stages`` micro-batches' activations)."""
-    micro_n = default_microbatches(batch, stages)
-    micro, inflight = batch // micro_n, min(micro_n, stages)
-    per_layer = [_state_bytes(profile, [i], micro=micro, inflight=inflight) for i in range(len(profile.layers))]
+    stage's memory, at the most micro-batches (the smallest) with activations recomputed (1F1B, the first
+    stage holding ``stages`` micro-batches' inputs)."""
+    micro_n = batch
+    micro, inflight = 1, min(micro_n, stages)
+    per_layer = [_state_bytes(profile, [i], micro=micro, inflight=inflight, recompute=True)
+                 for i in range(len(profile.layers))]
     runs = balanced_split(per_layer, stages)
-    return max(stage_memory(profile, run, micro=micro, inflight=inflight) for run in runs)
+    return max(stage_memory(profile, run, micro=micro, inflight=inflight, recompute=True) for run in runs)
+
+
+def microbatch_counts(batch: int, stages: int) -> list[int]:
+    """Candidate micro-batch counts: GPipe's default (:func:`default_microbatches`) and every larger divisor
+    of the batch (smaller micro-batches hold less memory)."""
+    first = default_microbatches(batch, stages)
+    return [m for m in range(first, batch + 1) if batch % m == 0]
 
 
 def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: int = 1,
@@ -70,21 +88,49 @@ def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: i
         keep = sorted(sorted(range(len(hosts)), key=lambda i: -speeds[i])[:n])
         hosts = [hosts[i] for i in keep]
     S = len(hosts)
-    micro_n = default_microbatches(batch, S)
+    speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores)
+    best = None
+    for micro_n in microbatch_counts(batch, S):
+        for recompute in (False, True):  # recomputation only where nothing fits without it, or it is faster
+            got = _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, colocated_cores)
+            if got is not None and (best is None or got[0].step_s < best[0].step_s * 0.999):
+                best = got
+        if best is not None and micro_n >= 4 * S:
+            break  # the bubble is already negligible; more, smaller micro-batches only add overhead
+    if best is None:
+        return None
+    pred, runs, links, price, micro_n, recompute, schedule = best
+    micro = batch // micro_n
+    even = balanced_split([float(l.parameters) for l in profile.layers], S)
+    even_pred = predict_pipeline(**price, runs=even, activations=links)
+    stages = [Stage(host=h.name, first_layer=run[0], last_layer=run[-1],
+                    layers=[profile.layers[i].name for i in run],
+                    parameters=sum(profile.layers[i].parameters for i in run),
+                    memory_bytes=stage_memory(profile, run, micro=micro, recompute=recompute,
+                                              inflight=min(micro_n, S - s) if schedule == "1f1b" else micro_n),
+                    seconds_per_microbatch=pred.stage_s[s]) for s, (h, run) in enumerate(zip(hosts, runs))]
+    return PipelinePlan(stages=stages, schedule=schedule, microbatches=micro_n, links=links, recompute=recompute,
+                        predicted_step_s=pred.step_s, even_split_step_s=even_pred.step_s,
+                        even_split=[len(r) for r in even], bottleneck=pred.bottleneck, note="")
+
+
+def _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, colocated_cores):
+    """The split and link formats for one micro-batch count and recomputation choice, or None if none fits."""
+    S = len(hosts)
     schedule = "1f1b" if micro_n >= S else "gpipe"
     micro = batch // micro_n
-    speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores)
     price = dict(spec=spec, profile=profile, hosts=hosts, microbatches=micro_n, replica_batch=batch, threads=threads,
-                 colocated_cores=colocated_cores)
+                 colocated_cores=colocated_cores, recompute=recompute)
 
     def fits(s: int, first: int, last: int) -> bool:
         inflight = min(micro_n, S - s) if schedule == "1f1b" else micro_n
         mem = hosts[s].memory
-        return mem is None or stage_memory(profile, list(range(first, last + 1)), micro=micro, inflight=inflight) <= mem
+        return mem is None or stage_memory(profile, list(range(first, last + 1)), micro=micro, inflight=inflight,
+                                           recompute=recompute) <= mem
 
     candidates = []
     for fmt in FORMATS:
-        runs = _split(profile, speeds, fmt, micro, hosts, fits)
+        runs = _split(profile, speeds, fmt, micro, hosts, fits, recompute)
         if runs is not None:
             candidates.append((predict_pipeline(**price, runs=runs, activations=[fmt] * (S - 1)).step_s, fmt, runs))
     if not candidates:
@@ -92,26 +138,16 @@ def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: i
     fastest = min(c[0] for c in candidates)
     step, fmt, runs = next(c for c in candidates if c[0] <= fastest * UNIFORM_SLACK)  # most precise that is close
     links = _relax_links(price, runs, [fmt] * (S - 1), step)
-    pred = predict_pipeline(**price, runs=runs, activations=links)
-    even = balanced_split([float(l.parameters) for l in profile.layers], S)
-    even_pred = predict_pipeline(**price, runs=even, activations=links)
-    stages = [Stage(host=h.name, first_layer=run[0], last_layer=run[-1],
-                    layers=[profile.layers[i].name for i in run],
-                    parameters=sum(profile.layers[i].parameters for i in run),
-                    memory_bytes=stage_memory(profile, run, micro=micro,
-                                              inflight=min(micro_n, S - s) if schedule == "1f1b" else micro_n),
-                    seconds_per_microbatch=pred.stage_s[s]) for s, (h, run) in enumerate(zip(hosts, runs))]
-    return PipelinePlan(stages=stages, schedule=schedule, microbatches=micro_n, links=links,
-                        predicted_step_s=pred.step_s, even_split_step_s=even_pred.step_s,
-                        even_split=[len(r) for r in even], bottleneck=pred.bottleneck, note="")
+    return predict_pipeline(**price, runs=runs, activations=links), runs, links, price, micro_n, recompute, schedule
 
 
-def _split(profile: Profile, speeds: list[float], fmt: str, micro: int, hosts: list[HostSpec], fits):
-    """The split for one uniform link format: layer seconds per micro-batch; a cut after layer k costs its
-    output and gradient on the slower host's egress."""
+def _split(profile: Profile, speeds: list[float], fmt: str, micro: int, hosts: list[HostSpec], fits,
+           recompute: bool = False):
+    """The split for one uniform link format: layer seconds per micro-batch (one more forward when
+    recomputed); a cut after layer k costs its output and gradient on the slower host's egress."""
     from thinwire.pipeline.wire import payload_bytes
 
-    layer_s = [l.seconds * micro for l in profile.layers]
+    layer_s = [(l.seconds + (l.forward_s if recompute else 0.0)) * micro for l in profile.layers]
     slowest = min(h.bandwidth for h in hosts) / 8
     link_s = [2 * payload_bytes(fmt, int(l.output_bytes * micro / 4), l.width) / slowest for l in profile.layers]
     return split_for_speeds(layer_s, speeds, link_s=link_s, fits=fits)

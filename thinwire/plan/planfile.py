@@ -132,6 +132,7 @@ class PipelinePlan:
     even_split_step_s: float
     even_split: list[int]
     bottleneck: str
+    recompute: bool = False
     note: str = ""
 
     @property
@@ -141,7 +142,8 @@ class PipelinePlan:
     def spec_text(self) -> str:
         counts = "/".join(str(s.last_layer - s.first_layer + 1) for s in self.stages)
         text = f"{self.schedule}:stages={len(self.stages)},microbatches={self.microbatches},layers={counts}"
-        return text + (",activations=" + "/".join(self.links) if set(self.links) - {"fp32"} else "")
+        text += ",activations=" + "/".join(self.links) if set(self.links) - {"fp32"} else ""
+        return text + (",recompute=on" if self.recompute else "")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -60,8 +60,11 @@ def stage_speeds(profile: Profile, hosts: list[HostSpec], *, replicas: int = 1, 
                        colocated_cores=colocated_cores)
 
 
-def stage_seconds(profile: Profile, runs: list[list[int]], speeds: list[float], micro: int) -> list[float]:
-    return [sum(profile.layers[i].seconds for i in run) * micro / speed for run, speed in zip(runs, speeds)]
+def stage_seconds(profile: Profile, runs: list[list[int]], speeds: list[float], micro: int,
+                  recompute: bool = False) -> list[float]:
+    """Each stage's forward and backward per micro-batch (and the forward again when activations are recomputed)."""
+    per = [l.seconds + (l.forward_s if recompute else 0.0) for l in profile.layers]
+    return [sum(per[i] for i in run) * micro / speed for run, speed in zip(runs, speeds)]
 
 
 def cut_bytes(profile: Profile, run: list[int], codec: str, micro: int) -> float:
@@ -72,7 +75,7 @@ def cut_bytes(profile: Profile, run: list[int], codec: str, micro: int) -> float
 
 def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec], runs: list[list[int]], *,
                      microbatches: int, replica_batch: int, activations: list[str], replicas: int = 1,
-                     threads: int = 1, colocated_cores: float | None = None) -> PipelinePrediction:
+                     threads: int = 1, colocated_cores: float | None = None, recompute: bool = False) -> PipelinePrediction:
     """The step of ``replicas`` pipelines over ``hosts`` (stage s of every replica on hosts like ``hosts[s]``)."""
     needs_layers(profile)
     S, micro = len(runs), replica_batch // microbatches
@@ -83,7 +86,7 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
     fwd = [cut_bytes(profile, runs[s], activations[s], micro) for s in range(S - 1)]  # link s: stage s -> s+1
     moved = [2 * ((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) for s in range(S)]  # in and out
     stage_s = [c + (profile.pipeline_overhead_s + profile.collective_cpu_s_per_byte * m) / v
-               for c, m, v in zip(stage_seconds(profile, runs, speeds, micro), moved, speeds)]
+               for c, m, v in zip(stage_seconds(profile, runs, speeds, micro, recompute), moved, speeds)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
     egress = [((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) / rate[s]
               + alpha * ((s < S - 1) + (s > 0)) for s in range(S)]

@@ -34,6 +34,7 @@ from thinwire.pipeline.layout import layout_of
 from thinwire.pipeline.runner import Placement, build_rank
 from thinwire.pipeline.stages import layer_list, load_stage_state, stage_state
 from thinwire.precision import prepare_precision
+from thinwire.precision.memory import apply_checkpointing
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.loop import Trainer, check_batch
 from thinwire.train.progress import console
@@ -105,6 +106,8 @@ class PipelineTrainer(Trainer):
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
             links=cfg.pipeline_spec.link_formats(self.layout.stages))
         self.cut.stages, self.layers = [], None  # keep only this rank's stage: the others' tensors are freed
+        if cfg.pipeline_spec.recompute:  # every layer's activations recomputed in backward
+            apply_checkpointing(stage)
         self.wl.model = stage
         self.stage = stage
         self.prec = prepare_precision(stage, cfg.precision, device=device, batch=self.layout.replica_batch,
