@@ -167,14 +167,38 @@ SMALL = ["--set", "model.layers=2", "--set", "model.width=32", "--set", "model.h
     (["--nproc", "2", "--pipeline", "1f1b", "--sync", "delayed"], r"sync.*allreduce, local:period=H or diloco"),
     (["--nproc", "2", "--pipeline", "1f1b", "--compression", "auto"], r"compression.*thinwire codec"),
     (["--nproc", "2", "--workload", "digits", "--pipeline", "1f1b"], r"has no layer list"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:odd_width", "--pipeline", "gpipe:activations=int8"],
+     r"pipeline\.activations: int8 packs rows of an even length; layer 0 outputs width 15"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:wrong_order", "--pipeline", "gpipe"],
+     r"pipeline: layer 1 \(1\) cannot take the output of the layer before it"),
 ])
 def test_train_refuses_a_bad_pipeline_before_anything_starts(tmp_path, args, match):
     out = tmp_path / "run"
-    base = [] if "digits" in args else SMALL
+    base = [] if any(w in args for w in ("digits", "tests.test_pipeline:odd_width", "tests.test_pipeline:wrong_order")) \
+        else SMALL
     r = thinwire("train", *base, "--steps", "2", *args, "--out", str(out))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert __import__("re").search(match, r.stderr), r.stderr
     assert not out.exists()
+
+
+def _toy(model):
+    from thinwire.workloads.base import Workload
+
+    g = torch.Generator().manual_seed(0)
+    data = [(x, int(x.sum() > 0)) for x in torch.randn(64, 16, generator=g)]
+    return Workload(model=model, train=data, val=data, loss=nn.functional.cross_entropy, task="classification",
+                    batch_size=8, steps=2)
+
+
+def odd_width():
+    """A user workload whose first stage outputs 15 values per row: no int8 link for it."""
+    return _toy(nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 2)))
+
+
+def wrong_order():
+    """A user workload whose layer list does not chain (a 16-wide layer after an 8-wide one)."""
+    return _toy(nn.Sequential(nn.Linear(16, 8), nn.Linear(16, 2)))
 
 
 # -- the CLI: equal to data parallelism, resume, a killed stage ---------------------------------------
@@ -268,7 +292,7 @@ def test_int8_and_bf16_links_pack_forward_and_backward_within_their_error():
         else:
             assert (err <= grad_y.abs() * 2**-8).all() and ((y.detach() - x.detach()).abs() <= x.detach().abs() * 2**-8).all()
         x.grad = None
-    with pytest.raises(ValueError, match="even length.*activations=bf16"):
+    with pytest.raises(ThinwireError, match=r"pipeline\.activations: int8 packs rows of an even length.*width 3"):
         pack_int8(torch.zeros(2, 3))
 
 

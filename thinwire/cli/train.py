@@ -190,11 +190,14 @@ def _check_batch(cfg: TrainConfig, batch: int, world: int, worlds: list[int]) ->
 
 
 def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
-    """The model has a layer list and the world size, batch and micro-batches make a layout."""
+    """The model has a layer list that chains, and the world size, batch and micro-batches make a layout."""
     from thinwire.pipeline.layout import layout_of
-    from thinwire.pipeline.stages import layer_list
+    from thinwire.pipeline.stages import check_chain, layer_list
+    from thinwire.workloads.base import collate
 
-    layout_of(cfg.pipeline_spec, layer_list(wl.model, wl.layers, cfg.workload), world, batch)
+    layers = layer_list(wl.model, wl.layers, cfg.workload)
+    lay = layout_of(cfg.pipeline_spec, layers, world, batch)
+    check_chain(layers, collate(wl.train, [0])[0], lay.runs, lay.links)
 
 
 def _check_fragments(cfg: TrainConfig, model) -> None:

@@ -19,6 +19,7 @@ activation gradients back; the bubble is ``(S-1)/(M+S-1)`` of the ideal step for
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -27,10 +28,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from thinwire.errors import ThinwireError
 from thinwire.pipeline.stages import Layer, StageModule, full_names, shared_parameters
 from thinwire.pipeline.wire import Decode, Encode
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@contextlib.contextmanager
+def _our_errors():
+    """A thinwire error raised inside a stage (the schedule wraps it in a RuntimeError) comes out as itself."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e.__cause__, ThinwireError):
+            raise e.__cause__ from None
+        raise
 
 
 @dataclasses.dataclass
@@ -100,8 +113,9 @@ class PipelineRank:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one replica batch; the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(*self._inputs(x), target=y if self.last else None, losses=losses if self.last else None,
-                           return_outputs=False)
+        with _our_errors():
+            self.schedule.step(*self._inputs(x), target=y if self.last else None,
+                               losses=losses if self.last else None, return_outputs=False)
         for tie in self.ties:
             dist.all_reduce(tie.param.grad, group=tie.group)
         return torch.stack(losses).mean().detach() if self.last else None
@@ -109,7 +123,8 @@ class PipelineRank:
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """The model's output for a replica batch, on the last stage (else None); forward only."""
-        return self.schedule.eval(*self._inputs(x), target=y if self.last else None)
+        with _our_errors():
+            return self.schedule.eval(*self._inputs(x), target=y if self.last else None)
 
     def _inputs(self, x: torch.Tensor) -> tuple:
         return (x,) if self.first else ()

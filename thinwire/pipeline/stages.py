@@ -55,6 +55,28 @@ def layer_list(model: nn.Module, layers: Callable[[nn.Module], list[tuple[str, n
         "forward order, each taking the previous one's output), or make the model an nn.Sequential.")
 
 
+@torch.no_grad()
+def check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]) -> None:
+    """Run one sample through the layer list in order (every rank, before the stages are cut): a list that
+    does not chain, or a stage output a compressed link cannot carry, is refused with the layer's name on
+    every rank at once, not as one stage's crash in the middle of a schedule."""
+    ends = {run[-1]: k for k, run in enumerate(runs[:-1])}  # last layer of each stage but the last -> its link
+    for i, layer in enumerate(layers):
+        try:
+            x = layer.module(*x) if isinstance(x, tuple) else layer.module(x)
+        except Exception as e:  # noqa: BLE001 - any failure here is the layer list's, named for the user
+            raise ThinwireError(f"pipeline: layer {i} ({layer.name}) cannot take the output of the layer before it "
+                                f"({type(e).__name__}: {str(e)[:200]}). A workload's layers(model) lists modules in "
+                                "forward order, each taking the previous one's output.") from None
+        fmt = links[ends[i]] if i in ends else "fp32"
+        if fmt != "fp32" and (not torch.is_tensor(x) or not x.is_floating_point()):
+            raise ThinwireError(f"pipeline.activations: {fmt} on the link after layer {layer.name} needs one "
+                                f"floating-point tensor, it outputs {type(x).__name__}; use fp32 on that link.")
+        if fmt == "int8" and x.shape[-1] % 32 and x.shape[-1] % 2:
+            raise ThinwireError(f"pipeline.activations: int8 packs rows of an even length; layer {layer.name} "
+                                f"outputs width {x.shape[-1]}; use bf16 (or fp32) on that link.")
+
+
 def layer_params(layer: Layer) -> int:
     return sum(p.numel() for p in layer.module.parameters())
 

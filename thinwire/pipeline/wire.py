@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from thinwire.errors import ThinwireError
+
 CODECS = ("fp32", "bf16", "int8")
 
 
@@ -49,7 +51,8 @@ def pack_int8(x: torch.Tensor, stochastic: bool = False) -> torch.Tensor:
     c = x.shape[-1]
     b = block_of(c)
     if b % 2:
-        raise ValueError(f"pipeline activations=int8 packs rows of an even length, got {c}; use activations=bf16")
+        raise ThinwireError(f"pipeline.activations: int8 packs rows of an even length, got a stage output of width "
+                            f"{c}; use activations=bf16 (or fp32) on that link.")
     rows = x.detach().reshape(-1, b).float()
     scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127.0
     scaled = rows / scale

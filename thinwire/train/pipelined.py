@@ -32,7 +32,7 @@ from thinwire.compress.sync import Unwrapped, create as create_sync
 from thinwire.errors import ThinwireError
 from thinwire.pipeline.layout import layout_of
 from thinwire.pipeline.runner import Placement, build_rank
-from thinwire.pipeline.stages import layer_list, load_stage_state, stage_state
+from thinwire.pipeline.stages import check_chain, layer_list, load_stage_state, stage_state
 from thinwire.precision import prepare_precision
 from thinwire.precision.memory import apply_checkpointing
 from thinwire.train import checkpoint as ckpt
@@ -101,10 +101,13 @@ class PipelineTrainer(Trainer):
     def _setup_model(self, lr: float) -> None:
         cfg, device = self.cfg, self.device
         self.signature = ckpt.model_signature(self.wl.model)
+        links = cfg.pipeline_spec.link_formats(self.layout.stages)
+        x, _ = collate(self.wl.train, [0])
+        check_chain(self.layers, x.to(device), self.layout.runs, links)
         self.pipe, stage, self.cut = build_rank(
             self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
-            links=cfg.pipeline_spec.link_formats(self.layout.stages))
+            links=links)
         self.cut.stages, self.layers = [], None  # keep only this rank's stage: the others' tensors are freed
         if cfg.pipeline_spec.recompute:  # every layer's activations recomputed in backward
             apply_checkpointing(stage)
