@@ -362,7 +362,9 @@ class Trainer:
         if self._same_ranks(state):
             self._load_rank(ranks[self.env.rank])
         elif self.env.is_main:
-            console.print(f"[yellow]checkpoint has {len(ranks)} ranks, this job {self.env.world}: "
+            kind = "pipelined ranks" if state.get("shards") else "ranks"
+            other = " in another layout" if len(ranks) == self.env.world else ""
+            console.print(f"[yellow]checkpoint has {len(ranks)} {kind}, this job {self.env.world}{other}: "
                           "error-feedback residuals and RNG streams start fresh[/yellow]")
 
     def _load_model(self, state: dict) -> None:
