@@ -65,6 +65,10 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
     if recompute:
         from thinwire.precision.memory import apply_checkpointing
         apply_checkpointing(stage)
+    calls = []  # forwards inside the stage's first layer: twice per micro-batch when its activations are recomputed
+    first = stage.layers[0]
+    leaf = next(m for m in first.modules() if m is not first and not list(m.children()))
+    leaf.register_forward_hook(lambda *_: calls.append(1))
     sync = create(Unwrapped(stage), parse_sync_spec("allreduce"), parse_comm_spec("none").policy(),
                   process_group=pipe.dp_group)
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
@@ -78,7 +82,7 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else loss.item())
-    return losses, stage_state(stage, cut.names), place.replica
+    return losses, stage_state(stage, cut.names), place.replica, len(calls)
 
 
 @pytest.mark.parametrize("schedule, stages, recompute", [("gpipe", 4, False), ("1f1b", 4, False), ("gpipe", 2, False),
@@ -90,19 +94,22 @@ def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute)
     ref_losses, ref_state = _reference()
     out = run_ranks(_pipelined, 4, stages, schedule, 4, recompute)
     state = {}
-    for _, part, replica in out:
+    for _, part, replica, _ in out:
         if replica == 0:
             state.update(part)
+    once = STEPS * 4  # 4 micro-batches per step; the schedule's shape inference adds a forward or two
+    counts = [n for *_, n in out]
+    assert all(n >= 2 * once for n in counts) if recompute else all(n <= once + 2 for n in counts), counts
     assert set(state) == set(ref_state)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=0, atol=PARAM_ATOL, msg=name)
-    last = [losses for losses, _, _ in out if losses[0] is not None]
+    last = [losses for losses, *_ in out if losses[0] is not None]
     assert len(last) == 4 // stages
     replica_mean = [sum(step) / len(last) for step in zip(*last)]
     torch.testing.assert_close(torch.tensor(replica_mean), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
     if stages == 2:  # the replicas saw different halves of each batch, yet hold the same parameters
-        a = [p for losses, p, r in out if r == 0 and losses[0] is None][0]
-        b = [p for losses, p, r in out if r == 1 and losses[0] is None][0]
+        a = [p for losses, p, r, _ in out if r == 0 and losses[0] is None][0]
+        b = [p for losses, p, r, _ in out if r == 1 and losses[0] is None][0]
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
