@@ -110,6 +110,12 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                 code = a.proc.poll()
                 if a.gone or code in (None, 0):
                     continue
+                if min_hosts and a is not agents[0] and agents[0].proc.poll() == 0:
+                    # the first host's agent exits 0 only once the run is done (its exit barrier): a host
+                    # that came back too late to join fails when the rendezvous store goes with it
+                    a.gone = True
+                    console.print(f"host {a.host.name} came back as the run finished; it did not join")
+                    continue
                 left = [b for b in agents if not b.gone and b is not a and b.proc.poll() is None]
                 if not min_hosts or a is agents[0] or len(left) < min_hosts:
                     why = "" if not min_hosts else (
