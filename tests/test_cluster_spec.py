@@ -96,6 +96,9 @@ def test_parse_size_duration_loss():
     ([{"name": "a b"}], [], r"^hosts\[0\]\.name: must be 1-32 letters, digits"),
     ([{"name": "a", "speed": 2}], [], r"^hosts\[0\]\.speed: must be one of the known fields"),
     ([{"name": "a", "cpu": "lots"}], [], r"^hosts\[0\]\.cpu: must be a finite number or null, got 'lots'"),
+    ([{"name": "a", "nic": {"cpu": 0}}], [], r"^hosts\[0\]\.nic\.cpu: must be a number of cores in \[0.001, 4096\] for the engine"),
+    ([{"name": "a", "nic": {"cores": 1}}], [], r"^hosts\[0\]\.nic\.cores: must be one of the known fields \(cpu\)"),
+    ([{"name": "a", "nic": 0.25}], [], r"^hosts\[0\]\.nic: must be a mapping of field: value, got 0.25"),
     ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}], [{"between": ["A", "Z"], "bandwidth": "1mbit"}],
      r"^links\[0\]\.between\[1\]: must be one of the groups \(A, B\), got 'Z'"),
     ([{"name": "a", "group": "A"}], [{"between": ["A", "A"], "bandwidth": "1mbit"}],
@@ -134,6 +137,17 @@ def test_subnet_must_be_private_ipv4(subnet, match):
 def test_subnet_must_hold_the_hosts():
     with pytest.raises(ConfigError, match=r"^hosts: must be at most 2 hosts for subnet 10.1.0.0/30"):
         make([{"name": f"h{i}"} for i in range(3)], subnet="10.1.0.0/30")
+
+
+def test_an_offload_engine_is_a_host_field_with_a_default():
+    spec = make([{"name": "a"}, {"name": "b", "nic": {"cpu": 0.5}}, {"name": "c"}], defaults={"bandwidth": "1gbit", "nic": {"cpu": 0.25}})
+    assert [h.nic.cpu for h in spec.hosts] == [0.25, 0.5, 0.25]
+    assert make([{"name": "a"}]).hosts[0].nic is None
+    env = EmulatedHost(name="a", namespace="ns", address="10.0.0.1", interface="eth0", nic_cpu=0.25).env()
+    assert env["THINWIRE_NIC_CPU"] == "0.25"
+    assert "THINWIRE_NIC_CPU" not in EmulatedHost(name="a", namespace="ns", address="10.0.0.1", interface="eth0").env()
+    with pytest.raises(ConfigError, match=r"^hosts\[1\]\.nic\.cpu: must be at most 2 \(the cores of this machine\), got 3"):
+        make([{"name": "a"}, {"name": "b", "nic": {"cpu": 3}}]).check_fits(cores=2)
 
 
 def test_cpu_must_fit_this_machine():

@@ -80,7 +80,7 @@ class _Cluster:
 
 def _agents(*codes):
     return [SimpleNamespace(host=SimpleNamespace(name=f"h{i}", address=f"10.0.0.{i + 1}"), proc=_Proc(c),
-                            gone=False, killed=False, out=None) for i, c in enumerate(codes)]
+                            gone=False, killed=False, out=None, nic=False) for i, c in enumerate(codes)]
 
 
 def test_a_host_that_comes_back_as_the_run_finishes_is_not_a_failure(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -276,7 +277,7 @@ class _Alternate(Policy):
         return "bf16 / int8 by bucket"
 
 
-def _mixed_paths(rank, world, policy, steps, bucket_mb):
+def _mixed_paths(rank, world, policy, steps, bucket_mb, offload=False):
     import threading
 
     import thinwire
@@ -295,13 +296,15 @@ def _mixed_paths(rank, world, policy, steps, bucket_mb):
         setattr(dist, name, recording(getattr(dist, name)))
     model = DDP(Probe(), bucket_cap_mb=bucket_mb)
     state = thinwire.attach(model, policy, min_compress_bytes=0)
+    state.offload = offload
     grads = []
     for step in range(steps):
         model.zero_grad()
         model(*grads_of(rank, step)).backward()
         grads.append((model.module.a.grad.clone(), model.module.m.grad.clone()))
+    engine = [t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().strip() == "tw-engine"]
     state.close()
-    return {"grads": grads, "issued": issued}
+    return {"grads": grads, "issued": issued, "engine_threads": len(engine)}
 
 
 def test_a_single_all_reduce_bucket_is_issued_from_ddps_thread():
@@ -313,6 +316,19 @@ def test_a_single_all_reduce_bucket_is_issued_from_ddps_thread():
     (a0, _), (a1, _) = grads_of(0, 1), grads_of(1, 1)
     want = ((a0 / 2).to(torch.bfloat16).float() + (a1 / 2).to(torch.bfloat16).float()).to(torch.bfloat16).float()
     assert torch.equal(results[0]["grads"][1][0], want)
+
+
+def test_offloaded_every_bucket_runs_on_the_engine_thread_with_the_same_result():
+    """With an offload engine (cluster spec ``nic:``) nothing is issued from DDP's thread, even a bucket of
+    one all-reduce; the engine thread carries the OS name the emulator moves onto the engine's CPU; the
+    averages are the inline path's, bit for bit."""
+    inline = run_ranks(_mixed_paths, 2, "bf16", 2, 100.0)
+    offloaded = run_ranks(_mixed_paths, 2, "bf16", 2, 100.0, True)
+    for r, ref in zip(offloaded, inline):
+        assert r["issued"] and all(name == "thinwire-comm" for name, _ in r["issued"]), r["issued"]
+        assert r["engine_threads"] == 1
+        for got, want in zip(r["grads"][1], ref["grads"][1]):
+            assert torch.equal(got, want)
 
 
 def test_buckets_on_both_paths_keep_one_collective_order():

@@ -952,3 +952,28 @@ def test_corun_timeout_kills_and_reaps_its_copies():
     with pytest.raises(subprocess.TimeoutExpired):
         corun._run(2, ["--workload", "digits", "--batch", "8"], timeout=0.3)
     assert children() == []
+
+
+def test_an_offload_engine_runs_the_codec_off_compute_at_its_own_speed(tmp_path):
+    """Hosts with ``nic:`` price codec work and the collectives' CPU on the engine's cores and take none of
+    it from backward; the same hosts without an engine take it from compute (one core, no spare)."""
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec, NicSpec
+    from thinwire.measure.file import load_profile
+    from thinwire.sim.sweep import SimOptions, simulate
+
+    half = 445952 // 2
+    prof = load_profile(_profile_file(tmp_path, buckets=[
+        {"numel": half, "ready_frac": 0.5, "params": [0], "shapes": [[half]]},
+        {"numel": half, "ready_frac": 1.0, "params": [1], "shapes": [[half]]}]))
+    opts = SimOptions(codec="bf16", hosts=[4], batch_size=64, scaling="strong", threads=1)
+
+    def predict(nic):
+        spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="10gbit", cpu=0.5, nic=nic),
+                           hosts=[HostSpec(name=f"h{i}") for i in range(4)])
+        return simulate(spec, prof, opts, default_batch=64)[0].prediction
+
+    inline, engine, slow_engine = predict(None), predict(NicSpec(cpu=1.0)), predict(NicSpec(cpu=0.1))
+    assert inline.timeline.backward_s > engine.timeline.backward_s  # inline codec work delays backward
+    assert engine.timeline.backward_s == slow_engine.timeline.backward_s  # engines take nothing from it
+    assert slow_engine.codec_s == pytest.approx(engine.codec_s * 10)  # codec at 0.1 core instead of 1
+    assert engine.step_s < inline.step_s

@@ -75,12 +75,14 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     table = Table(title=f"cluster {cluster.spec.name} ({cluster.spec.subnet})")
-    for col in ("host", "group", "address", "link", "out", "in", "cores", "memory"):
+    engines = any(h.nic is not None for h in cluster.spec.hosts)
+    for col in ("host", "group", "address", "link", "out", "in", "cores", "memory") + (("engine cores",) if engines else ()):
         table.add_column(col)
     for s in cluster.status():
         table.add_row(s.name, s.group, s.address, "up" if s.link_up else "[red]down[/]", _rate(s.egress_bps),
                       _rate(s.ingress_bps), "-" if s.cpu is None else f"{s.cpu:g}",
-                      "-" if s.memory is None else f"{s.memory / 2**20:g} MiB")
+                      "-" if s.memory is None else f"{s.memory / 2**20:g} MiB",
+                      *((("-" if s.nic_cpu is None else f"{s.nic_cpu:g}"),) if engines else ()))
     console = Console()
     console.print(table)
     console.print(f"namespaces {cluster.switch_ns}.HOST; run a command with `thinwire cluster exec SPEC HOST -- CMD`")

@@ -125,6 +125,26 @@ class HostCgroups:
             for fname, value in c.limit_files(cpu, memory).items():
                 (base / host / fname).write_text(value)
 
+    def create_nic(self, host: str, cpu: float) -> None:
+        """The cgroup of ``host``'s offload engine (spec ``nic:``): a sibling of the host's own, with its
+        own quota, that the host's communication threads move into (thread by thread: cgroup v1's
+        ``tasks`` file; v2 would need threaded cgroups, not built)."""
+        c = self.controllers.get("cpu")
+        if c is None or c.version != 1:
+            raise ThinwireError("nic: an offload engine needs the cgroup v1 cpu controller, to move single "
+                                f"threads into a group of their own ({'cgroup v2 here' if c else 'no cpu controller here'}); "
+                                "remove `nic:` from the cluster spec.")
+        d = c.parent / self.dirname / nic_group(host)
+        d.mkdir(exist_ok=True)
+        for fname, value in c.limit_files(cpu, None).items():
+            (d / fname).write_text(value)
+
+    def nic_tasks_file(self, host: str) -> str | None:
+        """The file a thread of ``host`` writes its id into to run on the host's offload engine; None without one."""
+        c = self.controllers.get("cpu")
+        f = c.parent / self.dirname / nic_group(host) / "tasks" if c is not None else None
+        return str(f) if f is not None and f.exists() else None
+
     def procs_files(self, host: str) -> list[str]:
         """The ``cgroup.procs`` files a process of ``host`` writes its pid into (existing ones only)."""
         files = [c.parent / self.dirname / host / "cgroup.procs" for c in self.controllers.values()]
@@ -175,6 +195,11 @@ class HostCgroups:
                 _rmdir(host_dir)
             _rmdir(base)
         revert_enabled()
+
+
+def nic_group(host: str) -> str:
+    """The cgroup name of ``host``'s offload engine (a '.' no host name has, so never a host's)."""
+    return f"{host}.nic"
 
 
 def _read_cpu(d: Path, version: int) -> tuple[int, int]:

@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thinwire.cluster import netns
-from thinwire.cluster.cgroup import HostCgroups
+from thinwire.cluster.cgroup import HostCgroups, nic_group
 from thinwire.cluster.spec import ClusterSpec, HostSpec, LinkSpec, spec_to_dict
 from thinwire.errors import ThinwireError
 from thinwire.signals import deferred
 
 HOST_IF = "eth0"
+NIC_ENV = "THINWIRE_NIC_CPU"  # set in a host with an offload engine (spec ``nic:``): the engine's cores
 CORE_BRIDGE = "br0"
 STATE_DIR = Path("/run/thinwire")
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class EmulatedHost:
     address: str
     interface: str
     cgroup_procs: tuple[str, ...] = field(default=())
+    nic_cpu: float | None = None  # the host's offload engine (spec ``nic:``): its cores
 
     def command(self, argv: list[str]) -> list[str]:
         """``sh -c 'echo $$ > cgroup.procs...; exec ip netns exec NS "$@"' argv...``.
@@ -92,7 +94,7 @@ class EmulatedHost:
         """Variables for processes in this host: bind gloo/NCCL to its interface, name it."""
         return {"GLOO_SOCKET_IFNAME": self.interface, "NCCL_SOCKET_IFNAME": self.interface,
                 "TP_SOCKET_IFNAME": self.interface, "THINWIRE_HOST": self.name,
-                "THINWIRE_HOST_ADDR": self.address}
+                "THINWIRE_HOST_ADDR": self.address, **({NIC_ENV: f"{self.nic_cpu:g}"} if self.nic_cpu else {})}
 
     def spawn(self, argv: list[str], *, env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
         """Start ``argv`` inside the host; ``env`` adds to the caller's environment and :meth:`env`."""
@@ -113,6 +115,7 @@ class HostStatus:
     ingress_bps: float | None
     cpu: float | None
     memory: int | None
+    nic_cpu: float | None = None  # the offload engine's cores (spec ``nic:``)
 
 
 class EmulatedCluster:
@@ -133,7 +136,8 @@ class EmulatedCluster:
     def host(self, name: str) -> EmulatedHost:
         """The running host ``name``: its namespace, address, interface and cgroups."""
         return EmulatedHost(name=name, namespace=self.namespace(name), address=self.spec.address(name),
-                            interface=HOST_IF, cgroup_procs=tuple(self.cgroups.procs_files(name)))
+                            interface=HOST_IF, cgroup_procs=tuple(self.cgroups.procs_files(name)),
+                            nic_cpu=self.spec.host(name).nic.cpu if self.spec.host(name).nic else None)
 
     def hosts(self) -> list[EmulatedHost]:
         return [self.host(n) for n in self.spec.host_names]
@@ -202,6 +206,29 @@ class EmulatedCluster:
         self.set_link(host, True)
         self._write_state(killed=sorted(self.killed_hosts() - {host}))
 
+    def adopt_offloaded_threads(self, host: str) -> int:
+        """Move ``host``'s communication threads (:data:`thinwire.compress.engine.OFFLOADED_THREADS`, by
+        their OS names) onto its offload engine's cgroup (spec ``nic:``), as a smart NIC's processor runs
+        them; what a launcher calls while a job runs, since a process inside the host cannot reach
+        /sys/fs/cgroup (``ip netns exec`` remounts /sys). The number of threads moved now."""
+        from thinwire.compress.engine import OFFLOADED_THREADS
+
+        tasks = self.cgroups.nic_tasks_file(host)
+        if tasks is None:
+            return 0
+        there = set(Path(tasks).read_text().split())
+        moved = 0
+        for pid in self.cgroups.pids(host):
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    if task.name in there or (task / "comm").read_text().strip() not in OFFLOADED_THREADS:
+                        continue
+                    Path(tasks).write_text(task.name)
+                except OSError:  # the thread or process ended meanwhile
+                    continue
+                moved += 1
+        return moved
+
     def oom_kills(self, host: str) -> int:
         """Processes of ``host`` killed by its memory limit since the cluster came up."""
         return self.cgroups.oom_kills(host)
@@ -251,6 +278,8 @@ class EmulatedCluster:
         netns.shape(ns, HOST_IF, h.bandwidth)
         netns.shape(self.switch_ns, port, h.bandwidth)
         self.cgroups.create(h.name, h.cpu, h.memory)
+        if h.nic is not None:
+            self.cgroups.create_nic(h.name, h.nic.cpu)
 
     def _shape_group_links(self) -> None:
         groups = self.spec.groups
@@ -303,9 +332,10 @@ class EmulatedCluster:
         egress = netns.qdisc_rates(ns, HOST_IF)
         ingress = netns.qdisc_rates(self.switch_ns, f"p{i}")
         cpu, mem = self.cgroups.limits(h.name)
+        nic = self.cgroups.limits(nic_group(h.name))[0] if h.nic is not None else None
         return HostStatus(name=h.name, group=h.group, namespace=ns, address=self.spec.address(h.name),
                           link_up="UP" in info.get("flags", []), egress_bps=egress[0] if egress else None,
-                          ingress_bps=ingress[0] if ingress else None, cpu=cpu, memory=mem)
+                          ingress_bps=ingress[0] if ingress else None, cpu=cpu, memory=mem, nic_cpu=nic)
 
 
 def _netem_args(link: LinkSpec) -> list[str]:

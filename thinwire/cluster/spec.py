@@ -29,6 +29,10 @@ Fields and units:
   one core, ``2`` two cores; ``null`` (the default) means no cap. The ratio of two hosts' ``cpu`` is
   their relative compute speed, which is how the simulator and planner read it.
 * ``memory``: bytes, ``512MiB``, ``2GiB``, ``1GB`` or a plain number; ``null`` means no limit.
+* ``nic``: an offload engine with a processor of its own, ``{cpu: 0.25}`` (cores), as a smart NIC has:
+  the host's communication work (the codec, error feedback, the collectives' copies and reductions)
+  runs there, off the host's ``cpu``. The emulator gives the engine's threads a cgroup and quota of
+  their own; ``null`` (the default) means none: communication shares the host's CPU.
 * ``links[].latency`` (``5ms``) and ``links[].loss`` (``0.1%``): parsed here for the simulator; the
   emulator honours them only where the kernel has the ``netem`` qdisc.
 
@@ -65,12 +69,24 @@ MIN_CPU, MAX_CPU = 0.001, 4096.0  # a thousandth of a core; 1e-320 overflowed th
 
 
 @dataclass(kw_only=True)
+class NicSpec:
+    """A host's offload engine: ``cpu`` cores of its own for the communication work."""
+
+    cpu: float
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.cpu, (int, float)) and MIN_CPU <= self.cpu <= MAX_CPU, "cpu", self.cpu,
+              f"a number of cores in [{MIN_CPU:g}, {MAX_CPU:g}] for the engine's own processor (0.25 = a quarter of one core)")
+
+
+@dataclass(kw_only=True)
 class DefaultsSpec:
     """Values a host takes when it does not set them itself."""
 
     bandwidth: float | str | None = None
     cpu: float | None = None
     memory: int | str | None = None
+    nic: NicSpec | None = None
 
 
 @dataclass(kw_only=True)
@@ -82,6 +98,7 @@ class HostSpec:
     bandwidth: float | str | None = None
     cpu: float | None = None
     memory: int | str | None = None
+    nic: NicSpec | None = None
 
     def resolve(self, defaults: DefaultsSpec, where: str) -> None:
         """Apply ``defaults`` and parse units in place; errors name ``where`` (e.g. ``hosts[2]``)."""
@@ -97,6 +114,7 @@ class HostSpec:
               f"a number of cores in [{MIN_CPU:g}, {MAX_CPU:g}] (0.25 = a quarter of one core) or null for no cap")
         memory = self.memory if self.memory is not None else defaults.memory
         self.memory = None if memory is None else parse_size(memory, f"{where}.memory")
+        self.nic = self.nic if self.nic is not None else defaults.nic
 
 
 @dataclass(kw_only=True)
@@ -226,6 +244,8 @@ class ClusterSpec:
         for i, h in enumerate(self.hosts):
             check(h.cpu is None or h.cpu <= cores, f"hosts[{i}].cpu", h.cpu,
                   f"at most {cores} (the cores of this machine)", "Lower it or use null for no cap.")
+            check(h.nic is None or h.nic.cpu <= cores, f"hosts[{i}].nic.cpu", h.nic and h.nic.cpu,
+                  f"at most {cores} (the cores of this machine)", "Lower it.")
 
 
 def load_cluster_spec(path: str | Path) -> ClusterSpec:

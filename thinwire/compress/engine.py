@@ -13,15 +13,26 @@ overlaps computation).
 collectives): then the submitting thread may issue a collective itself without changing the order,
 which is how the hook sends a bucket that needs only all-reduces (see
 :meth:`thinwire.compress.hook.CommState._send`).
+
+**Offload** (a host with an engine of its own, cluster spec ``nic:``): every bucket's whole job runs
+on this thread (none inline on DDP's). The thread names itself :data:`ENGINE_THREAD` so the emulator
+can move it and gloo's threads (its I/O loop and collective workers, which copy, reduce and send;
+:data:`OFFLOADED_THREADS`) into the engine's cgroup: the codec and the collectives then run on the
+engine's CPU, off the host's compute quota.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+ENGINE_THREAD = "tw-engine"  # this thread's OS name
+# what runs on an offload engine: this thread, and gloo's TCP I/O loop and collective workers (torch's names)
+OFFLOADED_THREADS = (ENGINE_THREAD, "gloo_tcp_loop", "pt_gloo_runloop")
 
 
 class CommThread:
@@ -48,6 +59,7 @@ class CommThread:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        name_this_thread(ENGINE_THREAD)
         while True:
             item = self._jobs.get()
             if item is None:
@@ -61,3 +73,29 @@ class CommThread:
             else:
                 self._returned += 1
                 fut.set_result(result)
+
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread an OS name (``/proc/self/task/TID/comm``; Python sets none), which is how
+    the emulator finds the threads to move onto a host's offload engine. Best effort, Linux only."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def threads_on_engine(suffix: str = ".nic") -> int:
+    """How many of this process's threads are in an offload engine's cgroup now (its name ends in
+    ``suffix``; see :mod:`thinwire.cluster.cgroup`): what the summary reports."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            lines = (task / "cgroup").read_text().splitlines()
+        except OSError:
+            continue
+        count += any(line.split(":", 2)[2].rstrip("/").endswith(suffix) for line in lines if line.count(":") >= 2)
+    return count

@@ -121,6 +121,9 @@ class CommState:
         self.last_bucket_ready = 0.0    # perf_counter() when the last bucket was handed over
         self.param_index: dict[int, int] = {}  # id(parameter) -> its index in model.parameters()
         self._thread = CommThread()
+        # every bucket's whole job on the engine thread, none on DDP's (a host with an offload engine:
+        # the thread runs on the engine's CPU, see thinwire.compress.engine)
+        self.offload = False
 
     # -- the hook ------------------------------------------------------------------------------
     def hook(self, bucket):  # no annotations: DDP rejects the string ones `from __future__` makes
@@ -147,7 +150,7 @@ class CommState:
         collectives is the same either way: every earlier bucket's were issued before this one's."""
         args = (buf, index, step, shapes, layout)
         # a policy with heavy work at this bucket keeps it off the caller
-        if not (self.issues_inline and self._thread.idle()) or self.policy.busy(index, step):
+        if self.offload or not (self.issues_inline and self._thread.idle()) or self.policy.busy(index, step):
             return self._thread.submit(self._reduce, *args)
         job = self._prepare(*args)
         if job is None:

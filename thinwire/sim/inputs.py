@@ -18,6 +18,8 @@ plain values and callables):
   1448/1514 payload share and 100 us), and the profile's measured host CPU per byte of a collective.
 * **Compute**: the profile's phases at the per-rank batch, the measured point when there is one,
   else the line in the batch size through the measured points (slope >= 0).
+* **Offload engines** (spec ``nic:``): on a host with one, codec work and the collectives' host CPU run
+  on the engine's cores (:func:`engine_codec`), not taken from compute.
 * **Codec**: the traffic its own scheme states (:mod:`thinwire.compress.schemes`: collectives,
   bytes and codec work, from the bucket's parameter shapes where the scheme needs them) and the
   profile's measured encode/decode/add/feedback costs.
@@ -43,6 +45,18 @@ from thinwire.perf.straggler import corun_factor, cpu_shares
 from thinwire.measure.file import DEFAULT_ALPHA_S, TCP_EFFICIENCY, Cost, Profile
 
 MAX_HOSTS = 65536
+
+
+def engine_codec(hosts: list[HostSpec], speeds: list[float], cores: list[float], threads: int) -> tuple[float, bool]:
+    """``(codec_speed, steals)`` for :func:`thinwire.perf.model.predict_step`, from the slowest host: with an
+    offload engine (``nic:``) its codec work and collectives' CPU run on the engine's cores (one thread, so
+    at most speed 1) and take nothing from compute; without one they run at the host's own speed (at most
+    1) and, with no core to spare beside the compute threads, take their time from backward."""
+    slow = speeds.index(min(speeds))
+    nic = hosts[slow].nic
+    if nic is not None:
+        return min(1.0, nic.cpu), False
+    return min(1.0, speeds[slow]), cores[slow] < threads + 1
 
 
 def replicate_hosts(spec: ClusterSpec, p: int) -> list[HostSpec]:

@@ -130,10 +130,10 @@ def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_b
             on_device = device.compute_s(profile.flops_per_sample * b, utilization=opts.mfu)
             speeds, reference_s = [compute.total_s / on_device] * p, on_device
         net = inputs.ring_network(spec, hosts, profile)
-        # no spare core for the communication thread on the slowest host: its codec work competes with backward
-        steals = cores[speeds.index(min(speeds))] < threads + 1
+        # the slowest host's codec work: on its offload engine, or competing with backward without a spare core
+        codec_speed, steals = inputs.engine_codec(hosts, speeds, cores, threads)
         pred = predict_step(buckets=buckets, compute=compute, speeds=speeds, network=net, codec=codec,
-                            codec_steals_compute=steals)
+                            codec_speed=codec_speed, codec_steals_compute=steals)
         point = _point(p, b, pred, compute.total_s, reference_s, speeds, cores, hosts, device, opts, profile, codec, net, spec)
         out.append(_with_sync(point, opts, steals))
     return out

@@ -83,6 +83,7 @@ class Agent:
 
     def __init__(self, host, argv: list[str], env: dict, log: Path | None) -> None:
         self.host, self.argv, self.env, self.log = host, argv, env, log
+        self.nic = bool(getattr(host, "nic_cpu", None))
         self.out = None
         self.proc: subprocess.Popen | None = None
         self.gone = False    # left an elastic run
@@ -136,6 +137,9 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                     a.start(append=True)
             if all(a.proc.poll() == 0 for a in agents if not a.gone):
                 return
+            for a in agents:  # hosts with an offload engine (spec `nic:`): threads a process group started
+                if a.nic and not a.gone:
+                    cluster.adopt_offloaded_threads(a.host.name)
             time.sleep(0.2)
     finally:  # also on Ctrl-C, SIGTERM and SIGHUP (thinwire.signals); a second signal waits for it
         with deferred():

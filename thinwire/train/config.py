@@ -55,6 +55,9 @@ class TrainConfig:
     # earliest PyTorch's PowerSGD hook may start
     compression_warmup: int = 2
     bucket_mb: float = 25.0             # DDP bucket cap
+    # on a host with an offload engine (cluster spec `nic:`): auto runs the communication work on the
+    # engine's CPU; off keeps it on the host's (to compare)
+    offload: Literal["auto", "off"] = "auto"
     timeout_s: float = 300.0            # a collective stuck this long (dead peer, cut link) fails the run
     precision: Literal["fp32", "bf16", "fp16", "int8", "auto"] = "fp32"
     memory_budget: str | None = None    # e.g. "512MiB": largest micro-batch that fits, accumulated to batch_size

@@ -10,6 +10,7 @@ validate and checkpoint.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach
+from thinwire.cluster.emulator import NIC_ENV
 from thinwire.config import to_dict
 from thinwire.errors import ThinwireError
 from thinwire.precision import prepare_precision, sample_from
@@ -27,6 +29,7 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
 from thinwire.commspec import TorchSpec
+from thinwire.compress.engine import threads_on_engine
 from thinwire.compress.sync import SyncMode, create as create_sync
 from thinwire.train.peers import PeerComm, PeerLocalSGD
 from thinwire.train.planned import PlannedRun
@@ -89,6 +92,7 @@ class Trainer:
         self.shares = self._batch_shares()
         self.loss_weight = self.planned.loss_weight(env.rank) if self.planned else 1.0
         self._setup_model(lr)  # precision, DDP, the hook or sync mode, the optimizer
+        self.offload = self._offload()
         self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
@@ -103,6 +107,17 @@ class Trainer:
         self.step_times: list[float] = []
         self.waits: list[float] = []
         self.last_val: dict = {}
+
+    def _offload(self) -> dict | None:
+        """On a host with an offload engine (``nic:``; the emulator moves the communication threads onto
+        its CPU), every bucket's job runs on the engine thread, none inline on DDP's."""
+        cores = os.environ.get(NIC_ENV)
+        if not cores or self.cfg.offload == "off":
+            return None
+        comm = getattr(self, "comm", None)
+        if comm is not None and hasattr(comm, "offload"):
+            comm.offload = True
+        return {"engine_cpu": float(cores)}
 
     def _planned_run(self) -> PlannedRun | None:
         cfg = self.cfg
@@ -446,6 +461,7 @@ class Trainer:
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
+            **({"offload": {**self.offload, "threads_on_engine": threads_on_engine()}} if self.offload else {}),
             **self._summary_extra(),
         }
         if self.env.is_main:
