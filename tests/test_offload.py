@@ -1,4 +1,5 @@
-"""The offload engine (issue 24): a host's communication work on a processor of its own (spec ``nic:``).
+"""The offload engine (issue 24): a host's communication work on a processor of its own (spec ``nic:``),
+or on a core of its own (``offload=core:N``, real machines).
 
 On the emulator (root; skipped elsewhere) the launcher moves each worker's engine thread and gloo's
 threads into the host's engine cgroup; the run reports how many of its threads ended there, and
@@ -16,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import ROOT
+from tests.test_cli import ROOT, assert_refused, thinwire
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec
 
 
-def _train(spec: Path, out: Path, offload: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "thinwire", "train", "--cluster", str(spec), "--workload", "digits",
+def _train(spec: Path | None, out: Path, offload: str) -> dict:
+    where = ["--cluster", str(spec)] if spec else ["--nproc", "2"]
+    proc = subprocess.run([sys.executable, "-m", "thinwire", "train", *where, "--workload", "digits",
                            "--steps", "40", "--batch-size", "48", "--eval-every", "40", "--compression", "int8",
                            "--set", f"offload={offload}", "--out", str(out)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
@@ -52,3 +54,23 @@ def test_the_engine_runs_the_communication_threads_and_changes_no_numerics(tmp_p
     assert on["offload"]["engine_cpu"] == 0.25 and on["offload"]["threads_on_engine"] >= 3, on["offload"]
     assert "offload" not in off
     assert on["val_loss"] == off["val_loss"] and on["val_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for compute, one for the engine")
+def test_a_pinned_core_runs_the_communication_threads_and_changes_no_numerics(tmp_path):
+    core = max(os.sched_getaffinity(0))
+    on = _train(None, tmp_path / "on", f"core:{core}")
+    off = _train(None, tmp_path / "off", "off")
+    assert on["offload"]["core"] == core and on["offload"]["threads_on_engine"] >= 3, on["offload"]
+    assert on["val_loss"] == off["val_loss"]
+
+
+@pytest.mark.parametrize("value, pattern", [
+    ("core:4096", r"offload: must name one of the cores this worker may use \([0-9, ]+\) and leave at least one other"),
+    ("cores", r"offload: must be auto, off or core:N .*got 'cores'"),
+])
+def test_a_bad_offload_is_refused_before_launch(tmp_path, value, pattern):
+    proc = thinwire("train", "--workload", "digits", "--set", f"offload={value}", "--out", str(tmp_path / "run"))
+    assert_refused(proc, pattern)
+    assert not (tmp_path / "run").exists()

@@ -149,6 +149,10 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
 
     check_workload_name(cfg.workload)
     _check_compression(cfg)
+    if cfg.offload_core is not None:  # a core of this machine: workers (and emulated hosts) run here
+        from thinwire.compress.engine import check_core
+
+        check_core(cfg.offload_core)
     if cfg.tensorboard:
         check_tensorboard()
     wl = build_workload(cfg.workload, cfg.model, cfg.data)

@@ -88,6 +88,63 @@ def name_this_thread(name: str) -> None:
         pass
 
 
+def _threads() -> list[tuple[int, str]]:
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out.append((int(task.name), (task / "comm").read_text().strip()))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def check_core(core: int) -> None:
+    """Refuse ``offload=core:N`` unless N is a core this process may use and another is left for compute."""
+    import os
+
+    from thinwire.errors import ThinwireError
+
+    usable = sorted(os.sched_getaffinity(0))
+    if core not in usable or len(usable) < 2:
+        raise ThinwireError(
+            f"offload: must name one of the cores this worker may use ({', '.join(map(str, usable))}) and leave "
+            f"at least one other for compute, got 'core:{core}'. "
+            + ("Give the worker more cores, or use offload=auto." if len(usable) < 2 else f"Use core:{usable[-1]}."))
+
+
+def pin_to_core(core: int) -> int:
+    """An engine as a pinned core (real machines): this process's communication threads
+    (:data:`OFFLOADED_THREADS`) run on ``core`` only, every other thread on the other cores it may use.
+    Returns how many communication threads are pinned. Call again for threads started later."""
+    import os
+
+    allowed = os.sched_getaffinity(0) | {core}
+    pinned = 0
+    for tid, name in _threads():
+        try:
+            if name in OFFLOADED_THREADS:
+                os.sched_setaffinity(tid, {core})
+                pinned += 1
+            else:
+                os.sched_setaffinity(tid, allowed - {core})
+        except (ProcessLookupError, OSError):
+            continue
+    return pinned
+
+
+def threads_on_core(core: int) -> int:
+    """How many of this process's communication threads may run on ``core`` only (what the summary reports)."""
+    import os
+
+    count = 0
+    for tid, name in _threads():
+        try:
+            count += name in OFFLOADED_THREADS and os.sched_getaffinity(tid) == {core}
+        except OSError:
+            continue
+    return count
+
+
 def threads_on_engine(suffix: str = ".nic") -> int:
     """How many of this process's threads are in an offload engine's cgroup now (its name ends in
     ``suffix``; see :mod:`thinwire.cluster.cgroup`): what the summary reports."""

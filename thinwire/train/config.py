@@ -8,6 +8,7 @@ workload's config (``CharLMConfig``, ``DigitsConfig``), ``compression`` into a t
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -55,9 +56,10 @@ class TrainConfig:
     # earliest PyTorch's PowerSGD hook may start
     compression_warmup: int = 2
     bucket_mb: float = 25.0             # DDP bucket cap
-    # on a host with an offload engine (cluster spec `nic:`): auto runs the communication work on the
-    # engine's CPU; off keeps it on the host's (to compare)
-    offload: Literal["auto", "off"] = "auto"
+    # where the communication work runs: auto: on the host's offload engine where the cluster spec gives
+    # it one (`nic:`), else inline; off: inline (to compare); core:N: on core N of this machine, which the
+    # compute threads leave to it (an engine as a pinned core, on real machines)
+    offload: str = "auto"
     timeout_s: float = 300.0            # a collective stuck this long (dead peer, cut link) fails the run
     precision: Literal["fp32", "bf16", "fp16", "int8", "auto"] = "fp32"
     memory_budget: str | None = None    # e.g. "512MiB": largest micro-batch that fits, accumulated to batch_size
@@ -73,6 +75,7 @@ class TrainConfig:
               "a path to a text file or folder", "Leave --data out to use the default corpus.")
         if self.memory_budget is not None:
             _check_size("memory_budget", self.memory_budget)
+        self.offload_core = _offload_core(self.offload)
         from thinwire.commspec import parse_comm_spec
 
         self.comm = parse_comm_spec(self.compression)  # parsed once; below this, nobody reads the string
@@ -128,6 +131,14 @@ class TrainConfig:
         check_range("grad_clip", self.grad_clip, 0, 1e9, open_lo=True)
         check_range("bucket_mb", self.bucket_mb, 0, 4096, open_lo=True)
         check_range("timeout_s", self.timeout_s, 1, MAX_TIMEOUT_S, fix="Seconds; 604800 is a week.")
+
+
+def _offload_core(value: str) -> int | None:
+    m = re.fullmatch(r"core:(\d{1,4})", str(value))
+    check(value in ("auto", "off") or m is not None, "offload", value,
+          "auto, off or core:N (a core of this machine for the communication threads, e.g. core:3)",
+          "auto uses a cluster spec's `nic:` engine where there is one.")
+    return int(m.group(1)) if m else None
 
 
 MAX_STEPS = 10**12      # counts beyond this are typos (a step a microsecond for ten days)

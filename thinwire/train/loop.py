@@ -29,7 +29,7 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
 from thinwire.commspec import TorchSpec
-from thinwire.compress.engine import threads_on_engine
+from thinwire.compress.engine import check_core, pin_to_core, threads_on_core, threads_on_engine
 from thinwire.compress.sync import SyncMode, create as create_sync
 from thinwire.train.peers import PeerComm, PeerLocalSGD
 from thinwire.train.planned import PlannedRun
@@ -109,15 +109,26 @@ class Trainer:
         self.last_val: dict = {}
 
     def _offload(self) -> dict | None:
-        """On a host with an offload engine (``nic:``; the emulator moves the communication threads onto
-        its CPU), every bucket's job runs on the engine thread, none inline on DDP's."""
+        """Where the communication work runs (``offload``): on a host with an offload engine (``nic:``; the
+        emulator moves the communication threads onto its CPU), or on core N (``core:N``: those threads
+        pinned there, the rest off it), every bucket's job runs on the engine thread, none inline on DDP's."""
+        cfg = self.cfg
         cores = os.environ.get(NIC_ENV)
-        if not cores or self.cfg.offload == "off":
+        if cfg.offload == "off" or (cfg.offload_core is None and not cores):
             return None
         comm = getattr(self, "comm", None)
         if comm is not None and hasattr(comm, "offload"):
             comm.offload = True
-        return {"engine_cpu": float(cores)}
+        if cfg.offload_core is None:
+            return {"engine_cpu": float(cores)}
+        check_core(cfg.offload_core)
+        pin_to_core(cfg.offload_core)
+        return {"core": cfg.offload_core}
+
+    def _repin(self) -> None:
+        """Threads a process group starts on first use: pinned like the others (``offload=core:N``)."""
+        if self.offload and "core" in self.offload:
+            pin_to_core(self.offload["core"])
 
     def _planned_run(self) -> PlannedRun | None:
         cfg = self.cfg
@@ -187,6 +198,8 @@ class Trainer:
             while self.step < self.steps:
                 rec = self._train_step()
                 self.step += 1
+                if self.step == 1:
+                    self._repin()
                 self._log(rec, bar)
                 if self.step % self.cfg.eval_every == 0 or self.step == self.steps:
                     self._validate(bar)
@@ -461,7 +474,8 @@ class Trainer:
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
-            **({"offload": {**self.offload, "threads_on_engine": threads_on_engine()}} if self.offload else {}),
+            **({"offload": {**self.offload, "threads_on_engine": threads_on_core(self.offload["core"])
+                            if "core" in self.offload else threads_on_engine()}} if self.offload else {}),
             **self._summary_extra(),
         }
         if self.env.is_main:
