@@ -18,7 +18,7 @@ import yaml
 
 from thinwire.cluster import emulator as emulator_mod
 from thinwire.cluster import netns
-from thinwire.cluster.bench import bench
+from thinwire.cluster.bench import bench, busy_latency
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec
 from thinwire.config import from_dict
@@ -121,6 +121,12 @@ def test_up_shapes_limits_runs_and_tears_down(cluster):
     run_in(cluster, "b1", [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.5: pass"])
     stat = dict(line.split() for line in throttled.read_text().splitlines())
     assert int(stat["nr_throttled"]) > 0
+
+    # `cluster bench --busy`: all-reduces while a compute thread keeps each host busy; the thread ran, within
+    # b1's quota (how much a collective then waits depends on both hosts' quotas and their periods' phase)
+    busy = busy_latency(cluster, hosts=["b1", "a1"], reps=20)
+    assert 0.05 <= busy.load <= 0.2 * 1.1, busy
+    assert busy.hops == 2 and busy.busy_s > 0 and busy.idle_s > 0, busy
 
     # a link taken down makes the host unreachable; up again restores it
     cluster.set_link("b1", up=False)

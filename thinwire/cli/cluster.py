@@ -13,7 +13,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cluster.bench import bench
+from thinwire.cluster.bench import bench, busy_latency
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec, parse_size
 from thinwire.errors import ThinwireError
@@ -41,7 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     bn = command("bench", cmd_bench, "measure all-reduce bus bandwidth vs the configured rate")
     bn.add_argument("--hosts", help="comma-separated hosts to include (default: all)")
     bn.add_argument("--sizes", help="comma-separated message sizes such as 1MiB,4MiB (default: ~0.25-1 s each)")
-    bn.add_argument("--reps", type=int, default=5, help="timed all-reduces per size (median is kept)")
+    bn.add_argument("--reps", type=int, help="timed all-reduces per size (median is kept; default 5, 100 with --busy)")
+    bn.add_argument("--busy", action="store_true",
+                    help="instead: a 4-byte all-reduce's time with the hosts idle and while each computes (what a "
+                         "CPU quota adds to a collective issued during backward)")
     bn.add_argument("--json", action="store_true", help="print the result as JSON")
     ln = command("link", cmd_link, "take a host's link down or up (fault tests)")
     ln.add_argument("host")
@@ -110,6 +113,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     hosts = args.hosts.split(",") if args.hosts else None
     sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")] if args.sizes else None
+    if args.reps is not None and args.reps < 1:
+        raise ThinwireError(f"--reps: must be at least 1, got {args.reps}.")
+    if args.busy:
+        return _bench_busy(cluster, hosts, args)
+    args.reps = args.reps or 5
     result = bench(cluster, hosts=hosts, sizes=sizes, reps=args.reps)
     if args.json:
         print(json.dumps({**result.__dict__, "median_bps": result.median_bps, "ratio": result.ratio}))
@@ -121,6 +129,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table.add_row(f"{n / 2**20:.2f} MiB", _rate(bw), _rate(result.expected_bps), f"{bw / result.expected_bps:.1%}")
     table.add_row("median", _rate(result.median_bps), _rate(result.expected_bps), f"{result.ratio:.1%}")
     Console().print(table)
+    return 0
+
+
+def _bench_busy(cluster, hosts, args) -> int:
+    r = busy_latency(cluster, hosts=hosts, reps=args.reps or 100)
+    if args.json:
+        print(json.dumps({**r.__dict__, "hops": r.hops, "wait_per_hop_s": r.wait_per_hop_s}))
+        return 0
+    table = Table(title=f"a {r.size}-byte all-reduce across {', '.join(r.hosts)} (gloo, median of {args.reps or 100})")
+    for col in ("hosts", "time", "per ring hop"):
+        table.add_column(col, justify="right")
+    table.add_row("idle", f"{r.idle_s * 1e3:.2f} ms", f"{r.idle_s / r.hops * 1e3:.2f} ms")
+    table.add_row(f"computing ({r.load:.2f} cores on {r.hosts[0]})", f"{r.busy_s * 1e3:.2f} ms",
+                  f"{r.busy_s / r.hops * 1e3:.2f} ms")
+    Console().print(table)
+    Console().print(f"a collective issued while the hosts compute waits {r.wait_per_hop_s * 1e3:.2f} ms more per ring hop")
     return 0
 
 
