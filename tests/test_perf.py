@@ -18,7 +18,7 @@ from thinwire.perf import collectives as coll
 from thinwire.perf.devices import DEVICES, get_device
 from thinwire.perf.energy import J_PER_BIT_INTERNET, run_energy, step_energy
 from thinwire.perf.memory import memory_per_rank, residual_values, transformer_activation_bytes
-from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, bucket_cost, predict_step
+from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network, Traffic, bucket_cost, predict_step
 from thinwire.perf.straggler import blom_z, colocated_speeds, corun_factor, cpu_shares, expected_max_normal, slowest_time
 from thinwire.perf.timeline import ddp_bucket_assignment, overlap_timeline
 
@@ -130,6 +130,35 @@ def test_codec_work_on_a_busy_core_pushes_backward_back():
     assert t.buckets[1].ready_s == pytest.approx(0.35)
     free = overlap_timeline(ready_s=[0.1, 0.3], comm_s=[0.01, 0.01], encode_s=[0.05, 0.0], backward_s=0.3)
     assert free.backward_s == pytest.approx(0.3)
+
+
+def test_a_collective_issued_during_backward_waits_for_the_quota_only_until_backward_ends():
+    # bucket 0 starts at 0.1 of a 0.3 s backward: its 0.05 s of hop waits all fall inside backward;
+    # bucket 1 starts at 0.25 with 0.2 s of waits, of which only the 0.05 s before backward ends count;
+    # bucket 2 goes out after backward: the host is idle, no wait
+    t = overlap_timeline(ready_s=[0.1, 0.25, 0.3], comm_s=[0.02, 0.02, 0.02], backward_s=0.3,
+                         busy_wait_s=[0.05, 0.2, 0.2])
+    assert [b.comm_s for b in t.buckets] == pytest.approx([0.07, 0.07, 0.02])
+    plain = overlap_timeline(ready_s=[0.1, 0.25, 0.3], comm_s=[0.02, 0.02, 0.02], backward_s=0.3)
+    assert t.step_s == pytest.approx(plain.step_s + 0.02)  # bucket 1 ends at 0.32 (not 0.27), bucket 2 at 0.34
+    with pytest.raises(ValueError, match="busy_wait_s needs one entry per bucket"):
+        overlap_timeline(ready_s=[0.1], comm_s=[0.1], backward_s=0.2, busy_wait_s=[0.1, 0.1])
+
+
+def test_the_quota_wait_counts_each_collectives_ring_hops():
+    from thinwire.perf.model import ring_hops
+
+    assert [ring_hops("all-reduce", 4), ring_hops("all-gather", 4), ring_hops("all-to-all", 3)] == [6, 3, 2]
+    gather = lambda index, numel, p: Traffic(scheme="q", collectives=(("all-to-all", numel), ("all-gather", numel)),
+                                             bytes_sent=numel)
+    codec = CodecModel(name="q", traffic=gather)
+    net = Network(alpha_s=0.0, beta_s_per_byte=1e-9, busy_hop_s=0.001)
+    assert bucket_cost(codec, 0, 1000, 4, net).hops == 6
+    pred = predict_step(buckets=[Bucket(numel=1000, ready_frac=0.5)], compute=Compute(pre_s=0.0, backward_s=0.2, post_s=0.0),
+                        speeds=[1.0] * 4, network=net, codec=codec)
+    idle = predict_step(buckets=[Bucket(numel=1000, ready_frac=0.5)], compute=Compute(pre_s=0.0, backward_s=0.2, post_s=0.0),
+                        speeds=[1.0] * 4, network=Network(alpha_s=0.0, beta_s_per_byte=1e-9), codec=codec)
+    assert pred.timeline.buckets[0].comm_s == pytest.approx(idle.timeline.buckets[0].comm_s + 0.006)
 
 
 def test_timeline_rejects_inconsistent_input():

@@ -124,5 +124,7 @@ def _show(prof, path: Path) -> None:
     if prof.network:
         n = prof.network
         console.print(f"network: alpha {n.alpha_s * 1e6:.0f} us, {n.measured_bps / 1e6:.1f} of "
-                      f"{n.nominal_bps / 1e6:.1f} Mbit/s ({n.efficiency:.1%})")
+                      f"{n.nominal_bps / 1e6:.1f} Mbit/s ({n.efficiency:.1%})"
+                      + (f"; a ring hop issued while the hosts compute waits {n.busy_hop_s * 1e3:.2f} ms for their "
+                         "CPU quotas" if n.busy_hop_s else ""))
     console.print(f"wrote {path}")

@@ -157,9 +157,12 @@ class NetworkRecord:
     cluster: str
     sizes: list[int] = dataclasses.field(default_factory=list)
     times_s: list[float] = dataclasses.field(default_factory=list)
+    # a ring hop's wait for the hosts' CPU quotas while they compute (thinwire.cluster.bench.busy_latency)
+    busy_hop_s: float | None = None
 
     def __post_init__(self) -> None:
         check_range("alpha_s", self.alpha_s, 0, MAX_SECONDS)
+        check_range("busy_hop_s", self.busy_hop_s, 0, MAX_SECONDS)
         check_range("efficiency", self.efficiency, 0, 1, open_lo=True)
         check_range("nominal_bps", self.nominal_bps, 0, 1e13, open_lo=True)
         check_range("measured_bps", self.measured_bps, 0, 1e13, open_lo=True)

@@ -12,11 +12,15 @@ the two points give::
 
 ``efficiency = 8 / beta / configured rate`` is the share of the link's rate that carries payload
 (~0.93 here: headers and TCP's slack); the simulator applies it to every link of a spec.
+
+Where hosts have a CPU quota, a third probe (:func:`thinwire.cluster.bench.busy_latency`) measures what
+a collective issued while they compute waits per ring hop (``busy_hop_s``; the model adds it to the
+buckets that go out during backward).
 """
 
 from __future__ import annotations
 
-from thinwire.cluster.bench import _run_workers, bus_factor, default_sizes
+from thinwire.cluster.bench import _run_workers, bus_factor, busy_latency, default_sizes
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec
 from thinwire.measure.file import NetworkRecord
@@ -43,5 +47,8 @@ def probe_network(spec: ClusterSpec, *, reps: int = 7, hosts: list[str] | None =
     times = [min(reps_s) for reps_s in _run_workers(cluster, hosts, sizes, reps, timeout)]
     p = len(hosts)
     alpha, beta = alpha_beta(sizes, times, p)
+    capped = any(spec.host(h).cpu is not None for h in hosts)
+    busy = busy_latency(cluster, hosts=hosts, reps=max(30, 5 * reps), timeout=timeout).wait_per_hop_s if capped else 0.0
     return NetworkRecord(alpha_s=alpha, efficiency=min(1.0, 8 / beta / expected), nominal_bps=expected,
-                         measured_bps=8 / beta, hosts=p, cluster=spec.name, sizes=sizes, times_s=times)
+                         measured_bps=8 / beta, hosts=p, cluster=spec.name, sizes=sizes, times_s=times,
+                         busy_hop_s=busy)

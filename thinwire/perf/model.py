@@ -120,6 +120,7 @@ class Network:
     alpha_s: float
     beta_s_per_byte: float
     cpu_s_per_byte: float = 0.0
+    busy_hop_s: float = 0.0  # a ring hop's wait for a CPU quota while the host computes (timeline docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,7 @@ class BucketCost:
     decode_s: float                           # codec work after it
     residual_values: int = 0                  # fp32 entries error feedback keeps for this bucket
     comm_cpu_s: float = 0.0                   # host CPU the collectives use (within comm_s)
+    hops: int = 0                             # messages on the collectives' critical path (ring hops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +178,13 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     cpu = t.bytes_sent * network.cpu_s_per_byte / codec_speed if p > 1 else 0.0
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
     return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu), before / codec_speed, after / codec_speed,
-                      t.residual_values, cpu)
+                      t.residual_values, cpu, sum(ring_hops(kind, p) for kind, _ in ops) if p > 1 else 0)
+
+
+def ring_hops(kind: str, p: int) -> int:
+    """Messages one after another on a ring collective's critical path: 2(p-1) for an all-reduce
+    (reduce-scatter, then all-gather), p-1 for an all-gather or all-to-all."""
+    return 2 * (p - 1) if kind == "all-reduce" else p - 1
 
 
 def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequence[float], network: Network,
@@ -209,6 +217,7 @@ def predict_step(*, buckets: Sequence[Bucket], compute: Compute, speeds: Sequenc
         ready_s=[min(1.0, max(0.0, b.ready_frac)) * backward for b in buckets],
         comm_s=[c.comm_s for c in costs], encode_s=[c.encode_s for c in costs],
         decode_s=[c.decode_s for c in costs], comm_cpu_s=[c.comm_cpu_s for c in costs], backward_s=backward,
+        busy_wait_s=[c.hops * network.busy_hop_s for c in costs],
         pre_s=compute.pre_s / slow + noise, post_s=compute.post_s / slow,
         codec_steals_compute=codec_steals_compute)
     return StepPrediction(p=p, timeline=timeline, buckets=costs, compute_s=compute.total_s / slow, noise_s=noise)

@@ -15,7 +15,13 @@ decode time lie on that path. Then::
 
     step = pre + max(backward end, last bucket done) + post
 
-with ``pre`` the data loading and forward, ``post`` the gradient clip and optimizer step. When the
+with ``pre`` the data loading and forward, ``post`` the gradient clip and optimizer step.
+
+On a host whose CPU is a quota (a container's CPU limit, the emulator's ``cpu``), a collective issued
+while backward still computes waits for the quota at each ring hop (``busy_wait_s[i]``: the bucket's
+hops times the wait per hop that ``thinwire cluster bench --busy`` measures). The wait accrues only
+while backward runs: once it ends the host is idle and the rest goes at the wire's pace, so a bucket's
+communication grows by ``min(busy_wait_s[i], backward end - its start)``. When the
 host has no core to spare for the communication thread (``codec_steals_compute``), codec work and
 the collectives' own host CPU that run while backward is still going push the rest of backward back
 by their duration (one core, two threads: the CPU time adds up).
@@ -101,7 +107,7 @@ class Timeline:
 def overlap_timeline(*, ready_s: Sequence[float], comm_s: Sequence[float], backward_s: float,
                      encode_s: Sequence[float] | None = None, decode_s: Sequence[float] | None = None,
                      comm_cpu_s: Sequence[float] | None = None, pre_s: float = 0.0, post_s: float = 0.0,
-                     codec_steals_compute: bool = False) -> Timeline:
+                     codec_steals_compute: bool = False, busy_wait_s: Sequence[float] | None = None) -> Timeline:
     """Simulate the buckets of one step in DDP order (see the module docstring).
 
     ``ready_s[i]``: seconds after backward starts when bucket ``i``'s last gradient is ready (in a
@@ -113,6 +119,9 @@ def overlap_timeline(*, ready_s: Sequence[float], comm_s: Sequence[float], backw
     encode_s = list(encode_s) if encode_s is not None else [0.0] * n
     decode_s = list(decode_s) if decode_s is not None else [0.0] * n
     comm_cpu_s = list(comm_cpu_s) if comm_cpu_s is not None else [0.0] * n
+    busy_wait_s = list(busy_wait_s) if busy_wait_s is not None else [0.0] * n
+    if len(busy_wait_s) != n:
+        raise ValueError(f"busy_wait_s needs one entry per bucket, got {len(busy_wait_s)} for {n}")
     if not (len(comm_s) == len(encode_s) == len(decode_s) == len(comm_cpu_s) == n):
         raise ValueError(f"ready_s, comm_s, encode_s, decode_s and comm_cpu_s need one entry per bucket, got lengths "
                          f"{n}, {len(comm_s)}, {len(encode_s)}, {len(decode_s)}, {len(comm_cpu_s)}")
@@ -125,9 +134,10 @@ def overlap_timeline(*, ready_s: Sequence[float], comm_s: Sequence[float], backw
         start = max(ready, link_free)
         end = _steal(start, encode_s[i], end, steals, codec_steals_compute)
         end = _steal(start + encode_s[i], comm_cpu_s[i], end, steals, codec_steals_compute)
-        decode_at = start + encode_s[i] + comm_s[i]
+        comm = comm_s[i] + min(busy_wait_s[i], max(0.0, end - (start + encode_s[i])))
+        decode_at = start + encode_s[i] + comm
         end = _steal(decode_at, decode_s[i], end, steals, codec_steals_compute)
-        spans.append(BucketSpan(i, ready, start, encode_s[i], comm_s[i], decode_s[i]))
+        spans.append(BucketSpan(i, ready, start, encode_s[i], comm, decode_s[i]))
         link_free = spans[-1].done_s
     return Timeline(pre_s=pre_s, backward_s=end, post_s=post_s, buckets=tuple(spans))
 

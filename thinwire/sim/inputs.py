@@ -103,16 +103,20 @@ def efficiency_of(profile: Profile) -> float:
     return profile.network.efficiency if profile.network else TCP_EFFICIENCY
 
 
-def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile) -> Network:
-    """Alpha and the slowest edge's beta of the ring over ``hosts`` (spec links shared as the spec says)."""
+def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile, busy_hop_s: float | None = None) -> Network:
+    """Alpha and the slowest edge's beta of the ring over ``hosts`` (spec links shared as the spec says);
+    ``busy_hop_s``: a ring hop's wait for CPU quotas while the hosts compute (``cluster bench --busy``;
+    None: the profile's, measured with ``profile --cluster``, else none)."""
     links = {link.pair: link.bandwidth for link in spec.links}
     rates = coll.ring_edge_rates([h.bandwidth for h in hosts], [h.group for h in hosts], links)
     net = profile.network
     efficiency = efficiency_of(profile)
     alpha = net.alpha_s if net else DEFAULT_ALPHA_S
     latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
+    if busy_hop_s is None:
+        busy_hop_s = (net.busy_hop_s or 0.0) if net else 0.0
     return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency),
-                   cpu_s_per_byte=profile.collective_cpu_s_per_byte)
+                   cpu_s_per_byte=profile.collective_cpu_s_per_byte, busy_hop_s=busy_hop_s)
 
 
 def compute_at(profile: Profile, batch: float) -> Compute:

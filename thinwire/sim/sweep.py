@@ -44,6 +44,7 @@ class SimOptions:
     steps: int = 1000
     bucket_mb: float | None = None
     sync: object = None                   # a parsed --sync (thinwire.syncspec.SyncSpec); None: allreduce
+    busy_hop_s: float | None = None       # a ring hop's wait for CPU quotas while hosts compute; None: the profile's
 
     def __post_init__(self) -> None:
         check(self.scaling in ("weak", "strong"), "--scaling", self.scaling, "weak or strong")
@@ -129,7 +130,7 @@ def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_b
         if opts.mfu:  # every host is a `device`: its speed relative to the profiled step, from FLOPs
             on_device = device.compute_s(profile.flops_per_sample * b, utilization=opts.mfu)
             speeds, reference_s = [compute.total_s / on_device] * p, on_device
-        net = inputs.ring_network(spec, hosts, profile)
+        net = inputs.ring_network(spec, hosts, profile, opts.busy_hop_s)
         # the slowest host's codec work: on its offload engine, or competing with backward without a spare core
         codec_speed, steals = inputs.engine_codec(hosts, speeds, cores, threads)
         pred = predict_step(buckets=buckets, compute=compute, speeds=speeds, network=net, codec=codec,
