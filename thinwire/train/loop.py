@@ -93,6 +93,7 @@ class Trainer:
         self.loss_weight = self.planned.loss_weight(env.rank) if self.planned else 1.0
         self._setup_model(lr)  # precision, DDP, the hook or sync mode, the optimizer
         self.offload = self._offload()
+        self.repin_pending = bool(self.offload and "core" in self.offload)
         self.horizon = self.steps  # the LR schedule's length; a resume keeps the first start's (see _load)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.sampler = GlobalSampler(len(self.wl.train), self.batch, cfg.seed)
@@ -126,9 +127,11 @@ class Trainer:
         return {"core": cfg.offload_core}
 
     def _repin(self) -> None:
-        """Threads a process group starts on first use: pinned like the others (``offload=core:N``)."""
-        if self.offload and "core" in self.offload:
+        """After this process's first step, threads a process group started on first use are pinned like the
+        others (``offload=core:N``)."""
+        if self.repin_pending:
             pin_to_core(self.offload["core"])
+            self.repin_pending = False
 
     def _planned_run(self) -> PlannedRun | None:
         cfg = self.cfg
@@ -198,8 +201,7 @@ class Trainer:
             while self.step < self.steps:
                 rec = self._train_step()
                 self.step += 1
-                if self.step == 1:
-                    self._repin()
+                self._repin()
                 self._log(rec, bar)
                 if self.step % self.cfg.eval_every == 0 or self.step == self.steps:
                     self._validate(bar)
