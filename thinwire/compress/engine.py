@@ -23,12 +23,15 @@ engine's CPU, off the host's compute quota.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from thinwire.errors import ThinwireError
 
 ENGINE_THREAD = "tw-engine"  # this thread's OS name
 # what runs on an offload engine: this thread, and gloo's TCP I/O loop and collective workers (torch's names)
@@ -100,10 +103,6 @@ def _threads() -> list[tuple[int, str]]:
 
 def check_core(core: int) -> None:
     """Refuse ``offload=core:N`` unless N is a core this process may use and another is left for compute."""
-    import os
-
-    from thinwire.errors import ThinwireError
-
     usable = sorted(os.sched_getaffinity(0))
     if core not in usable or len(usable) < 2:
         raise ThinwireError(
@@ -116,8 +115,6 @@ def pin_to_core(core: int) -> int:
     """An engine as a pinned core (real machines): this process's communication threads
     (:data:`OFFLOADED_THREADS`) run on ``core`` only, every other thread on the other cores it may use.
     Returns how many communication threads are pinned. Call again for threads started later."""
-    import os
-
     allowed = os.sched_getaffinity(0) | {core}
     pinned = 0
     for tid, name in _threads():
@@ -134,8 +131,6 @@ def pin_to_core(core: int) -> int:
 
 def threads_on_core(core: int) -> int:
     """How many of this process's communication threads may run on ``core`` only (what the summary reports)."""
-    import os
-
     count = 0
     for tid, name in _threads():
         try:
