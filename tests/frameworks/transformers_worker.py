@@ -66,6 +66,8 @@ def main():
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     rank = int(os.environ["RANK"])
     torch.save({"state": hook.comm.state_dict(), "stats": hook.comm.stats()}, f"{a.out}/end_rank{rank}.pt")
+    trainer.accelerator.wait_for_everyone()  # leave together: gloo torn down while a peer still talks aborts
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ every rank writes its hook state to ``checkpoint-STEP/thinwire_rank{R}.pt`` (ato
 Trainer's ``rng_state_{R}.pth``; a run resumed from a checkpoint under ``output_dir`` reads it back. The
 Trainer's loop owns the optimizer step, so sync modes (local SGD, DiLoCo) are not offered here; use
 accelerate or a plain DDP loop for them. Install with ``pip install 'thinwire[transformers]'``.
+
+End the script with ``trainer.accelerator.wait_for_everyone()`` then ``trainer.accelerator.end_training()``:
+the hook has its own gloo group, and a rank that exits (tearing gloo down) while a peer still talks on
+it can abort ("terminate called without an active exception"; seen once in the tests' runs).
 """
 
 from __future__ import annotations
