@@ -51,6 +51,8 @@ def main():
         s = hook.comm.stats()
         print(f"val accuracy {metrics['eval_accuracy']:.3f}; {s['bytes_sent'] / 1e6:.2f} MB sent for "
               f"{s['bytes_raw'] / 1e6:.2f} MB of gradients ({args.codec}); world {trainer.args.world_size}")
+    trainer.accelerator.wait_for_everyone()  # leave together: gloo torn down while a peer still talks can abort
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
