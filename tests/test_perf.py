@@ -762,6 +762,53 @@ def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
         parse_auto_spec(spec)
 
 
+def _guard_profile(tmp_path, verdicts: dict[str, bool], guard: bool = True):
+    """A profile whose convergence guard says ``verdicts`` (codec -> reaches fp32's loss)."""
+    from tests.test_plan import profile
+    from thinwire.measure.file import CodecCost, ConvergenceRecord, Cost, save_profile
+
+    prof = profile()
+    for name, reaches in verdicts.items():
+        prof.codecs[name] = CodecCost(encode=Cost(per_byte_s=1e-9), decode=Cost(per_byte_s=1e-9))
+        if guard:
+            prof.codecs[name].convergence = ConvergenceRecord(factor=1.0 if reaches else 2.0,
+                                                              loss=2.0 if reaches else 2.5, reference_loss=2.0,
+                                                              steps=60, world=4)
+    return save_profile(prof, tmp_path / "p.yaml")
+
+
+def test_auto_with_a_guard_never_tries_what_does_not_reach_and_trusts_what_does(tmp_path):
+    from thinwire.auto import AutoPolicy, parse_auto_spec
+    from thinwire.auto.decide import Guards, _left_out
+
+    path = _guard_profile(tmp_path, {"bf16": True, "int8": True, "topk:ratio=0.01": False})
+    cfg = parse_auto_spec(f"auto:guard={path},candidates=none|bf16|int8|topk:ratio=0.01|powersgd:rank=8")
+    assert cfg.verdicts == {"bf16": True, "int8": True, "topk:ratio=0.01": False, "powersgd:rank=8": None}
+    policy = AutoPolicy(cfg)
+    assert policy.config.candidates == ("none", "bf16", "int8", "powersgd:rank=8") and policy.excluded == {"topk:ratio=0.01"}
+    assert "topk:ratio=0.01" not in policy.codecs and policy.config.start == "bf16"
+    # the error cap: waived for what the guard says reaches, kept for what it has no record of
+    guards = Guards(banned={}, tried={}, max_error=0.1, trusted=frozenset(policy.trusted))
+    assert _left_out([0], guards, {0: {"int8": 0.3, "powersgd:rank=8": 0.3}}) == {0: {"powersgd:rank=8"}}
+    # bf16 left out by the guard: auto starts uncompressed
+    path = _guard_profile(tmp_path, {"bf16": False})
+    assert AutoPolicy(parse_auto_spec(f"auto:guard={path}")).config.start == "none"
+
+
+def test_auto_guard_must_be_a_profile_with_the_guard(tmp_path):
+    from thinwire.auto import parse_auto_spec
+    from thinwire.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"auto\.guard: must be the path of an existing profile, got '.*nope\.yaml'\. No such file"):
+        parse_auto_spec(f"auto:guard={tmp_path / 'nope.yaml'}")
+    (tmp_path / "x.yaml").write_text("just text")
+    with pytest.raises(ConfigError, match=r"auto\.guard: must be a profile written by `thinwire profile`"):
+        parse_auto_spec(f"auto:guard={tmp_path / 'x.yaml'}")
+    path = _guard_profile(tmp_path, {"bf16": True}, guard=False)
+    with pytest.raises(ConfigError, match=r"auto\.guard: must be a profile with the convergence guard's records, .*--guard-steps 0"):
+        parse_auto_spec(f"auto:guard={path}")
+
+
 def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     from types import SimpleNamespace
 

@@ -144,7 +144,7 @@ def _fix() -> str:
 
 def comm_help() -> str:
     """``thinwire codecs``: the codec table, then the other forms."""
-    auto = ", ".join(f.name for f in dataclasses.fields(AutoConfig))
+    auto = ", ".join(f.name for f in dataclasses.fields(AutoConfig) if f.init)
     return "\n".join([
         codec_help(), "", "Other forms of --compression:",
         f"auto[:key=value,...]    pick the codec per bucket from the measured link and compute; keys: {auto}",

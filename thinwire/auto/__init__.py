@@ -24,6 +24,10 @@ Why each step and each default is what it is, with the runs that showed it: ``do
    above the cap is not considered for that bucket. Once used, the same quantity averaged over the
    window is checked at every check: above the cap the codec is banned from the bucket and the
    plan is re-decided. ``auto:max_error=0.5`` trades loss for speed (admits PowerSGD rank 8).
+   With ``auto:guard=PROFILE`` (a profile of the same workload from ``thinwire profile``) the
+   convergence guard decides instead, as it does for ``thinwire plan``: a candidate it says does not
+   reach fp32's loss at equal samples is never tried, one it says reaches is not held to the cap, and
+   a candidate it has no record for keeps the cap (:class:`~thinwire.auto.spec.AutoConfig`).
 5. **Switch only for a real gain.** Every change of plan costs a trial and the model is good to a
    few percent, so a candidate must be predicted ``min_gain`` (10%) faster than the plan in use.
 6. **Keep a switch only if the clock agrees** (:mod:`.trial`): the next window's median step (less

@@ -8,7 +8,8 @@ Steps of :func:`decide`:
    parameters' shapes for PowerSGD), their encode and decode priced by the costs every rank agreed
    on (:func:`codec_costs`, measured once at the largest bucket).
 3. **Left out per bucket**: codecs the accuracy guard banned, codecs a trial rejected
-   (:mod:`thinwire.auto.trial`), and lossy candidates whose shadow error is over the cap.
+   (:mod:`thinwire.auto.trial`), and lossy candidates whose shadow error is over the cap (unless the
+   convergence guard of ``auto:guard=PROFILE`` says they reach fp32's loss).
 4. **Search** (:func:`thinwire.plan.choose.choose`, the planner's per-bucket coordinate descent)
    from the plan in use, so a change must be predicted ``min_gain`` faster to be made.
 
@@ -34,11 +35,13 @@ log = logging.getLogger("thinwire.plan")
 @dataclasses.dataclass(frozen=True)
 class Guards:
     """What may not be sent where: bucket -> specs banned by the accuracy guard, and bucket -> spec ->
-    the link rate at which a trial rejected it; lossy candidates whose shadow error is over ``max_error``."""
+    the link rate at which a trial rejected it; lossy candidates whose shadow error is over ``max_error``,
+    unless the convergence guard says they reach fp32's loss (``trusted``)."""
 
     banned: dict[int, set[str]]
     tried: dict[int, dict[str, float]]
     max_error: float
+    trusted: frozenset = frozenset()
 
 
 def decide(*, numels: dict[int, int], shapes: dict[int, list[tuple]], plan: dict[int, str], candidates: tuple[str, ...],
@@ -118,7 +121,8 @@ def _left_out(order: list[int], guards: Guards, shadow: dict[int, dict[str, floa
             out.setdefault(order.index(i), set()).update(rejected)
     for i, errs in shadow.items():
         if i in order:
-            out.setdefault(order.index(i), set()).update(c for c, e in errs.items() if e > guards.max_error)
+            out.setdefault(order.index(i), set()).update(c for c, e in errs.items()
+                                                         if e > guards.max_error and c not in guards.trusted)
     return out
 
 

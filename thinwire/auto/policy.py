@@ -5,6 +5,7 @@ The steps are described in :mod:`thinwire.auto`; this module wires its parts to 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -32,7 +33,15 @@ class AutoPolicy(Policy):
         return cls(parse_auto_spec(spec))
 
     def __init__(self, config: AutoConfig | None = None) -> None:
-        self.config = config or AutoConfig()
+        config = config or AutoConfig()
+        self.excluded = config.excluded()  # the convergence guard's "does not reach": never tried
+        if self.excluded:
+            keep = tuple(c for c in config.candidates if c not in self.excluded)
+            config = dataclasses.replace(config, candidates=keep, start=config.start if config.start in keep else "none")
+            log.info("auto: the convergence guard (%s) leaves out %s (does not reach fp32's loss at equal samples)",
+                     config.guard, ", ".join(sorted(self.excluded)))
+        self.config = config
+        self.trusted = config.trusted()    # the guard's "reaches": not held to max_error
         self.codecs: dict[str, Codec] = {c: parse_codec_spec(c) for c in self.config.candidates}
         self.choices: dict[int, str] = {}
         self.numels: dict[int, int] = {}
@@ -127,7 +136,7 @@ class AutoPolicy(Policy):
     def _guard(self, shared: Measurements) -> str | None:
         for i, err in shared.errors.items():
             current = self._plan(i)
-            if err > self.config.max_error and current != "none":
+            if err > self.config.max_error and current != "none" and current not in self.trusted:
                 self.banned.setdefault(i, set()).add(current)
                 return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
         return None
@@ -165,7 +174,8 @@ class AutoPolicy(Policy):
         log.info("auto at step %d (%s)%s", step, verdict.reason, ": " + changed if changed else "")
 
     def _decide(self, step: int, shared: Measurements, bps: float, reason: str, trial: bool) -> None:
-        guards = deciding.Guards(banned=self.banned, tried=self.tried, max_error=self.config.max_error)
+        guards = deciding.Guards(banned=self.banned, tried=self.tried, max_error=self.config.max_error,
+                                 trusted=frozenset(self.trusted))
         self.last_shadow = shared.shadow
         old = dict(self.choices)
         self.choices, decision = deciding.decide(

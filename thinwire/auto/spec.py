@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from thinwire.compress.spec import default_candidates, parse_codec_spec
 from thinwire.config import check
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, ThinwireError
 from thinwire.plan.choose import MAX_EF_ERROR
 
 
@@ -27,7 +28,11 @@ class AutoConfig:
     much faster the model must predict a new plan. ``keep_gain``, ``keep_p``, ``trial_windows``: a
     trial keeps a new plan if its steps are ``keep_gain`` faster at significance ``keep_p``, or by
     the medians after ``trial_windows`` windows. ``start``: the plan before the first decision
-    (``""``: bf16 where it is a candidate, else none).
+    (``""``: bf16 where it is a candidate, else none). ``guard``: a profile made by ``thinwire profile``
+    of the same workload, whose convergence guard decides instead of ``max_error``: a lossy candidate
+    it says does not reach fp32's loss (within 1% at equal samples) is never tried, one it says reaches is
+    not held to the error cap; a candidate the profile has no guard record for keeps the cap
+    (:attr:`verdicts`, read once here).
     """
 
     candidates: tuple[str, ...] = dataclasses.field(default_factory=default_candidates)
@@ -41,6 +46,8 @@ class AutoConfig:
     keep_p: float = 0.05
     trial_windows: int = 3
     start: str = ""
+    guard: str = ""
+    verdicts: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
@@ -52,6 +59,16 @@ class AutoConfig:
               "The codec sent before the first decision; bf16 or none.")
         self._check_steps()
         self._check_fractions()
+        if self.guard:
+            object.__setattr__(self, "verdicts", guard_verdicts(self.guard, self.candidates))
+
+    def excluded(self) -> set[str]:
+        """Lossy candidates the guard says do not reach fp32's loss: never tried."""
+        return {c for c, reaches in self.verdicts.items() if reaches is False}
+
+    def trusted(self) -> set[str]:
+        """Lossy candidates the guard says reach fp32's loss: not held to ``max_error``."""
+        return {c for c, reaches in self.verdicts.items() if reaches is True}
 
     def _check_steps(self) -> None:
         check(self.warmup_steps >= 1, "auto.warmup_steps", self.warmup_steps, "an integer >= 1")
@@ -70,6 +87,31 @@ class AutoConfig:
               "1 keeps any trial whose median step is keep_gain faster, however noisy.")
 
 
+def guard_verdicts(path: str, candidates: tuple[str, ...]) -> dict[str, bool | None]:
+    """Each lossy candidate's verdict in the profile at ``path`` (True: reaches fp32's loss; False: does
+    not; None: the profile has no guard record for it). A profile with no guard at all is refused."""
+    from thinwire.compress.spec import spec_string
+    from thinwire.measure.file import load_profile
+
+    make = "Make one with `thinwire profile --workload W --out P` (the convergence guard is on by default)."
+    if not Path(path).is_file():
+        raise ConfigError("auto.guard", path, "the path of an existing profile", f"No such file. {make}")
+    try:
+        profile = load_profile(path)
+    except ThinwireError as e:
+        raise ConfigError("auto.guard", path, "a profile written by `thinwire profile`", f"{str(e).rstrip('.')}. {make}") from None
+    records = {spec_string(parse_codec_spec(name)): c.convergence for name, c in profile.codecs.items()}
+    if not any(r is not None for r in records.values()):
+        raise ConfigError("auto.guard", path, "a profile with the convergence guard's records",
+                          f"This one was made with --guard-steps 0. {make}")
+    out: dict[str, bool | None] = {}
+    for c in candidates:
+        if c != "none" and not parse_codec_spec(c).lossless:
+            r = records.get(spec_string(parse_codec_spec(c)))
+            out[c] = None if r is None else r.reaches
+    return out
+
+
 def parse_auto_spec(spec: str) -> AutoConfig:
     """``"auto"`` or ``"auto:max_error=0.3,check_every=20,candidates=none|bf16|topk:ratio=0.01"``.
 
@@ -79,7 +121,7 @@ def parse_auto_spec(spec: str) -> AutoConfig:
     name, _, rest = spec.partition(":")
     if name.strip().lower() != "auto":
         raise ConfigError("compression", spec, "auto or auto:key=value,...")
-    fields = {f.name: f.type for f in dataclasses.fields(AutoConfig)}
+    fields = {f.name: f.type for f in dataclasses.fields(AutoConfig) if f.init}
     kwargs: dict[str, Any] = {}
     for item in _split_top(rest):
         key, eq, value = (t.strip() for t in item.partition("="))
@@ -93,7 +135,7 @@ def _value(key: str, value: str, kind) -> Any:
     """One ``key=value`` of the spec, typed as :class:`AutoConfig`'s field ``key``."""
     if key == "candidates":
         return tuple(v.strip() for v in value.split("|"))
-    if key == "start":
+    if key in ("start", "guard"):
         return value
     number = int if kind in (int, "int") else float
     try:
@@ -105,7 +147,7 @@ def _value(key: str, value: str, kind) -> Any:
 
 def _split_top(rest: str) -> list[str]:
     """Split ``a=1,candidates=none|topk:ratio=0.01,b=2`` on the commas between auto's own keys."""
-    names = {f.name for f in dataclasses.fields(AutoConfig)}
+    names = {f.name for f in dataclasses.fields(AutoConfig) if f.init}
     items: list[str] = []
     for piece in (p for p in rest.split(",") if p.strip()):
         if items and piece.partition("=")[0].strip() not in names:
