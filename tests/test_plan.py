@@ -413,3 +413,43 @@ def test_plan_prices_the_sync_modes_next_to_itself_and_says_their_loss_is_measur
 
     speedups = [float(x) for x in re.findall(r"\(([0-9.]+)x\)", line)]
     assert len(speedups) == len(SYNC_MODES) and all(x > 1 for x in speedups), line
+
+
+# -- the planner prices what simulate prices: the quota wait and an offload engine -------------------
+def _uniform(spec: ClusterSpec, prof: Profile, codec: str):
+    from thinwire.plan.planner import host_models, problem
+    from thinwire.plan.search import uniform
+
+    opts = PlanOptions(batch_size=32, codecs=("none", codec))
+    pb, _ = problem(spec, prof, opts, host_models(spec, prof, opts))
+    return uniform(pb, codec)
+
+
+def test_the_planner_charges_the_quota_wait_of_each_ring_hop_during_backward():
+    from thinwire.measure.file import NetworkRecord
+
+    spec = four()
+    prof = profile(buckets=2)
+    plain = _uniform(spec, prof, "int8")
+    prof.network = NetworkRecord(alpha_s=1e-4, efficiency=0.9, nominal_bps=1e9, measured_bps=0.9e9, hosts=4,
+                                 cluster="t", busy_hop_s=0.002)
+    busy = _uniform(spec, prof, "int8")
+    # int8 gathers: 3 hops per bucket on 4 hosts, 2 ms each, for a bucket issued while backward runs
+    assert plain.step_s < busy.step_s <= plain.step_s + 2 * 3 * 0.002 + 1e-9
+    # the same per-bucket waits as the model's own timeline, bucket by bucket
+    waits = [b.comm_s for b in busy.timeline.buckets]
+    assert all(w >= p for w, p in zip(waits, [b.comm_s for b in plain.timeline.buckets]))
+
+
+def test_the_planner_runs_codec_work_on_an_offload_engine_when_the_spec_has_one():
+    from thinwire.cluster.spec import NicSpec
+
+    prof = profile(buckets=2)
+    prof.codecs["int8"] = CodecCost(encode=Cost(per_byte_s=2e-8), decode=Cost(per_byte_s=1e-8))  # a slow codec
+    inline = _uniform(four(), prof, "int8")     # half-core hosts: codec work at half speed, taken from backward
+    engine = _uniform(ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="1gbit", cpu=0.5, nic=NicSpec(cpu=1.0)),
+                                  hosts=[HostSpec(name=f"h{i}") for i in range(4)]), prof, "int8")
+    assert inline.steals and not engine.steals
+    assert engine.step_s < inline.step_s
+    assert sum(b.encode_s for b in engine.timeline.buckets) == pytest.approx(
+        0.5 * sum(b.encode_s for b in inline.timeline.buckets))  # a whole core of its own against half a core

@@ -140,7 +140,8 @@ def host_models(spec: ClusterSpec, profile: Profile, opts: PlanOptions) -> list[
     p, act = len(hosts), profile.activation_bytes_per_sample
     dense, comp = static_bytes(profile, opts, compressed=False, p=p), static_bytes(profile, opts, compressed=True, p=p)
     return [HostModel(name=h.name, group=h.group, speed=s, cores=c, bandwidth=h.bandwidth,
-                      cap_dense=micro_cap(h.memory, dense, act), cap_comp=micro_cap(h.memory, comp, act))
+                      cap_dense=micro_cap(h.memory, dense, act), cap_comp=micro_cap(h.memory, comp, act),
+                      nic_cpu=h.nic.cpu if h.nic is not None else None)
             for h, s, c in zip(hosts, speeds, cores)]
 
 
@@ -202,7 +203,8 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                  links={l.pair: l.bandwidth for l in spec.links}, alpha_s=alpha,
                  efficiency=inputs.efficiency_of(profile), batch=opts.batch_size,
                  threads=opts.threads or profile.threads, min_gain=opts.min_gain, factors=factors,
-                 cpu_s_per_byte=profile.collective_cpu_s_per_byte)
+                 cpu_s_per_byte=profile.collective_cpu_s_per_byte,
+                 busy_hop_s=(profile.network.busy_hop_s or 0.0) if profile.network else 0.0)
     return pb, notes
 
 

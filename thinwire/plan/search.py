@@ -61,6 +61,7 @@ class HostModel:
     bandwidth: float
     cap_dense: int | None = None
     cap_comp: int | None = None
+    nic_cpu: float | None = None   # an offload engine's cores (``nic:`` in the spec): codec work runs there
 
 
 @dataclasses.dataclass
@@ -76,6 +77,7 @@ class Problem:
     efficiency: float
     batch: int
     cpu_s_per_byte: float = 0.0          # a collective's host CPU per byte sent, at speed 1
+    busy_hop_s: float = 0.0              # a ring hop's wait for a CPU quota while hosts compute (perf.timeline)
     threads: int = 1
     min_gain: float = 0.02
     factors: dict[str, float] = dataclasses.field(default_factory=dict)  # codec -> sample factor (absent: 1)
@@ -136,25 +138,27 @@ def ring_network(pb: Problem, idx: Sequence[int]) -> Network:
                    cpu_s_per_byte=pb.cpu_s_per_byte)
 
 
-def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int, float]:
+def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int, float, int]:
     """(encode, wire, decode seconds, bytes the busiest rank sends, of which through the codec, the
-    collectives' host CPU seconds) of bucket ``i``."""
+    collectives' host CPU seconds, ring hops on the critical path) of bucket ``i``."""
     n, codec = pb.buckets[i].numel, pb.codecs[lay.codecs[i]]
     if lay.groups is None:
         c = bucket_cost(codec, i, n, len(lay.hosts), ring_network(pb, lay.hosts), codec_speed)
-        return c.encode_s, c.comm_s, c.decode_s, c.bytes_sent, c.bytes_sent, c.comm_cpu_s
+        return c.encode_s, c.comm_s, c.decode_s, c.bytes_sent, c.bytes_sent, c.comm_cpu_s, c.hops
     intra = bcast = 0.0
-    intra_bytes = 0
+    intra_bytes = intra_hops = 0
     for g in lay.groups:
         if len(g) > 1:
             net = ring_network(pb, g)
             intra = max(intra, coll.ring_allreduce_s(4 * n, len(g), alpha=net.alpha_s, beta=net.beta_s_per_byte))
             bcast = max(bcast, (len(g) - 1) * (net.alpha_s + 4 * n * net.beta_s_per_byte))  # gloo: root to each
             intra_bytes = max(intra_bytes, 2 * (len(g) - 1) * 4 * n // len(g) + (len(g) - 1) * 4 * n)
+            intra_hops = max(intra_hops, 3 * (len(g) - 1))  # the all-reduce's 2(g-1), the broadcast's g-1
     leaders = [g[0] for g in lay.groups]
     c = bucket_cost(codec, i, n, len(leaders), ring_network(pb, leaders), codec_speed)
     cpu = intra_bytes * pb.cpu_s_per_byte / codec_speed + c.comm_cpu_s
-    return c.encode_s, intra + c.comm_s + bcast, c.decode_s, intra_bytes + c.bytes_sent, c.bytes_sent, cpu
+    return (c.encode_s, intra + c.comm_s + bcast, c.decode_s, intra_bytes + c.bytes_sent, c.bytes_sent, cpu,
+            intra_hops + c.hops)
 
 
 def score(pb: Problem, lay: Layout) -> Scored:
@@ -167,16 +171,27 @@ def score(pb: Problem, lay: Layout) -> Scored:
     ready = [max(p + min(1.0, max(0.0, bk.ready_frac)) * b for p, b in zip(pre, bwd)) for bk in pb.buckets]
     end = max(p + b for p, b in zip(pre, bwd))
     coders = lay.hosts if lay.groups is None else [g[0] for g in lay.groups]
-    codec_speed = min(1.0, min(pb.hosts[h].speed for h in coders))
-    steals = min(pb.hosts[h].cores for h in coders) < pb.threads + 1
+    codec_speed, steals = _coder(pb, coders)
     costs = [_bucket(pb, lay, i, codec_speed) for i in range(len(pb.buckets))] if len(lay.hosts) > 1 else \
-        [(0.0, 0.0, 0.0, 0, 0, 0.0)] * len(pb.buckets)
+        [(0.0, 0.0, 0.0, 0, 0, 0.0, 0)] * len(pb.buckets)
     tl = overlap_timeline(ready_s=ready, comm_s=[c[1] for c in costs], encode_s=[c[0] for c in costs],
                           decode_s=[c[2] for c in costs], comm_cpu_s=[c[5] for c in costs], backward_s=end, pre_s=max(std) * blom_z(len(lay.hosts)),
-                          post_s=max(post), codec_steals_compute=steals)
+                          post_s=max(post), codec_steals_compute=steals, busy_wait_s=[c[6] * pb.busy_hop_s for c in costs])
     compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
     factor = max((pb.factors.get(c, 1.0) for c in set(lay.codecs)), default=1.0) if len(lay.hosts) > 1 else 1.0
     return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor, steals)
+
+
+def _coder(pb: Problem, coders: Sequence[int]) -> tuple[float, bool]:
+    """(codec speed, whether codec work takes from compute) from the slowest coding host, as
+    :func:`thinwire.sim.inputs.engine_codec` prices it for ``simulate``: on an offload engine (``nic:``)
+    at the engine's cores (one thread: at most speed 1), taking nothing from compute; else at the host's
+    speed, from backward when the host has no core to spare beside its compute threads."""
+    slow = min(coders, key=lambda h: pb.hosts[h].speed)
+    nic = pb.hosts[slow].nic_cpu
+    if nic is not None:
+        return min(1.0, nic), False
+    return min(1.0, pb.hosts[slow].speed), min(pb.hosts[h].cores for h in coders) < pb.threads + 1
 
 
 # -- shares ------------------------------------------------------------------------------------------
