@@ -99,6 +99,8 @@ def test_parse_size_duration_loss():
     ([{"name": "a", "nic": {"cpu": 0}}], [], r"^hosts\[0\]\.nic\.cpu: must be a number of cores in \[0.001, 4096\] for the engine"),
     ([{"name": "a", "nic": {"cores": 1}}], [], r"^hosts\[0\]\.nic\.cores: must be one of the known fields \(cpu\)"),
     ([{"name": "a", "nic": 0.25}], [], r"^hosts\[0\]\.nic: must be a mapping of field: value, got 0.25"),
+    ([{"name": "a", "cpu": 0.25, "nic": {"cpu": 0.5}}], [],
+     r"^hosts\[0\]\.nic\.cpu: must be at most the host's own cpu \(0.25\), got 0.5\. An offload engine is the smaller"),
     ([{"name": "a", "group": "A"}, {"name": "b", "group": "B"}], [{"between": ["A", "Z"], "bandwidth": "1mbit"}],
      r"^links\[0\]\.between\[1\]: must be one of the groups \(A, B\), got 'Z'"),
     ([{"name": "a", "group": "A"}], [{"between": ["A", "A"], "bandwidth": "1mbit"}],

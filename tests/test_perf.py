@@ -1044,7 +1044,7 @@ def test_an_offload_engine_runs_the_codec_off_compute_at_its_own_speed(tmp_path)
     opts = SimOptions(codec="bf16", hosts=[4], batch_size=64, scaling="strong", threads=1)
 
     def predict(nic):
-        spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="10gbit", cpu=0.5, nic=nic),
+        spec = ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="10gbit", cpu=1.0, nic=nic),
                            hosts=[HostSpec(name=f"h{i}") for i in range(4)])
         return simulate(spec, prof, opts, default_batch=64)[0].prediction
 

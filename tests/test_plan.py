@@ -447,9 +447,13 @@ def test_the_planner_runs_codec_work_on_an_offload_engine_when_the_spec_has_one(
     prof = profile(buckets=2)
     prof.codecs["int8"] = CodecCost(encode=Cost(per_byte_s=2e-8), decode=Cost(per_byte_s=1e-8))  # a slow codec
     inline = _uniform(four(), prof, "int8")     # half-core hosts: codec work at half speed, taken from backward
-    engine = _uniform(ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="1gbit", cpu=0.5, nic=NicSpec(cpu=1.0)),
-                                  hosts=[HostSpec(name=f"h{i}") for i in range(4)]), prof, "int8")
-    assert inline.steals and not engine.steals
-    assert engine.step_s < inline.step_s
-    assert sum(b.encode_s for b in engine.timeline.buckets) == pytest.approx(
-        0.5 * sum(b.encode_s for b in inline.timeline.buckets))  # a whole core of its own against half a core
+    def engine(cores: float):
+        return _uniform(ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="1gbit", cpu=0.5, nic=NicSpec(cpu=cores)),
+                                    hosts=[HostSpec(name=f"h{i}") for i in range(4)]), prof, "int8")
+
+    same, small = engine(0.5), engine(0.25)
+    assert inline.steals and not same.steals and not small.steals   # the engine takes nothing from backward
+    assert same.timeline.backward_s < inline.timeline.backward_s and same.step_s < inline.step_s
+    encode = lambda s: sum(b.encode_s for b in s.timeline.buckets)  # noqa: E731
+    assert encode(same) == pytest.approx(encode(inline))            # at the same speed as the host's half core
+    assert encode(small) == pytest.approx(2 * encode(inline))       # a quarter core encodes at half that speed

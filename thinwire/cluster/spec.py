@@ -115,6 +115,13 @@ class HostSpec:
         memory = self.memory if self.memory is not None else defaults.memory
         self.memory = None if memory is None else parse_size(memory, f"{where}.memory")
         self.nic = self.nic if self.nic is not None else defaults.nic
+        check(self.nic is None or self.cpu is None or self.nic.cpu <= self.cpu, f"{where}.nic.cpu",
+              self.nic and self.nic.cpu, f"at most the host's own cpu ({_fmt_cores(self.cpu)})",
+              "An offload engine is the smaller processor, as a smart NIC's is: lower nic.cpu or raise cpu.")
+
+
+def _fmt_cores(cpu: float | None) -> str:
+    return "no cap" if cpu is None else f"{cpu:g}"
 
 
 @dataclass(kw_only=True)
