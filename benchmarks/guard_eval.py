@@ -89,6 +89,14 @@ def train(name: str, contender: str, seed: int, folder: Path) -> float:
     return json.loads((out / "summary.json").read_text())["val_loss"]
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Stamp ``data`` with the time and write it whole or not at all (a benchmark saved after every run)."""
+    data["ended"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def cells(data: dict) -> list[dict]:
     rows = []
     for name, w in data["workloads"].items():
@@ -203,10 +211,7 @@ def main() -> None:
     data.setdefault("started", time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
 
     def save() -> None:
-        data["ended"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json(path, data)
         render(data, out)
 
     with tempfile.TemporaryDirectory(prefix="guard_eval-") as tmp:

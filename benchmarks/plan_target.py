@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compare import summarize, time_to_target  # noqa: E402
-from guard_eval import WORKLOADS, sets  # noqa: E402
+from guard_eval import WORKLOADS, sets, write_json  # noqa: E402
 from plan_eval import CLUSTERS, CODECS  # noqa: E402
 
 def rel(p: Path) -> str:
@@ -228,10 +228,7 @@ def main() -> int:
     folder.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        data["ended"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json(path, data)
         render(data, out)
 
     from thinwire.cluster.emulator import EmulatedCluster
