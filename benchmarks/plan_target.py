@@ -191,7 +191,8 @@ def render(data: dict, out: Path) -> None:
                 ttt = ", ".join("-" if r is None or t is None else fmt(None if "error" in r else time_to_target(r, t))
                                 for r, t in zip(rs, tg))
                 lines.append(f"| {con['label']} | {con['name']} | {1e3 * con['predicted_step_s']:.0f} | "
-                             f"{con['sample_factor']:.2f} | {step} | {loss} | {ttt} | {fmt(med.get(con['label']))} |")
+                             f"{con['sample_factor']:.2f} | {step} | {loss} | {ttt} | "
+                             f"{fmt(med[con['label']]) if con['label'] in med else '-'} |")
     (out / "plan_target.md").write_text("\n".join(lines) + "\n")
 
 
