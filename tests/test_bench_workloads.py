@@ -5,6 +5,7 @@ user's ``package.module:function`` workload."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -67,4 +68,7 @@ def test_thinwire_train_runs_it_as_a_user_workload(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["world_size"] == 2 and summary["val_loss"] < 0.05
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    assert summary["workload"] == "benchmarks.workloads.denoise:build"
+    # a validation pass over the workload's own set ran: a finite MSE on pixels in [0, 1] (learning is tested above)
+    assert math.isfinite(summary["val_loss"]) and 0 < summary["val_loss"] < 1
