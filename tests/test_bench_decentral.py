@@ -1,0 +1,55 @@
+"""benchmarks/decentral.py's arithmetic: the drift recovery rule, the verdicts and the report from runs."""
+
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import decentral  # noqa: E402
+
+
+def _run(curve, mb=10.0, syncs=None):
+    return {"final_val_loss": curve[-1][1], "val_curve": [(float(s), loss, s) for s, loss in curve],
+            "bytes_all_ranks": mb * 1e6, "wire_bytes": mb * 1.1e6, "mean_step_s": 0.01, "median_step_s": 0.01,
+            "final_val_accuracy": 0.9, "sync": {} if syncs is None else {"syncs": syncs, "checks": 75}}
+
+
+def test_recovery_step_is_the_first_evaluation_back_at_the_pre_drift_loss():
+    r = _run([(140, 0.30), (150, 2.0), (160, 0.50), (170, 0.301), (180, 0.29)])
+    assert decentral.recovery_step(r, 150) == 170        # 0.301 is within 0.5% of 0.30
+    assert decentral.recovery_step(_run([(140, 0.3), (150, 2.0), (160, 0.4)]), 150) == math.inf
+    assert decentral.recovery_step(_run([(160, 0.3)]), 150) == math.inf   # nothing before the drift
+
+
+def test_skew_verdict_needs_both_the_loss_and_the_bytes(tmp_path):
+    periodic = _run([(300, 0.200)], mb=100)
+    data = {"seeds": [0, 1, 2], "commands": ["x"], "commits": ["abc"], "started": "s", "ended": "e",
+            "scenarios": {"skew": {"runs": {}, "targets": {}}}}
+    runs = data["scenarios"]["skew"]["runs"]
+    for k in (0, 1, 2):
+        runs[f"{decentral.DYNAMIC[0]}@{k}"] = _run([(300, 0.201)], mb=9, syncs=7)
+        runs[f"{decentral.PERIODIC[0]}@{k}"] = periodic
+        runs[f"{decentral.POSTLOCAL4[0]}@{k}"] = periodic
+    lines = decentral.verdicts(data)
+    assert len(lines) == 2 and all("**met**" in line and "11.1x fewer" in line for line in lines)
+    for k in (0, 1, 2):
+        runs[f"{decentral.DYNAMIC[0]}@{k}"] = _run([(300, 0.203)], mb=9, syncs=7)   # 1.5% worse
+    assert all("**not met**" in line for line in decentral.verdicts(data))
+    decentral.render(data, tmp_path)
+    text = (tmp_path / "decentral.md").read_text()
+    assert "| dynamic (defaults) | 0.2030, 0.2030, 0.2030 |" in text and (tmp_path / "decentral.png").exists()
+
+
+def test_slowlink_verdict_compares_time_to_target():
+    data = {"seeds": [0], "scenarios": {"slowlink": {"targets": {"0": 0.5}, "runs": {}}}}
+    runs = data["scenarios"]["slowlink"]["runs"]
+    labels = [label for label, _ in decentral.SCENARIOS["slowlink"]["contenders"]]
+    for i, label in enumerate(labels):   # gossip reaches 0.5 at 10 s, the others at 20, 30, 40 s
+        runs[f"{label}@0"] = {**_run([(5, 0.9), (10 * (i + 1), 0.5)]),
+                              "val_curve": [(5.0, 0.9, 5), (10.0 * (i + 1), 0.5, 10)]}
+    (line,) = decentral.verdicts(data)
+    assert "gossip 10 s" in line and "**met**" in line
+    runs[f"{labels[0]}@0"]["val_curve"] = [(5.0, 0.9, 5), (50.0, 0.6, 10)]   # never reaches the target
+    assert "gossip never" in decentral.verdicts(data)[0] and "**not met**" in decentral.verdicts(data)[0]
