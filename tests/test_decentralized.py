@@ -80,10 +80,20 @@ def test_spec_and_refusals():
     assert parse_sync_spec("gossip:topology=RING").text == "gossip:topology=ring"
     with pytest.raises(ConfigError, match="sync.topology.*exp2, ring, torus, random.*star"):
         parse_sync_spec("gossip:topology=star")
-    with pytest.raises(ConfigError, match="compression.*none with --sync gossip"):
-        from thinwire.commspec import check_sync_pairing, parse_comm_spec
+    from thinwire.commspec import check_sync_pairing, parse_comm_spec
 
-        check_sync_pairing(parse_sync_spec("gossip"), parse_comm_spec("int8"))
+    with pytest.raises(ConfigError, match="sync.topology.*ring or torus with --compression int8"):
+        check_sync_pairing(parse_sync_spec("gossip"), parse_comm_spec("int8"))   # exp2 changes every step
+    check_sync_pairing(parse_sync_spec("gossip:topology=ring"), parse_comm_spec("int8"))   # CHOCO, gamma auto 1
+    with pytest.raises(ConfigError, match="sync.gamma.*explicit consensus step.*topk"):
+        check_sync_pairing(parse_sync_spec("gossip:topology=ring"), parse_comm_spec("topk:ratio=0.01"))
+    check_sync_pairing(parse_sync_spec("gossip:topology=ring,gamma=0.1"), parse_comm_spec("topk:ratio=0.01"))
+    with pytest.raises(ConfigError, match="compression.*other than powersgd"):
+        check_sync_pairing(parse_sync_spec("gossip:topology=torus,gamma=0.5"), parse_comm_spec("powersgd"))
+    for bad in ("gossip:gamma=0", "gossip:gamma=1.5", "gossip:gamma=nan", "local:period=4,gamma=0.5"):
+        with pytest.raises(ConfigError, match="sync"):
+            parse_sync_spec(bad)
+    assert parse_sync_spec("gossip:topology=ring,gamma=0.25").text == "gossip:topology=ring,gamma=0.25"
     assert degree("ring", 8) == 2 and degree("exp2", 8) == 1 and degree("torus", 9) == 4 and degree("ring", 2) == 1
     from thinwire.compress.sync.gossip import check_topology
 
@@ -91,6 +101,78 @@ def test_spec_and_refusals():
     for world in (2, 3, 5, 7):
         with pytest.raises(ConfigError, match="sync.topology.*torus"):
             check_topology("torus", world)
+
+
+def _train_choco_exact(rank: int, world: int) -> dict:
+    """CHOCO's code path with an exact codec (``none``): must be D-PSGD's average."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import thinwire
+    from tests.test_sync import LR, _data, _loss
+
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, "gossip:topology=ring", codec="none")
+    sync.choco = True
+    sync.start_public()
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+    sync.close()
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}}
+
+
+def test_compressed_gossip_with_an_exact_codec_is_d_psgd():
+    choco = run_ranks(_train_choco_exact, 4)
+    plain = run_ranks(_train, 4, "gossip:topology=ring", "none")
+    for r in range(4):
+        for k in plain[r]["params"]:
+            torch.testing.assert_close(choco[r]["params"][k], plain[r]["params"][k], rtol=1e-5, atol=1e-6)
+
+
+def _consensus(rank: int, world: int, codec: str, spec: str, rounds: int) -> dict:
+    """Ranks start apart and only gossip (no gradient): CHOCO keeps the mean and contracts to it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import thinwire
+
+    torch.manual_seed(rank)
+    ddp = DistributedDataParallel(torch.nn.Linear(64, 32))
+    with torch.no_grad():
+        for p in ddp.module.parameters():
+            p.copy_(torch.randn_like(p) * (rank + 1))   # replicas differ (DDP broadcast rank 0's weights)
+    start = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    sync = thinwire.sync(ddp, spec, codec=codec)
+    sent = []
+    for _ in range(rounds):
+        before = sync.comm.wire.bytes_sent
+        sync.after_step()
+        sent.append(sync.comm.wire.bytes_sent - before)
+    state = sync.state_dict()
+    sync.close()
+    return {"start": start, "end": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent,
+            "state": state}
+
+
+@pytest.mark.parametrize("codec,spec", [("int8", "gossip:topology=ring"), ("topk:ratio=0.1", "gossip:topology=ring,gamma=0.3")])
+def test_compressed_gossip_keeps_the_mean_and_reaches_consensus(codec, spec):
+    out = run_ranks(_consensus, 4, codec, spec, 60)
+    for k in out[0]["end"]:
+        mean0 = sum(o["start"][k] for o in out) / 4
+        mean1 = sum(o["end"][k] for o in out) / 4
+        torch.testing.assert_close(mean1, mean0, rtol=1e-4, atol=1e-4)   # doubly stochastic: the mean stays
+        spread0 = max(float((o["start"][k] - mean0).abs().max()) for o in out)
+        spread1 = max(float((o["end"][k] - mean1).abs().max()) for o in out)
+        assert spread1 < 0.05 * spread0, (k, spread0, spread1)
+    numel = 64 * 32 + 32
+    from thinwire.compress.spec import parse_codec_spec
+
+    payload = parse_codec_spec(codec).payload_bytes(numel)
+    assert out[0]["sent"] == [2 * payload] * 60 and payload < numel * 4 / 3   # two ring neighbours, compressed
+    assert set(out[0]["state"]["public"]) == {"0", "1", "3"}   # its own public copy and its neighbours'
 
 
 def test_priced_from_the_all_reduce():

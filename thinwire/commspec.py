@@ -178,6 +178,27 @@ def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32
                           "fp16's loss scale changes between steps; use bf16.")
     if plan:
         raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")
-    if sync.mode == "gossip" and comm.text != "none":
-        raise ConfigError("compression", comm.text, "none with --sync gossip", "Gossip sends parameters in fp32: a "
-                          "lossy codec on parameters needs compressed gossip's public copies (CHOCO-SGD), not kept here.")
+    if sync.mode == "gossip" and not comm.codec.lossless:
+        check_compressed_gossip(sync, comm.codec)
+
+
+#: Codecs that send every coordinate, rounded finely: compressed gossip's consensus step may be 1 with them.
+DENSE_QUANTIZERS = ("fp16", "bf16", "int8", "bfp")
+
+
+def check_compressed_gossip(sync: SyncSpec, codec) -> None:
+    """Gossip with a lossy codec is CHOCO-SGD (:mod:`thinwire.compress.sync.gossip`): a fixed graph (each
+    rank keeps a public copy of each neighbour's parameters), a codec that encodes one tensor alone (not
+    PowerSGD's all-reduce rounds), and a consensus step that suits the codec."""
+    name = spec_string(codec)
+    if sync.topology not in ("ring", "torus"):
+        raise ConfigError("sync.topology", sync.topology, f"ring or torus with --compression {name}",
+                          "Compressed gossip (CHOCO-SGD) keeps a public copy of each neighbour's parameters, which a "
+                          "graph that changes every step (exp2, random) cannot; or use --compression none.")
+    if codec.lowrank:
+        raise ConfigError("compression", name, "a codec other than powersgd with --sync gossip",
+                          "PowerSGD's factors need all-reduce rounds; int8 or bfp send a quarter of the bytes.")
+    if sync.gamma == 0 and codec.name not in DENSE_QUANTIZERS:
+        raise ConfigError("sync.gamma", "auto", f"an explicit consensus step in (0, 1] with --compression {name}",
+                          f"E.g. gossip:topology={sync.topology},gamma=0.1: CHOCO-SGD's step shrinks with the share "
+                          "of the change a codec keeps (tune it; auto is 1 only for fp16, bf16, int8 and bfp).")

@@ -24,7 +24,10 @@ form                                           what runs (:mod:`thinwire.compres
                                                some rank drifted ``||x - a|| / ||a|| > D`` (0.01)
 ``gossip[:topology=exp2|ring|torus|random]``   decentralized SGD (D-PSGD, Lian et al. 2017): after each
                                                step, parameters averaged with the neighbours only;
-                                               ``exp2`` is SGP's one-peer exponential graph (default)
+                                               ``exp2`` is SGP's one-peer exponential graph (default);
+                                               with a lossy codec CHOCO-SGD (ring or torus;
+                                               ``gamma``: its consensus step, auto 1 for fp16,
+                                               bf16, int8 and bfp)
 =============================================  =====================================================
 
 Defaults and their sources: ``local`` warm-up 100 steps and no default period (PyTorch's
@@ -56,7 +59,7 @@ MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic")
 TOPOLOGIES = ("exp2", "ring", "torus", "random")
 #: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
 #: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
-#: Not gossip: these are priced with the plan's codec, and gossip sends fp32 parameters (``simulate --sync gossip``).
+#: Not gossip: these are priced with the plan's codec; gossip's topology and codec are the user's (``simulate --sync gossip``).
 SHOWN = ("delayed", "local:period=4", "local:period=16", "diloco:period=100", "diloco:period=100,fragments=4")
 MAX_PERIOD = 10**9
 _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
@@ -66,7 +69,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "local": {"period": (int, None), "warmup": (int, 100)},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
-    "gossip": {"topology": (str, "exp2")},
+    "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto")},
     "dynamic": {"threshold": (float, 0.01), "check_every": (int, 4), "warmup": (int, 0)},
 }
 
@@ -84,6 +87,7 @@ class SyncSpec:
     delay: int = 0
     alpha: float = 0.0
     topology: str = ""
+    gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
     threshold: float = 0.01
     check_every: int = 1
 
@@ -94,6 +98,9 @@ class SyncSpec:
         _check(1 <= self.check_every <= MAX_PERIOD, "check_every", self.check_every, f"an integer in [1, {MAX_PERIOD}]")
         _check((self.mode == "gossip") == (self.topology in TOPOLOGIES), "topology", self.topology,
                "one of " + ", ".join(TOPOLOGIES) + " (gossip only)", "exp2, the one-peer exponential graph, scales best.")
+        _check(math.isfinite(self.gamma) and 0 <= self.gamma <= 1 and (self.gamma == 0 or self.mode == "gossip"),
+               "gamma", self.gamma, "a number in (0, 1] (gossip only)",
+               "The consensus step of compressed gossip; auto is 1 for the dense quantizers fp16, bf16, int8, bfp.")
         _check(1 <= self.period <= MAX_PERIOD, "period", self.period, f"an integer in [1, {MAX_PERIOD}]",
                "period=1 averages after every step; larger periods send less.")
         _check(0 <= self.warmup <= MAX_PERIOD, "warmup", self.warmup, f"an integer in [0, {MAX_PERIOD}]")
@@ -122,7 +129,7 @@ class SyncSpec:
 
     @property
     def text(self) -> str:
-        keys = [k for k in _KEYS[self.mode] if k not in _STREAMING or self.streaming]
+        keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 
@@ -150,12 +157,17 @@ def parse_sync_spec(text: str) -> SyncSpec:
             allowed = f"keys {', '.join(keys)}" if keys else "no parameters"
             raise ConfigError("sync", text, f"{mode} with {allowed} (key=value, comma-separated)", _FIX)
         values[key] = _number(mode, key, raw, keys[key][0])
+        if key == "gamma":  # 0 stands for auto inside SyncSpec; a given step must be a real one
+            _check(math.isfinite(values[key]) and 0 < values[key] <= 1, "gamma", raw, "a number in (0, 1]",
+                   "The consensus step of compressed gossip; auto is 1 for the dense quantizers fp16, bf16, int8, bfp.")
     missing = [k for k, v in values.items() if v is None]
     if missing:
         raise ConfigError(f"sync.{missing[0]}", text, f"given: {mode}:{missing[0]}=N", _FIX)
     if values.get("delay") == "auto":  # streaming: overlap one inner step; one fragment: classic DiLoCo
         every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0
         values["delay"] = 1 if values["fragments"] > 1 and every > 1 else 0
+    if values.get("gamma") == "auto":  # resolved against the codec (commspec.check_sync_pairing, Gossip)
+        values["gamma"] = 0.0
     if values.get("alpha") == "auto":
         values["alpha"] = 0.5 if values["delay"] > 0 else 0.0
     return SyncSpec(mode=mode, **values)

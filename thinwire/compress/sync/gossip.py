@@ -22,9 +22,19 @@ what plain SGD on the average would do, and every rank converges to it):
   the step); pairs average, an odd rank out keeps its parameters.
 
 Communication happens after the optimizer step and blocks (point-to-point through
-``torch.distributed``'s ``batch_isend_irecv``, in the mode's own process group); parameters travel
-in fp32: a lossy codec on parameters needs the public copies of compressed gossip (CHOCO-SGD), which
-this mode does not keep, so only ``--compression none`` is accepted.
+``torch.distributed``'s ``batch_isend_irecv``, in the mode's own process group).
+
+**Compressed gossip** (any lossy codec but PowerSGD): CHOCO-SGD (Koloskova, Stich and Jaggi, ICML 2019,
+https://arxiv.org/abs/1902.00340, Algorithm 1). Each rank keeps a public copy ``h_j`` of its own and
+each neighbour's parameters, identical on every rank that holds it. After the optimizer step a rank
+sends ``q_i = Q(x_i - h_i)`` (the codec's round trip of the change since its public copy) to its
+neighbours, every holder adds the received ``q_j`` to ``h_j``, and the rank moves toward its
+neighbours' public copies: ``x_i <- x_i + gamma * w * sum_j (h_j - h_i)`` (``w`` the topology's uniform
+weight). What the codec drops stays in ``x_i - h_i`` and is sent later: the public copy is the error
+feedback. With an exact codec and ``gamma = 1`` this is D-PSGD's average. The neighbours must be fixed
+(``ring``, ``torus``), and ``gamma`` suit the codec: 1 (auto) for the dense quantizers fp16, bf16,
+int8 and bfp; a sparsifier or sign needs a smaller, explicit step (the paper tunes it per codec).
+Memory: ``1 + degree`` copies of the parameters in fp32.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ import math
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, params_of
+from thinwire.compress.codecs import Meta
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
+from thinwire.compress.wire import pack, unpack
 from thinwire.errors import ConfigError
 from thinwire.perf.sync import gossip_step_s
 
@@ -79,6 +91,14 @@ def check_topology(topology: str, world: int) -> None:
                           "would form a ring.")
 
 
+def check_static(topology: str) -> None:
+    """Compressed gossip needs fixed neighbours (their public copies persist)."""
+    if topology not in ("ring", "torus"):
+        raise ConfigError("sync.topology", topology, "ring or torus with a lossy codec",
+                          "Compressed gossip (CHOCO-SGD) keeps a public copy of each neighbour's parameters, which a "
+                          "graph that changes every step (exp2, random) cannot; or use --compression none.")
+
+
 def degree(topology: str, world: int) -> int:
     """Parameter copies a rank sends per step (the most over ranks and steps)."""
     return max(len(neighbours(topology, r, world, s)[0]) for r in range(world) for s in range(max(1, world)))
@@ -94,6 +114,22 @@ class Gossip(SyncMode):
         check_topology(self.topology, comm.wire.world)
         self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
         self.steps = 0
+        self.codecs = [comm.policy.codec_for(b, sum(n for _, n in self.buckets.layout(b)), 0)
+                       for b in range(len(self.buckets.groups))]
+        self.choco = any(not c.lossless for c in self.codecs)
+        self.gamma = spec.gamma or 1.0
+        self.public: dict[int, list[Tensor]] = {}  # CHOCO: rank -> its public copy (flat buckets); self and neighbours
+        if self.choco:
+            check_static(self.topology)
+            self.start_public()
+
+    def start_public(self) -> None:
+        """CHOCO's public copies, zero as in the paper (consistent on every rank whatever the weights):
+        the first rounds send the parameters themselves, quantized."""
+        wire = self.comm.wire
+        send_to, recv_from = neighbours(self.topology, wire.rank, wire.world, 0)
+        zeros = self.buckets.flatten([None] * len(self.buckets.params))
+        self.public = {r: [t.clone() for t in zeros] for r in {wire.rank, *send_to, *recv_from}}
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -115,6 +151,8 @@ class Gossip(SyncMode):
         self.steps += 1
         if not recv_from and not send_to:
             return
+        if self.choco:
+            return self._choco(send_to, recv_from)
         flats = self.buckets.flatten(list(self.buckets.params))
         mixed = []
         for flat in flats:
@@ -125,8 +163,32 @@ class Gossip(SyncMode):
             for p, x in zip(self.buckets.params, self.buckets.unflatten(mixed)):
                 p.copy_(x)
 
+    def _choco(self, send_to: list[int], recv_from: list[int]) -> None:
+        """One CHOCO-SGD gossip round (module docstring): send Q(x - h_self), update public copies, move."""
+        wire, me = self.comm.wire, self.comm.wire.rank
+        flats = self.buckets.flatten(list(self.buckets.params))
+        mixed = []
+        for b, (flat, codec) in enumerate(zip(flats, self.codecs)):
+            self.comm.bytes_raw += flat.numel() * flat.element_size()
+            seed = self.steps * 1009 + b
+            payload = codec.compress(flat - self.public[me][b], Meta(numel=flat.numel(), seed=seed, rank=me))
+            got = wire.exchange(pack(payload), send_to, recv_from)
+            self.public[me][b] += codec.decompress(payload, Meta(numel=flat.numel(), seed=seed, rank=me))
+            for r, buf in zip(recv_from, got):
+                self.public[r][b] += codec.decompress(unpack(buf, payload), Meta(numel=flat.numel(), seed=seed, rank=r))
+            w = 1.0 / (1 + len(recv_from))
+            pull = sum(self.public[r][b] for r in recv_from) - len(recv_from) * self.public[me][b]
+            mixed.append(flat + self.gamma * w * pull)
+        with torch.no_grad():
+            for p, x in zip(self.buckets.params, self.buckets.unflatten(mixed)):
+                p.copy_(x)
+
     def state_dict(self) -> dict:
-        return {"steps": self.steps}
+        return {"steps": self.steps, **({"public": {str(r): cpu_list(t) for r, t in self.public.items()}}
+                                         if self.choco else {})}
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps = int(sd.get("steps", 0))
+        if self.choco and "public" in sd:
+            like = self.buckets.flatten(list(self.buckets.params))
+            self.public = {int(r): on_device(t, like) for r, t in sd["public"].items()}
