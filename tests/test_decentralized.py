@@ -186,8 +186,9 @@ def test_priced_from_the_all_reduce():
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical_through_the_trainer(tmp_path):
-    common = ["--workload", "digits", "--nproc", "2", "--compression", "none", "--sync", "gossip:topology=ring",
+@pytest.mark.parametrize("codec", ["none", "int8"])   # int8: CHOCO's public copies are checkpointed too
+def test_resume_is_bit_identical_through_the_trainer(tmp_path, codec):
+    common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", "gossip:topology=ring",
               "--eval-every", "5"]
     a, b = _straight_and_resumed(common, tmp_path / "straight", tmp_path / "split")
     for ra, rb in zip(a["ranks"], b["ranks"]):
