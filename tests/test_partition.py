@@ -87,3 +87,24 @@ def test_digits_drift_changes_training_and_validation_data_from_its_step():
     assert build_workload("digits", {}, None).data_at is None
     with pytest.raises(ConfigError, match="model.drift"):
         build_workload("digits", {"drift": "colors"}, None)
+
+
+def test_charlm_drift_switches_to_a_corpus_of_the_same_length():
+    from thinwire.workloads.registry import build_workload
+
+    opts = {"max_bytes": 200_000, "context": 16, "layers": 1, "width": 32}
+    wl = build_workload("charlm", {**opts, "drift_step": 7}, None)
+    before, (train, val) = wl.data_at(6), wl.data_at(7)
+    assert before == (wl.train, wl.val) and len(train) == len(wl.train) and len(val) == len(wl.val)
+    x0, _ = wl.train.batch([100])
+    x1, _ = train.batch([100])
+    text0, text1 = bytes(x0[0].tolist()), bytes(x1[0].tolist())
+    import codecs
+
+    assert text1 == codecs.encode(text0.decode("latin-1"), "rot13").encode("latin-1") and text0 != text1
+    swapped = build_workload("charlm", {**opts, "drift_step": 3, "drift": "swapcase"}, None).data_at(3)[1]
+    xv, _ = wl.val.batch([5])
+    assert bytes(swapped.batch([5])[0][0].tolist()) == bytes(xv[0].tolist()).swapcase()
+    assert build_workload("charlm", opts, None).data_at is None
+    with pytest.raises(ConfigError, match="model.drift.*rot13 or swapcase"):
+        build_workload("charlm", {**opts, "drift": "french"}, None)

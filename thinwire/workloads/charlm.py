@@ -8,6 +8,12 @@ or batch to make it compute-bound.
 
 Validation reports the loss in nats and bits per byte; ``summary.json`` also records the corpus's
 unigram (byte-frequency) entropy, the bits per byte of the best model that ignores context.
+
+A concept-drift workload: ``--set model.drift_step=S`` switches training and validation to another
+corpus from step S on, one of the same length (so shards, samplers and the validation subset keep
+their meaning): ``model.drift=rot13`` (default) the same files ROT13-encoded, every letter shifted 13
+places, so every keyword and identifier is a new word in an unchanged structure; ``model.drift=swapcase``
+upper and lower case exchanged. The validation curve shows how fast training recovers.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class CharLMConfig:
     context: int = 128
     dropout: float = 0.0
     max_bytes: int = 4_000_000
+    drift_step: int = 0        # > 0: from this step on, train and validation switch to the drifted corpus
+    drift: str = "rot13"       # rot13: letters shifted 13 places; swapcase: upper and lower case exchanged
 
     def __post_init__(self) -> None:
         check(1 <= self.layers <= 256, "model.layers", self.layers, "an integer in [1, 256]")
@@ -41,6 +49,8 @@ class CharLMConfig:
         check(2 <= self.context <= 65536, "model.context", self.context, "an integer in [2, 65536]")
         check(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "a number in [0, 1)")
         check(self.max_bytes >= 1024, "model.max_bytes", self.max_bytes, "an integer >= 1024")
+        check(self.drift_step >= 0, "model.drift_step", self.drift_step, "an integer >= 0 (0: no drift)")
+        check(self.drift in DRIFTS, "model.drift", self.drift, " or ".join(DRIFTS))
 
 
 class Block(nn.Module):
@@ -158,15 +168,38 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
+DRIFTS = ("rot13", "swapcase")
+
+
+def drift_table(kind: str) -> torch.Tensor:
+    """A byte -> byte map (256 entries) of a drift: ROT13 or case exchange of ASCII letters."""
+    table = torch.arange(256, dtype=torch.uint8)
+    for lo, hi in ((ord("a"), ord("z")), (ord("A"), ord("Z"))):
+        letters = torch.arange(lo, hi + 1)
+        table[letters] = ((letters - lo + 13) % 26 + lo if kind == "rot13" else letters ^ 0x20).to(torch.uint8)
+    return table
+
+
 def build(cfg: CharLMConfig, data: str | None = None) -> Workload:
     train, val, info = load_corpus(data, cfg.max_bytes, min_bytes=2 * (cfg.context + 1) * 10)
-    val_windows = Windows(val, cfg.context)
     model = CharGPT(cfg)
     info["parameters"] = sum(p.numel() for p in model.parameters())
+
+    def sets(tr: torch.Tensor, va: torch.Tensor) -> tuple[Windows, EvenlySpaced]:
+        windows = Windows(va, cfg.context)
+        return Windows(tr, cfg.context), EvenlySpaced(windows, min(len(windows), 512))
+
+    plain, data_at = sets(train, val), None
+    if cfg.drift_step > 0:
+        table = drift_table(cfg.drift)
+        drifted = sets(table[train.long()], table[val.long()])
+        data_at = lambda step: drifted if step >= cfg.drift_step else plain  # noqa: E731
+        info["drift"] = {"step": cfg.drift_step, "kind": cfg.drift}
     return Workload(
         model=model,
-        train=Windows(train, cfg.context),
-        val=EvenlySpaced(val_windows, min(len(val_windows), 512)),
+        train=plain[0],
+        val=plain[1],
+        data_at=data_at,
         loss=lm_loss,
         task="lm",
         info=info,
