@@ -227,7 +227,7 @@ def test_spec_defaults_and_text():
     ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
     ("delayed:period=2", r"sync: must be delayed with no parameters"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
-    ("push", r"sync: must be one of allreduce, delayed, local, diloco, gossip, dynamic, got 'push'"),
+    ("push", r"sync: must be one of allreduce, delayed, local, diloco, gossip, dynamic, auto, got 'push'"),
     ("", r"sync: must be one of"),
 ])
 def test_bad_spec_is_refused(text, match):
@@ -458,3 +458,66 @@ def test_pytorch_post_local_sgd_spec_refuses_bad_input(text):
                                           + text + "'"):
         parse_comm_spec(text)
     assert parse_comm_spec("torch:localsgd:period=16").text == "torch:localsgd:period=16,warmup=100"
+
+
+# -- auto: allreduce or delayed, by the clock -------------------------------------------------------
+AUTO_STEPS = 16
+
+
+def _train_auto(rank: int, world: int, forced: str | None) -> dict:
+    """``auto:trial=5,warmup=2`` for AUTO_STEPS steps; ``forced``: the clock's verdict replaced."""
+    import thinwire.compress.sync.choose as choose
+
+    if forced is not None:
+        choose.decide = lambda times: forced
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, "auto:trial=5,warmup=2", codec="none")
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    modes = []
+    for step in range(AUTO_STEPS):
+        x, y = _data(step, rank)
+        modes.append(sync.current)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+    stats, sd = sync.stats(), sync.state_dict()
+    sync.close()
+    again = thinwire.sync(DistributedDataParallel(_net()), "auto:trial=5,warmup=2", codec="none")
+    again.load_state_dict(sd)   # a resume after the choice keeps it
+    resumed = (again.current, again.stats())
+    again.close()
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "modes": modes, "stats": stats,
+            "resumed": resumed}
+
+
+@pytest.mark.parametrize("forced", ["allreduce", "delayed"])
+def test_auto_times_allreduce_then_delayed_then_keeps_its_choice(forced):
+    """Steps 0-6 all-reduce (2 warm-up + 5 timed), 7-11 delayed (its fill at 7), then the choice; switching
+    back to all-reduce drops the one stale average in flight. Equal to SGD written out by hand."""
+    out = run_ranks(_train_auto, 2, forced)
+    w, previous = _net().state_dict(), None
+    for step in range(AUTO_STEPS):
+        g = _grads(w, step, 2)
+        mode = "allreduce" if step < 7 else "delayed" if step < 12 else forced
+        if mode == "allreduce":
+            w, previous = _sgd(w, g), None
+        else:
+            w = _sgd(w, previous) if previous is not None else w
+            previous = g
+    for r in out:
+        assert r["modes"] == ["allreduce"] * 7 + ["delayed"] * 5 + [forced] * 4
+        assert r["stats"]["choice"] == forced and r["stats"]["allreduce_median_step_s"] > 0
+        assert r["resumed"] == (forced, r["stats"])
+        for k in w:
+            torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_chooses_by_the_median_with_a_margin_for_staleness():
+    from thinwire.compress.sync.choose import decide
+
+    assert decide({"allreduce": [1.0, 5.0, 1.0], "delayed": [0.9, 0.9, 9.0]}) == "delayed"   # medians, not means
+    assert decide({"allreduce": [1.0], "delayed": [0.985]}) == "allreduce"                 # within 2%
+    with pytest.raises(ConfigError, match="sync.trial"):
+        parse_sync_spec("auto:trial=2")
+    assert parse_sync_spec("auto").text == "auto:trial=20,warmup=10"

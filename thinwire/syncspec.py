@@ -22,6 +22,9 @@ form                                           what runs (:mod:`thinwire.compres
 ``dynamic[:threshold=D,check_every=B]``        dynamic averaging (Kamp et al. 2018): local steps; every
                                                B steps a one-byte vote, and an average only when
                                                some rank drifted ``||x - a|| / ||a|| > D`` (0.01)
+``auto[:trial=N,warmup=W]``                     ``allreduce`` or ``delayed``, whichever steps faster on
+                                               this run: W (10) steps, then each timed for N (20)
+                                               steps; delayed only if >= 2% faster
 ``gossip[:topology=exp2|ring|torus|random]``   decentralized SGD (D-PSGD, Lian et al. 2017): after each
                                                step, parameters averaged with the neighbours only;
                                                ``exp2`` is SGP's one-peer exponential graph (default);
@@ -55,7 +58,7 @@ from typing import Literal
 
 from thinwire.errors import ConfigError
 
-MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic")
+MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic", "auto")
 TOPOLOGIES = ("exp2", "ring", "torus", "random")
 #: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
 #: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
@@ -71,6 +74,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto")},
     "dynamic": {"threshold": (float, 0.01), "check_every": (int, 4), "warmup": (int, 0)},
+    "auto": {"trial": (int, 20), "warmup": (int, 10)},
 }
 
 
@@ -78,7 +82,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
 class SyncSpec:
     """A parsed sync mode; ``local`` is DiLoCo's outer step with lr 1 and no momentum (plain averaging)."""
 
-    mode: Literal["allreduce", "delayed", "local", "diloco", "gossip", "dynamic"] = "allreduce"
+    mode: Literal["allreduce", "delayed", "local", "diloco", "gossip", "dynamic", "auto"] = "allreduce"
     period: int = 1
     warmup: int = 0
     outer_lr: float = 1.0
@@ -90,11 +94,14 @@ class SyncSpec:
     gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
     threshold: float = 0.01
     check_every: int = 1
+    trial: int = 20             # auto: timed steps of each of allreduce and delayed
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
         _check(math.isfinite(self.threshold) and 0 < self.threshold < 10, "threshold", self.threshold,
                "a relative drift in (0, 10)", "0.01 averages once parameters moved 1% of their norm.")
+        _check(5 <= self.trial <= 10**6, "trial", self.trial, "an integer in [5, 1000000]",
+               "Steps each of allreduce and delayed is timed before auto chooses; 20 by default.")
         _check(1 <= self.check_every <= MAX_PERIOD, "check_every", self.check_every, f"an integer in [1, {MAX_PERIOD}]")
         _check((self.mode == "gossip") == (self.topology in TOPOLOGIES), "topology", self.topology,
                "one of " + ", ".join(TOPOLOGIES) + " (gossip only)", "exp2, the one-peer exponential graph, scales best.")

@@ -10,6 +10,7 @@ mode            module                                    averages
   (streaming)   :mod:`.streaming`                         one of F fragments every H/F steps, in flight
 ``gossip``      :mod:`.gossip`                            parameters, with neighbours only, every step
 ``dynamic``     :mod:`.dynamic`                           parameter changes, when some rank has drifted
+``auto``        :mod:`.choose`                            ``allreduce`` or ``delayed``, by this run's clock
 ==============  ========================================  ===========================================
 
 Every mode averages through a :class:`~thinwire.compress.hook.CommState` (codec, error feedback,
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from thinwire.compress.hook import CommState, Policy, attach
 from thinwire.compress.sync.base import Averaged, StepParts, SyncMode, Unwrapped
+from thinwire.compress.sync.choose import ChooseSync
 from thinwire.compress.sync.delayed import Delayed
 from thinwire.compress.sync.diloco import DiLoCo
 from thinwire.compress.sync.dynamic import Dynamic
@@ -30,7 +32,7 @@ from thinwire.compress.sync.local import LocalSGD
 from thinwire.compress.sync.streaming import StreamingDiLoCo
 
 MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "local": LocalSGD, "diloco": DiLoCo,
-                                    "gossip": Gossip, "dynamic": Dynamic}
+                                    "gossip": Gossip, "dynamic": Dynamic, "auto": ChooseSync}
 
 
 def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_steps: int = 0,
@@ -43,6 +45,15 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
     if spec.mode == "allreduce" and not isinstance(model, Unwrapped):
         return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                                       process_group=process_group), spec)
+    if spec.mode == "auto":  # the DDP hook and delayed's averages share one CommState, in a group of their own
+        if isinstance(model, Unwrapped):
+            from thinwire.errors import ConfigError
+
+            raise ConfigError("sync", "auto", "a mode without DDP's hook here (allreduce or delayed)",
+                              "--sync auto chooses between DDP's all-reduce and delayed; a pipeline stage has no DDP.")
+        comm = attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
+                      process_group=dist.new_group(backend=dist.get_backend()))
+        return ChooseSync(model, comm, spec, bucket_mb=bucket_mb)
     if spec.mode == "delayed" or spec.delay > 0 or process_group is None:
         process_group = dist.new_group(backend=dist.get_backend())
     comm = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=4096,
@@ -57,5 +68,5 @@ def kind(spec) -> type[SyncMode]:
     return StreamingDiLoCo if spec.mode == "diloco" and spec.streaming else MODES[spec.mode]
 
 
-__all__ = ["MODES", "StepParts", "SyncMode", "Averaged", "Unwrapped", "kind", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "Gossip",
+__all__ = ["MODES", "StepParts", "SyncMode", "Averaged", "Unwrapped", "kind", "ChooseSync", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "Gossip",
            "Dynamic", "create"]

@@ -27,6 +27,7 @@ from thinwire.perf.sync import delayed_step_s
 
 class Delayed(SyncMode):
     name = "delayed"
+    key_offset = 0  # error-feedback keys of its buckets start here (``auto`` shares a CommState with the DDP hook)
 
     def __init__(self, model, comm, spec=None, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec)
@@ -45,7 +46,7 @@ class Delayed(SyncMode):
     def before_step(self) -> None:
         params = self.buckets.params
         flats = self.buckets.flatten([p.grad for p in params])
-        futures = self.buckets.average(self.comm, flats)
+        futures = self.buckets.average(self.comm, flats, first=self.key_offset)
         previous = self._collect() if self.started else None
         self.pending, self.started = futures, True
         if previous is None:  # pipeline fill: nothing averaged yet, nothing applied
