@@ -223,6 +223,22 @@ def test_plan_from_another_workload_is_refused(tmp_path):
         load_plan(path, spec, "charlm", {}, batch_size=64)
 
 
+def test_a_plan_from_before_a_new_model_option_still_fits_while_the_option_is_at_its_default(tmp_path):
+    """A plan records every model option of its day; a later thinwire adds options (charlm's drift_step):
+    the plan stays valid for runs that leave them at their defaults, and only for those."""
+    import dataclasses
+
+    spec = load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml")
+    plan = plan_for(spec)
+    older = dataclasses.replace(plan, model={k: v for k, v in plan.model.items() if k not in ("drift_step", "drift")},
+                                workload_fingerprint="0" * 16)
+    path = save_plan(older, tmp_path / "old.yaml")
+    assert load_plan(path, spec, "charlm", {}).chosen == plan.chosen
+    assert load_plan(path, spec, "charlm", {"drift_step": 0}).chosen == plan.chosen
+    with pytest.raises(ThinwireError, match=r"made for another workload: model options drift_step: 0 in the plan, 50 now\. "):
+        load_plan(path, spec, "charlm", {"drift_step": 50})
+
+
 def test_missing_plan_file_says_how_to_make_one(tmp_path):
     with pytest.raises(ThinwireError, match="does not exist. Make one with `thinwire plan"):
         read_plan(tmp_path / "nope.yaml")

@@ -322,6 +322,18 @@ def normalized_model(workload: str, model: dict) -> dict:
     return {**model_defaults(workload), **dict(model)}
 
 
+def same_model(plan: "Plan", workload: str, model: dict) -> bool:
+    """Whether ``plan`` was made for this workload and these model options, an option the plan does not
+    record counting as its default (a newer thinwire's option, e.g. ``drift_step``, leaves older plans
+    valid as long as it is left at its default)."""
+    if plan.workload != workload or not isinstance(plan.model, dict):
+        return False
+    from thinwire.workloads.registry import model_defaults
+
+    defaults, mine = model_defaults(workload), normalized_model(workload, model)
+    return set(plan.model) <= set(mine) and all(plan.model.get(k, defaults.get(k)) == v for k, v in mine.items())
+
+
 def workload_fingerprint(workload: str, model: dict) -> str:
     return _digest({"workload": workload, "model": normalized_model(workload, model)})
 
@@ -346,10 +358,15 @@ def load_plan(path: str | Path, spec, workload_name: str, model_options: dict, *
     if plan.cluster_fingerprint != cluster_fingerprint(spec):
         raise ThinwireError(f"plan: {path} was made for cluster {plan.cluster!r}, not for this cluster "
                             f"{spec.name!r}: {_diff(plan.cluster_hosts, host_summary(spec))}. {fix}.")
-    if plan.workload_fingerprint != workload_fingerprint(workload_name, model_options):
+    if plan.workload_fingerprint != workload_fingerprint(workload_name, model_options) and \
+            not same_model(plan, workload_name, model_options):
         mine = normalized_model(workload_name, model_options)
+        from thinwire.workloads.registry import model_defaults
+
+        # options newer than the plan count as their defaults
+        theirs = {**{k: v for k, v in model_defaults(workload_name).items() if k in mine}, **plan.model}
         what = f"workload {plan.workload!r}, not {workload_name!r}" if plan.workload != workload_name else \
-            "model options " + _diff(plan.model, mine)
+            "model options " + _diff(theirs, mine)
         raise ThinwireError(f"plan: {path} was made for another workload: {what}. {fix}.")
     if batch_size is not None and batch_size != plan.global_batch:
         raise ConfigError("batch_size", batch_size, f"the plan's global batch ({plan.global_batch})",
