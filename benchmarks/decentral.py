@@ -121,7 +121,7 @@ def run_hivemind(sc: dict, seed: int, out: Path, cluster) -> dict:
     try:
         import hivemind  # noqa: F401
     except ImportError:
-        return {"error": "hivemind is not installed: pip install hivemind==1.1.12 (into this venv)"}
+        return {"error": "hivemind is not installed: .venv/bin/pip install -e '.[hivemind]' (hivemind 1.1.12)"}
     out.mkdir(parents=True)
     hosts = cluster.hosts()
     procs = []
