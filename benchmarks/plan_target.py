@@ -173,7 +173,9 @@ def render(data: dict, out: Path) -> None:
              "|---|---|---:|---:|---:|---|"]
     for n, k, c in cells:
         alts = {l: v for l, v in c["medians"].items() if l != "plan"}
-        lines.append(f"| {n} | {CLUSTERS[k]} | {c['ratio']:.2f} | {fmt(c['medians']['plan'])} | {fmt(min(alts.values()))} | "
+        ratio = "0 (no alternative gets there)" if c["ratio"] == 0 else "inf (the plan never gets there)" \
+            if math.isinf(c["ratio"]) else f"{c['ratio']:.2f}"
+        lines.append(f"| {n} | {CLUSTERS[k]} | {ratio} | {fmt(c['medians']['plan'])} | {fmt(min(alts.values()))} | "
                      f"{'yes' if c['done'] else 'partial'} |")
     for n, w in data["workloads"].items():
         lines += ["", f"## {n}", "", "Targets (DDP fp32, N steps, by seed): "
