@@ -142,8 +142,14 @@ def run_hivemind(sc: dict, seed: int, out: Path, cluster) -> dict:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return hivemind_result(sc, out, len(hosts), rc)
+
+
+def hivemind_result(sc: dict, out: Path, world: int, rc: int | None) -> dict:
+    """A hivemind run from its rank 0's metrics: complete when they reach the last step (hivemind's own
+    shutdown may still exit non-zero: its DHT 'did not shut down within the grace period')."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
-    if rc != 0 or not records:
+    if not records or records[-1]["step"] != sc["steps"]:
         return {"error": f"rank 0 exit {rc}: " + (out / "peer0.log").read_text()[-1500:]}
     walls = [r["wall_s"] for r in records]
     steps = [b["wall_s"] - a["wall_s"] for a, b in zip(records, records[1:])]
@@ -153,7 +159,8 @@ def run_hivemind(sc: dict, seed: int, out: Path, cluster) -> dict:
             "val_curve": [(r["wall_s"], r["val_loss"], r["step"]) for r in records],
             "epochs": records[-1]["epoch"],
             "sync": {"syncs": (out / "peer0.log").read_text().count("Averaged parameters with"), "checks": records[-1]["epoch"]},
-            "averaging_failures": sum((out / f"peer{i}.log").read_text().count("Averaging step failed") for i in range(len(hosts)))}
+            "averaging_failures": sum((out / f"peer{i}.log").read_text().count("Averaging step failed") for i in range(world)),
+            "rank0_exit": rc}
 
 
 def target(sc: dict, seed: int, work: Path) -> float:
@@ -336,6 +343,7 @@ def main() -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--skip", default="", help="comma-separated label prefixes of contenders not to run this time")
     ap.add_argument("--rerender", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -351,6 +359,7 @@ def main() -> int:
     if any(n not in SCENARIOS for n in names):
         ap.error(f"--scenarios takes a subset of {','.join(SCENARIOS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    skip = [x for x in args.skip.split(",") if x]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     data["commands"].append("sudo .venv/bin/python benchmarks/decentral.py " + " ".join(sys.argv[1:]))
     data["commits"] = sorted(set(data["commits"]) | {commit})
@@ -380,7 +389,7 @@ def main() -> int:
                 for i, k in enumerate(seeds):
                     cons = sc["contenders"][i % len(sc["contenders"]):] + sc["contenders"][:i % len(sc["contenders"])]
                     for label, flags in cons:
-                        if f"{label}@{k}" in s["runs"]:
+                        if f"{label}@{k}" in s["runs"] or any(label.startswith(x) for x in skip):
                             continue
                         r = s["runs"][f"{label}@{k}"] = run(sc, label, flags, k, work, cluster)
                         print(f"{name} seed {k} {label}: " + (f"FAILED {r['error'][-400:]}" if "error" in r else
