@@ -49,7 +49,7 @@ def test_slowlink_verdict_compares_time_to_target():
     for i, label in enumerate(labels):   # gossip reaches 0.5 at 10 s, the others at 20, 30, 40 s
         runs[f"{label}@0"] = {**_run([(5, 0.9), (10 * (i + 1), 0.5)]),
                               "val_curve": [(5.0, 0.9, 5), (10.0 * (i + 1), 0.5, 10)]}
-    (line,) = decentral.verdicts(data)
-    assert "gossip 10 s" in line and "**met**" in line
+    exp2, choco = decentral.verdicts(data)   # CHOCO at 20 s: sooner than DDP (30), post-local SGD (40), hivemind (50)
+    assert "gossip exp2 10 s" in exp2 and "**met**" in exp2 and "**met**" in choco
     runs[f"{labels[0]}@0"]["val_curve"] = [(5.0, 0.9, 5), (50.0, 0.6, 10)]   # never reaches the target
-    assert "gossip never" in decentral.verdicts(data)[0] and "**not met**" in decentral.verdicts(data)[0]
+    assert "gossip exp2 never" in decentral.verdicts(data)[0] and "**not met**" in decentral.verdicts(data)[0]
