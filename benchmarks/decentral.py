@@ -91,7 +91,7 @@ def wire_bytes(cluster) -> int:
 
 
 def run(sc: dict, label: str, flags: list[str], seed: int, work: Path, cluster) -> dict:
-    out = work / f"{label.split(' (')[0].replace(' ', '_').replace(',', '')}-s{seed}"
+    out = work / sc["name"] / f"{label.split(' (')[0].replace(' ', '_').replace(',', '')}-s{seed}"
     before, t0 = wire_bytes(cluster), time.time()
     r = run_hivemind(sc, seed, out, cluster) if flags == ["hivemind"] else run_thinwire(sc, label, flags, seed, out)
     if "error" not in r:
@@ -164,7 +164,7 @@ def hivemind_result(sc: dict, out: Path, world: int, rc: int | None) -> dict:
 
 
 def target(sc: dict, seed: int, work: Path) -> float:
-    out = work / f"target-s{seed}"
+    out = work / sc["name"] / f"target-s{seed}"
     proc = thinwire("train", *common(sc, sc["target_steps"], seed, out), "--compression", "none", "--nproc", "4")
     if proc.returncode != 0:
         raise SystemExit(f"DDP fp32 target run, seed {seed}, failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
@@ -382,7 +382,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="decentral-") as tmp:
         work = Path(tmp)
         for name in names:
-            sc = SCENARIOS[name]
+            sc = dict(SCENARIOS[name], name=name)
             s = data["scenarios"].setdefault(name, {"runs": {}, "targets": {}})
             if "target_steps" in sc:
                 for k in seeds:

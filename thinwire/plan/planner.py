@@ -36,7 +36,7 @@ from thinwire.config import check, check_range
 from thinwire.errors import ThinwireError
 from thinwire.perf.memory import memory_per_rank, residual_values
 from thinwire.perf.model import Bucket, Compute
-from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
+from thinwire.measure.file import DEFAULT_ALPHA_S, REACH_TOL, Profile
 from thinwire.plan import explain
 from thinwire.plan.choose import MAX_EF_ERROR
 from thinwire.plan.planfile import (Decision, Plan, cluster_fingerprint, host_summary, normalized_model,
@@ -153,9 +153,12 @@ def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = M
     (then bytes only). The guard:
 
     * ``rank="time"`` with the profile's convergence guard (:mod:`thinwire.measure.convergence`): each
-      codec's sample factor is what the search multiplies its step by; a codec the guard could not
-      price (worse than fp32 after its first steps) or did not run is left out, whatever time it would
-      save. This replaces the relative-error cap.
+      codec's sample factor is what the search multiplies its step by; a codec the guard says does not
+      reach fp32's loss (more than ``REACH_TOL`` above it at equal samples), could not price (worse than
+      fp32 after its first steps) or did not run is left out, whatever time it would save: a gap beyond
+      the tolerance after a short run may shrink or grow over a full one (``guard_eval.md``: PowerSGD on
+      charlm, +2.4% after 60 steps, +11% after 480), so its factor is no prediction. ``auto`` never tries
+      such a codec either (one guard). This replaces the relative-error cap.
     * ``rank="step"``, or a profile without the guard: every factor is 1 and the accuracy cap applies:
       a codec whose relative error with error feedback on this workload's gradients (``ef_error``)
       is above ``max_error`` is left out (top-k 1% and PowerSGD rank 4 on charlm: above 0.9, and neither
@@ -178,6 +181,12 @@ def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = M
                        f"after {record.steps} steps its held-out loss ({record.loss:.4g}) was still above fp32's first "
                        f"evaluation: its sample factor is unknown")
                 notes.append(f"codec {name} left out: {why} (--rank step ranks it by step time)")
+                continue
+            if not record.reaches:
+                notes.append(f"codec {name} left out: the convergence guard says it does not reach fp32's loss "
+                             f"({record.loss / record.reference_loss - 1:+.1%} after {record.steps} steps, tolerance "
+                             f"{REACH_TOL:.0%}); its gap need not stay constant, so its time to the target is not "
+                             f"predicted (as `auto` never tries it; --rank step ranks it by step time)")
                 continue
             factors[name] = record.factor
         error = profile.codecs[name].ef_error if measured and name in profile.codecs else None
