@@ -464,14 +464,14 @@ def test_pytorch_post_local_sgd_spec_refuses_bad_input(text):
 AUTO_STEPS = 16
 
 
-def _train_auto(rank: int, world: int, forced: str | None) -> dict:
-    """``auto:trial=5,warmup=2`` for AUTO_STEPS steps; ``forced``: the clock's verdict replaced."""
+def _train_auto(rank: int, world: int, forced: str | None, mode: str = "auto:trial=5,warmup=2") -> dict:
+    """``mode`` (auto) for AUTO_STEPS steps; ``forced``: the clock's verdict replaced."""
     import thinwire.compress.sync.choose as choose
 
     if forced is not None:
         choose.decide = lambda times: forced
     ddp = DistributedDataParallel(_net())
-    sync = thinwire.sync(ddp, "auto:trial=5,warmup=2", codec="none")
+    sync = thinwire.sync(ddp, mode, codec="none")
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     modes = []
     for step in range(AUTO_STEPS):
@@ -483,7 +483,7 @@ def _train_auto(rank: int, world: int, forced: str | None) -> dict:
         opt.zero_grad(set_to_none=True)
     stats, sd = sync.stats(), sync.state_dict()
     sync.close()
-    again = thinwire.sync(DistributedDataParallel(_net()), "auto:trial=5,warmup=2", codec="none")
+    again = thinwire.sync(DistributedDataParallel(_net()), mode, codec="none")
     again.load_state_dict(sd)   # a resume after the choice keeps it
     resumed = (again.current, again.stats())
     again.close()
@@ -511,6 +511,49 @@ def test_auto_times_allreduce_then_delayed_then_keeps_its_choice(forced):
         assert r["resumed"] == (forced, r["stats"])
         for k in w:
             torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def _guard_profile(path, delayed_gap: float | None) -> str:
+    """A profile whose convergence guard ran delayed ``delayed_gap`` above fp32's loss (None: no record)."""
+    from thinwire.measure.file import BucketRecord, ComputePoint, ConvergenceRecord, Profile, save_profile
+
+    sync = {} if delayed_gap is None else {"delayed": ConvergenceRecord(
+        factor=None, loss=2.0 * (1 + delayed_gap), reference_loss=2.0, steps=60, world=4)}
+    save_profile(Profile(workload="w", model={}, parameters=10, threads=1,
+                         compute=[ComputePoint(batch=8, pre_s=0.01, backward_s=0.01, post_s=0.001)],
+                         buckets=[BucketRecord(numel=10, ready_frac=1.0, params=[0], shapes=[[10]])], sync=sync), path)
+    return str(path)
+
+
+def test_auto_with_a_guard_that_says_delayed_does_not_reach_stays_on_allreduce(tmp_path):
+    guard = _guard_profile(tmp_path / "Guard.yaml", 0.3)  # the path keeps its case
+    out = run_ranks(_train_auto, 2, None, f"auto:trial=5,warmup=2,guard={guard}")
+    w = _net().state_dict()
+    for step in range(AUTO_STEPS):
+        w = _sgd(w, _grads(w, step, 2))
+    for r in out:
+        assert r["modes"] == ["allreduce"] * AUTO_STEPS, r["modes"]  # nothing tried, nothing timed
+        assert r["stats"]["choice"] == "allreduce" and r["stats"]["allreduce_median_step_s"] is None
+        assert "guard" in r["stats"]["chosen_by"] and r["resumed"] == ("allreduce", r["stats"])
+        for k in w:
+            torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_guard_is_checked_before_anything_starts(tmp_path):
+    from thinwire.commspec import check_sync_pairing, parse_comm_spec
+
+    int8 = parse_comm_spec("int8")
+    reaches = _guard_profile(tmp_path / "ok.yaml", 0.005)
+    spec = check_sync_pairing(parse_sync_spec(f"auto:guard={reaches}"), int8)
+    assert spec.try_delayed and spec.text == f"auto:trial=20,warmup=10,guard={reaches}"
+    assert not check_sync_pairing(parse_sync_spec(f"auto:guard={_guard_profile(tmp_path / 'no.yaml', 0.3)}"),
+                                  int8).try_delayed
+    with pytest.raises(ConfigError, match=r"sync.guard: .*the path of an existing profile.*thinwire profile"):
+        check_sync_pairing(parse_sync_spec(f"auto:guard={tmp_path / 'missing.yaml'}"), int8)
+    with pytest.raises(ConfigError, match=r"sync.guard: .*record of delayed.*--guard-steps 0"):
+        check_sync_pairing(parse_sync_spec(f"auto:guard={_guard_profile(tmp_path / 'none.yaml', None)}"), int8)
+    with pytest.raises(ConfigError, match=r"sync.guard"):
+        parse_sync_spec("auto:guard=")
 
 
 def test_auto_chooses_by_the_median_with_a_margin_for_staleness():

@@ -47,5 +47,5 @@ def sync(model, mode="allreduce", codec="none", **kwargs):
 
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
-    check_sync_pairing(spec, comm)
+    spec = check_sync_pairing(spec, comm)
     return create(model, spec, as_policy(comm), **kwargs)

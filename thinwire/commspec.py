@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Callable, Literal, Union
 
 from thinwire.auto import AutoConfig, AutoPolicy, parse_auto_spec
 from thinwire.compress.codecs.base import Codec
 from thinwire.compress.hook import Policy, StaticPolicy
 from thinwire.compress.spec import REGISTRY, codec_help, parse_codec_spec, spec_string
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, ThinwireError
 from thinwire.syncspec import MAX_PERIOD, SyncSpec, parse_sync_spec
 
 TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd", "localsgd")
@@ -165,11 +166,12 @@ def as_policy(spec: CommSpec | str) -> Policy:
     return spec.policy()
 
 
-def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32", plan: str | None = None) -> None:
+def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32", plan: str | None = None) -> SyncSpec:
     """Refuse a sync mode with what it cannot run: PyTorch's hooks or ``auto`` (a DDP-hook policy),
-    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook)."""
+    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook).
+    Returns the spec resolved: ``auto:guard=P`` with its guard's verdict on ``delayed`` (``try_delayed``)."""
     if sync.mode == "allreduce":
-        return
+        return sync
     if not isinstance(comm, CodecSpec):
         raise ConfigError("compression", comm.text, f"a thinwire codec (none, bf16, int8, topk:ratio=...) with "
                           f"--sync {sync.mode}", "PyTorch's hooks and auto run only with --sync allreduce.")
@@ -180,6 +182,28 @@ def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32
         raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")
     if sync.mode == "gossip" and not comm.codec.lossless:
         check_compressed_gossip(sync, comm.codec)
+    if sync.mode == "auto" and sync.guard:
+        return dataclasses.replace(sync, try_delayed=delayed_reaches(sync.guard))
+    return sync
+
+
+def delayed_reaches(path: str) -> bool:
+    """The convergence guard's verdict on ``delayed`` in the profile at ``path`` (``thinwire profile`` runs it
+    by default): whether one-step-stale averaging reaches fp32's loss within its tolerance at equal samples."""
+    from thinwire.measure.file import load_profile
+
+    make = "Make one with `thinwire profile --workload W --out P` (the guard runs delayed by default)."
+    if not Path(path).is_file():
+        raise ConfigError("sync.guard", path, "the path of an existing profile", f"No such file. {make}")
+    try:
+        profile = load_profile(path)
+    except ThinwireError as e:
+        raise ConfigError("sync.guard", path, "a profile written by `thinwire profile`", f"{str(e).rstrip('.')}. {make}") from None
+    record = profile.sync.get("delayed")
+    if record is None:
+        raise ConfigError("sync.guard", path, "a profile with the convergence guard's record of delayed",
+                          f"This one has none (made with --guard-steps 0, or by an older thinwire). {make}")
+    return record.reaches
 
 
 #: Codecs that send every coordinate, rounded finely: compressed gossip's consensus step may be 1 with them.

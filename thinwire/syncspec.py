@@ -22,9 +22,11 @@ form                                           what runs (:mod:`thinwire.compres
 ``dynamic[:threshold=D,check_every=B]``        dynamic averaging (Kamp et al. 2018): local steps; every
                                                B steps a one-byte vote, and an average only when
                                                some rank drifted ``||x - a|| / ||a|| > D`` (0.01)
-``auto[:trial=N,warmup=W]``                     ``allreduce`` or ``delayed``, whichever steps faster on
+``auto[:trial=N,warmup=W,guard=P]``             ``allreduce`` or ``delayed``, whichever steps faster on
                                                this run: W (10) steps, then each timed for N (20)
-                                               steps; delayed only if >= 2% faster
+                                               steps; delayed only if >= 2% faster; with the profile
+                                               ``P``, never delayed where its convergence guard says
+                                               delayed does not reach fp32's loss
 ``gossip[:topology=exp2|ring|torus|random]``   decentralized SGD (D-PSGD, Lian et al. 2017): after each
                                                step, parameters averaged with the neighbours only;
                                                ``exp2`` is SGP's one-peer exponential graph (default);
@@ -54,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from pathlib import Path
 from typing import Literal
 
 from thinwire.errors import ConfigError
@@ -74,7 +77,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto")},
     "dynamic": {"threshold": (float, 0.01), "check_every": (int, 4), "warmup": (int, 0)},
-    "auto": {"trial": (int, 20), "warmup": (int, 10)},
+    "auto": {"trial": (int, 20), "warmup": (int, 10), "guard": (Path, "")},
 }
 
 
@@ -95,6 +98,8 @@ class SyncSpec:
     threshold: float = 0.01
     check_every: int = 1
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
+    guard: str = ""             # auto: a profile whose convergence guard says whether delayed reaches fp32's loss
+    try_delayed: bool = True    # auto: False when the guard says delayed does not (resolved by commspec)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
@@ -136,7 +141,8 @@ class SyncSpec:
 
     @property
     def text(self) -> str:
-        keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)]
+        keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
+                and (k != "guard" or self.guard)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 
@@ -181,6 +187,10 @@ def parse_sync_spec(text: str) -> SyncSpec:
 
 
 def _number(mode: str, key: str, raw: str, kind: type) -> float | int | str:
+    if kind is Path:  # a path keeps its case
+        if not raw:
+            raise ConfigError(f"sync.{key}", raw, "the path of a profile from `thinwire profile`", _FIX)
+        return raw
     if kind is str:
         return raw.lower()
     if kind is int:

@@ -52,7 +52,7 @@ class ThinwireStrategy(DDPStrategy):
         # bad specs fail here, before any process starts
         self.codec = parse_comm_spec(codec) if isinstance(codec, str) else codec
         self.sync_spec = parse_sync_spec(sync) if isinstance(sync, str) else sync
-        check_sync_pairing(self.sync_spec, self.codec)
+        self.sync_spec = check_sync_pairing(self.sync_spec, self.codec)
         self._kwargs = dict(error_feedback=error_feedback, warmup_steps=warmup_steps)
         self._hook_kwargs = dict(min_compress_bytes=min_compress_bytes, timeout_s=timeout_s)
         self.comm = None        # the CommState, once the model is wrapped

@@ -1,4 +1,4 @@
-"""``auto[:trial=N,warmup=W]``: ``allreduce`` or ``delayed``, whichever steps faster on this run's clock.
+"""``auto[:trial=N,warmup=W,guard=P]``: ``allreduce`` or ``delayed``, whichever steps faster on this run's clock.
 
 Whether one-step-stale averaging pays depends on what the model cannot see well: how much of the
 all-reduce DDP already hides behind backward, and what the communication thread takes from compute
@@ -13,6 +13,11 @@ on a host without a spare core. So the run measures both:
    all-reduce, so every rank makes the same choice): ``delayed`` only when it is at least ``MARGIN`` (2%)
    faster, since a stale gradient is not free in loss (the guard's ``delayed`` factor in a profile
    measures that cost); then that mode for the rest of the run.
+
+With ``guard=P`` (a profile of the workload from ``thinwire profile``) whose convergence guard says
+``delayed`` does not reach fp32's loss at equal samples, the run stays on ``allreduce`` from its first
+step and times nothing: a faster step is no use if the run needs more of them than it saves (on charlm
+with AdamW: +47% final loss at 480 steps, ``benchmarks/results/guard_eval.md``).
 
 Both modes average through one :class:`~thinwire.compress.hook.CommState` (one codec, one byte
 count; ``delayed``'s error-feedback residuals under keys of their own) in a process group of its
@@ -49,6 +54,10 @@ class ChooseSync(SyncMode):
         self.choice: str | None = None
         self.agreed: list[float] | None = None  # the ranks' mean medians (allreduce, delayed) the choice used
         self._last: float | None = None
+        if not spec.try_delayed:  # the guard (auto:guard=P) says delayed does not reach fp32's loss: never tried
+            self.choice, self.by_guard = "allreduce", True
+        else:
+            self.by_guard = False
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -94,7 +103,8 @@ class ChooseSync(SyncMode):
 
     def stats(self) -> dict:
         a, d = self.agreed or (None, None)
-        return {"choice": self.choice, "allreduce_median_step_s": a, "delayed_median_step_s": d}
+        return {"choice": self.choice, "allreduce_median_step_s": a, "delayed_median_step_s": d,
+                **({"chosen_by": "the guard: delayed does not reach fp32's loss"} if self.by_guard else {})}
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "choice": self.choice, "agreed": self.agreed,
@@ -104,6 +114,8 @@ class ChooseSync(SyncMode):
         self.steps = int(sd.get("steps", 0))
         self.choice, self.agreed = sd.get("choice"), sd.get("agreed")
         self.delayed.load_state_dict(sd.get("delayed", {}))
+        if self.by_guard:  # the guard's verdict holds whatever the checkpoint was taken under
+            self.choice = "allreduce"
         if self.choice is None:  # resumed before the choice: measure again from here
             self.warmup, self._last = self.steps + self.spec.warmup, None
             self.times = {"allreduce": [], "delayed": []}
