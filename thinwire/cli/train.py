@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
                    "torch:none|fp16|bf16|powersgd:rank=R|localsgd:period=H (PyTorch's own hooks); see `thinwire codecs`")
     p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
-                   "auto[:trial=N] (allreduce or delayed, by this run's clock), "
+                   "auto[:trial=N,guard=PROFILE] (allreduce or delayed, by this run's clock; never delayed where the profile's guard says it costs loss), "
                    "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5], "
                    "gossip[:topology=exp2|ring|torus|random,gamma=G], dynamic[:threshold=D,check_every=B]")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="cut the model into stages on different workers: "
