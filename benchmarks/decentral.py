@@ -227,10 +227,12 @@ def verdicts(data: dict) -> list[str]:
         for label in (PERIODIC[0], POSTLOCAL4[0]):
             p = t[label]
             if d["n"] and p["n"]:
-                ok = d["recovery"] <= p["recovery"]
+                ok = math.isfinite(d["recovery"]) and d["recovery"] <= p["recovery"]
+                verdict = ("not decided: neither got back within the run" if not math.isfinite(d["recovery"])
+                           and not math.isfinite(p["recovery"]) else "met" if ok else "not met")
                 lines.append(f"- **drift** (labels renamed at step 150): dynamic back at its pre-drift loss at step "
                              f"{fmt(d['recovery'])}, {label} at step {fmt(p['recovery'])} (medians): "
-                             f"**{'met' if ok else 'not met'}** (asked: dynamic no later).")
+                             f"**{verdict}** (asked: dynamic no later).")
     if "slowlink" in data["scenarios"]:
         t = table(data, "slowlink")
         others = {k: v for k, v in t.items() if not k.startswith("gossip")}
