@@ -105,6 +105,8 @@ def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int, seed:
     if proc.returncode != 0:
         return {"contender": contender, "error": (proc.stderr or proc.stdout)[-1500:], "elapsed_s": time.time() - t0}
     result = summarize(contender, read_metrics(out), time.time() - t0)
+    if contender.endswith("@auto") or "@auto:" in contender:  # --sync auto: what it chose, by which medians
+        result["sync_choice"] = json.loads((out / "summary.json").read_text()).get("sync", {})
     if contender == "auto":  # what it chose, per bucket, and why
         summary = json.loads((out / "summary.json").read_text())
         result["auto_choice"] = summary["compression"]
@@ -250,6 +252,8 @@ def _add_seed(r: dict, again: dict, seed: int) -> None:
     r.setdefault("seed_step_s", {})[str(seed)] = again.get("median_step_s")
     if r["contender"] == "auto":
         r.setdefault("seed_choices", {})[str(seed)] = again.get("auto_choice", again.get("error", "")[-200:])
+    if "sync_choice" in again:
+        r.setdefault("seed_sync_choices", {})[str(seed)] = again["sync_choice"]
 
 
 def _seed_major(spec: Path, hosts: int, rate: str, contenders: list[str], steps: int, batch: int, work: Path,
@@ -383,7 +387,7 @@ def markdown(results: dict) -> str:
                          f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} | "
                          f"{f'{med / fmed:.2f}' if med and fmed else ''} | "
                          f"{_seed_steps_ms(r)} | {_mean(r, 'mean_step_s', 1e3, '.0f')} | {_mean(r, 'mean_bytes_per_step', 1e-6, '.3f')} |")
-    return "\n".join(lines + auto_section(results)) + "\n"
+    return "\n".join(lines + auto_section(results) + sync_auto_section(results)) + "\n"
 
 
 def _mean(run: dict, key: str, scale: float, fmt: str) -> str:
@@ -395,6 +399,38 @@ def _seed_steps_ms(run: dict) -> str:
     """The median over seeds of each emulated seed's median step time ("" with seed 0 alone)."""
     steps = [run["median_step_s"], *(s for s in run.get("seed_step_s", {}).values() if s)]
     return f"{statistics.median(steps) * 1e3:.0f}" if len(steps) > 1 else ""
+
+
+def sync_auto_section(results: dict) -> list[str]:
+    """``CODEC@auto`` (``--sync auto``) against ``CODEC`` and ``CODEC@delayed`` on each cluster: the median over
+    seeds of each run's median step, and what auto chose on each seed (issue 21 asks auto at most 5% slower
+    than the better of the two)."""
+    rows = []
+    for c in results["clusters"]:
+        runs = {r["contender"]: r for r in c["runs"] if "error" not in r}
+        for name, auto in runs.items():
+            codec, _, sync = name.partition("@")
+            if not sync.startswith("auto"):
+                continue
+            med = lambda r: statistics.median([r["median_step_s"], *(s for s in r.get("seed_step_s", {}).values() if s)])  # noqa: E731
+            fixed = {k: med(runs[k]) for k in (codec, f"{codec}@delayed") if k in runs}
+            if not fixed:
+                continue
+            best = min(fixed, key=fixed.get)
+            choices = [auto.get("sync_choice", {}), *auto.get("seed_sync_choices", {}).values()]
+            picked = ", ".join(f"{x.get('choice')} ({1e3 * x['allreduce_median_step_s']:.0f} / {1e3 * x['delayed_median_step_s']:.0f} ms)"
+                               if x.get("allreduce_median_step_s") else str(x.get("choice")) for x in choices)
+            rows.append(f"| {c['hosts']} @ {c['rate']} | {name} | {1e3 * med(auto):.1f} | "
+                        + " | ".join(f"{1e3 * fixed[k]:.1f}" if k in fixed else "-" for k in (codec, f"{codec}@delayed"))
+                        + f" | {med(auto) / fixed[best]:.3f} | {picked} |")
+    if not rows:
+        return []
+    return ["\n## --sync auto against allreduce and delayed\n",
+            "Median over seeds of each run's median step (ms); auto / better = auto's over the better of allreduce and "
+            "delayed (issue 21 asks <= 1.05). Auto's choice per seed with the ranks' mean medians it chose by "
+            "(allreduce / delayed, its 20-step trials).\n",
+            "| cluster | contender | auto (ms) | allreduce (ms) | delayed (ms) | auto / better | choice per seed |",
+            "|---|---|---:|---:|---:|---:|---|", *rows]
 
 
 def auto_section(results: dict) -> list[str]:
