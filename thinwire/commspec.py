@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Callable, Literal, Union
 
 from thinwire.auto import AutoConfig, AutoPolicy, parse_auto_spec
 from thinwire.compress.codecs.base import Codec
 from thinwire.compress.hook import Policy, StaticPolicy
 from thinwire.compress.spec import REGISTRY, codec_help, parse_codec_spec, spec_string
-from thinwire.errors import ConfigError, ThinwireError
+from thinwire.errors import ConfigError
 from thinwire.syncspec import MAX_PERIOD, SyncSpec, parse_sync_spec
 
 TORCH_HOOKS = ("none", "fp16", "bf16", "powersgd", "localsgd")
@@ -190,16 +189,10 @@ def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32
 def delayed_reaches(path: str) -> bool:
     """The convergence guard's verdict on ``delayed`` in the profile at ``path`` (``thinwire profile`` runs it
     by default): whether one-step-stale averaging reaches fp32's loss within its tolerance at equal samples."""
-    from thinwire.measure.file import load_profile
+    from thinwire.auto.spec import load_guard_profile
 
     make = "Make one with `thinwire profile --workload W --out P` (the guard runs delayed by default)."
-    if not Path(path).is_file():
-        raise ConfigError("sync.guard", path, "the path of an existing profile", f"No such file. {make}")
-    try:
-        profile = load_profile(path)
-    except ThinwireError as e:
-        raise ConfigError("sync.guard", path, "a profile written by `thinwire profile`", f"{str(e).rstrip('.')}. {make}") from None
-    record = profile.sync.get("delayed")
+    record = load_guard_profile(path, "sync.guard", make).sync.get("delayed")
     if record is None:
         raise ConfigError("sync.guard", path, "a profile with the convergence guard's record of delayed",
                           f"This one has none (made with --guard-steps 0, or by an older thinwire). {make}")

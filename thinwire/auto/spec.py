@@ -87,19 +87,26 @@ class AutoConfig:
               "1 keeps any trial whose median step is keep_gain faster, however noisy.")
 
 
+def load_guard_profile(path: str, field: str, make: str):
+    """The profile at ``path`` for a convergence guard's verdicts; a missing or unreadable file is refused
+    naming ``field``, with ``make`` saying how to make one."""
+    from thinwire.measure.file import load_profile
+
+    if not Path(path).is_file():
+        raise ConfigError(field, path, "the path of an existing profile", f"No such file. {make}")
+    try:
+        return load_profile(path)
+    except ThinwireError as e:
+        raise ConfigError(field, path, "a profile written by `thinwire profile`", f"{str(e).rstrip('.')}. {make}") from None
+
+
 def guard_verdicts(path: str, candidates: tuple[str, ...]) -> dict[str, bool | None]:
     """Each lossy candidate's verdict in the profile at ``path`` (True: reaches fp32's loss; False: does
     not; None: the profile has no guard record for it). A profile with no guard at all is refused."""
     from thinwire.compress.spec import spec_string
-    from thinwire.measure.file import load_profile
 
     make = "Make one with `thinwire profile --workload W --out P` (the convergence guard is on by default)."
-    if not Path(path).is_file():
-        raise ConfigError("auto.guard", path, "the path of an existing profile", f"No such file. {make}")
-    try:
-        profile = load_profile(path)
-    except ThinwireError as e:
-        raise ConfigError("auto.guard", path, "a profile written by `thinwire profile`", f"{str(e).rstrip('.')}. {make}") from None
+    profile = load_guard_profile(path, "auto.guard", make)
     records = {spec_string(parse_codec_spec(name)): c.convergence for name, c in profile.codecs.items()}
     if not any(r is not None for r in records.values()):
         raise ConfigError("auto.guard", path, "a profile with the convergence guard's records",
