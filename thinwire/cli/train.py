@@ -107,7 +107,11 @@ def _train_as_worker(cfg: TrainConfig, env) -> int:
     """Rank 0 writes the run folder, so it runs the same checks as the CLI's own launch, at every (re)start."""
     if env.rank == 0:
         _prepare(cfg, preflight(cfg, runfolder.torchrun_run_id(), world=env.world))
-    return _train_here(cfg)
+    code = _train_here(cfg)
+    from thinwire.train.worker import leave
+
+    leave(code)  # past gloo's static destructors, which can abort at exit and fail a finished run
+    return code
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:

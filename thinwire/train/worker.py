@@ -36,11 +36,11 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # stopped by the agent (or a terminal), which reports it once: leave quietly
         if signum_of(e) is None:
             raise
-        _leave(signum_of(e) + 128)
-    _leave(0)
+        leave(signum_of(e) + 128)
+    leave(0)
 
 
-def _leave(code: int) -> None:
+def leave(code: int) -> None:
     """Exit without running C++ static destructors: gloo's can abort ("terminate called without an
     active exception") at interpreter exit. Checkpoints are written atomically, so a stop between
     two writes loses nothing already saved."""
