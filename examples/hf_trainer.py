@@ -57,3 +57,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # join gloo's threads now, not in its static destructors at exit (they can abort)
+        dist.destroy_process_group()
