@@ -10,6 +10,7 @@ Needs ``pip install 'thinwire[lightning]'``. The only thinwire line is the strat
 
 import argparse
 import os
+import sys
 
 import pytorch_lightning as pl
 import torch
@@ -69,7 +70,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # join gloo's threads now, not in its static destructors at exit (they can abort)
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past gloo's C++ static destructors, which can abort a finished run at exit ("terminate called ...")
