@@ -1,4 +1,4 @@
-"""The model's quota term checked on the committed validation grid: measured waits, the same runs.
+"""The model's quota term and per-message latency checked on the committed validation grid: probes, the same runs.
 
 The validation grid (``benchmarks/validate.py``; its three passes in ``results/validation_passes/``)
 under-predicts codecs with many small collectives on CPU-capped hosts (PowerSGD and top-k on 3-4 hosts,
@@ -8,9 +8,18 @@ configuration of the grid (the same specs brought up again; nothing fitted to th
 then predicts every grid point again with it (``SimOptions.busy_hop_s``) and without it, from the same
 profile, against the steps the passes measured.
 
-Writes ``benchmarks/results/validation_busy.{md,json}``. Needs root::
+**Per-message latency on the cluster itself** (``--alpha``): the profile's network probe ran on a
+separate 2-host cluster with whole cores and kept the fastest of its reps, so its alpha is 0. On 3 and
+4 emulated hosts sharing this machine's 2 cores, an all-reduce of a few KiB takes 7-10 ms even with
+the hosts idle (a 4-byte one, which gloo sends another way, 0.7 ms): each of a collective's ~30
+thread hand-offs per rank waits for a core. With ``--alpha`` the script also times a 4 KiB all-reduce
+on each configuration with the hosts idle (the median, as the model predicts a median step) and
+predicts with that latency per ring hop: ``alpha = (t - 2 (p-1)/p n beta) / (2 (p-1))``.
+
+Writes ``benchmarks/results/validation_busy.{md,json}`` (``--name`` for another). Needs root::
 
     sudo .venv/bin/python benchmarks/validate_busy.py
+    sudo .venv/bin/python benchmarks/validate_busy.py --alpha --name validation_probe
 """
 
 from __future__ import annotations
@@ -28,14 +37,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from thinwire.cluster.bench import busy_latency  # noqa: E402
+from thinwire.cluster.bench import _run_workers, bus_factor, busy_latency  # noqa: E402
 from thinwire.cluster.emulator import EmulatedCluster  # noqa: E402
 from thinwire.measure.file import load_profile  # noqa: E402
+from thinwire.sim import inputs  # noqa: E402
 from thinwire.sim.sweep import SimOptions, simulate  # noqa: E402
 from thinwire.validation import scaled_spec  # noqa: E402
 from validate import BAND, PASS_INSIDE, PASS_MEDIAN, hetero_spec, merge, uniform_spec  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+ALPHA_BYTES = 4096   # as thinwire.measure.network's small probe
 
 
 def grid_spec(label: str, budget: float):
@@ -45,7 +56,8 @@ def grid_spec(label: str, budget: float):
     return uniform_spec(int(p), bw, budget)
 
 
-def measure_waits(labels: list[str], budget: float, reps: int, repeats: int) -> dict[str, dict]:
+def measure_waits(labels: list[str], budget: float, reps: int, repeats: int, profile=None) -> dict[str, dict]:
+    """Each configuration's busy wait per ring hop; with ``profile``, also its idle latency per hop (``--alpha``)."""
     out = {}
     for label in labels:
         spec = grid_spec(label, budget)
@@ -53,18 +65,29 @@ def measure_waits(labels: list[str], budget: float, reps: int, repeats: int) -> 
         built = cluster.up()
         try:
             runs = [busy_latency(cluster, reps=reps) for _ in range(repeats)]
+            idle = ([t for _ in range(repeats) for t in _run_workers(cluster, spec.host_names, [ALPHA_BYTES], 60, 300.0)[0]]
+                    if profile is not None else None)
         finally:
             if built:
                 cluster.down()
         out[label] = {"busy_hop_s": statistics.median(r.wait_per_hop_s for r in runs),
                       "runs": [dataclasses.asdict(r) | {"wait_per_hop_s": r.wait_per_hop_s} for r in runs]}
-        print(f"{label:28} wait per ring hop while computing: "
-              f"{', '.join(f'{r.wait_per_hop_s * 1e3:.2f}' for r in runs)} ms", flush=True)
+        line = f"{', '.join(f'{r.wait_per_hop_s * 1e3:.2f}' for r in runs)} ms"
+        if idle is not None:
+            p = len(spec.hosts)
+            beta = inputs.ring_network(spec, list(spec.hosts), profile).beta_s_per_byte
+            t = statistics.median(idle)
+            out[label] |= {"idle_4kib_s": idle, "alpha_s": max(0.0, t - bus_factor(p) * ALPHA_BYTES * beta) / (2 * (p - 1))}
+            line += f"; idle 4 KiB all-reduce {t * 1e3:.2f} ms (median of {len(idle)}), alpha {out[label]['alpha_s'] * 1e3:.2f} ms"
+        print(f"{label:28} wait per ring hop while computing: {line}", flush=True)
     return out
 
 
-def predict(label: str, codec: str, budget: float, profile, threads: int, batch: int, busy_hop_s: float) -> float:
+def predict(label: str, codec: str, budget: float, profile, threads: int, batch: int, busy_hop_s: float,
+            alpha_s: float | None = None) -> float:
     spec = grid_spec(label, budget)
+    if alpha_s is not None:
+        profile = dataclasses.replace(profile, network=dataclasses.replace(profile.network, alpha_s=alpha_s))
     p = len(spec.hosts)
     opts = SimOptions(codec=codec, threads=threads, hosts=[p], batch_size=batch, scaling="strong",
                       colocated_cores=float(os.cpu_count() or 1), busy_hop_s=busy_hop_s)
@@ -80,28 +103,39 @@ def summary(points: list[dict], key: str) -> dict:
 
 
 def markdown(data: dict) -> str:
-    before, after = data["summary"]["without"], data["summary"]["with"]
-    lines = ["# The model's quota wait, checked on the validation grid", "",
+    summ, alpha = data["summary"], data.get("alpha", False)
+    rows = [("without the wait (as committed)", "without"), ("with the measured wait", "with")]
+    rows += [("with the wait and each configuration's latency per hop", "alpha")] if alpha else []
+    title = "The model's quota wait and per-message latency" if alpha else "The model's quota wait"
+    lines = [f"# {title}, checked on the validation grid", "",
              f"Command: `{data['command']}` (root; {data['when']}). The waits were measured now on each configuration "
              "of the grid (`thinwire cluster bench --busy`: a 4-byte all-reduce with the hosts idle and while a "
-             f"compute thread keeps each busy, {data['reps']} all-reduces, median of {data['repeats']} runs); the "
-             "steps are the committed validation passes (`results/validation_passes/`, 2026-12-01, 3 passes), "
-             "predicted again from the same profile (`results/validation-profile.yaml`) with and without the wait. "
-             "Nothing is fitted to the steps.", "",
-             "| | inside measured range +-5% | median abs error | worst |", "|---|---:|---:|---:|",
-             f"| without the wait (as committed) | {before['inside']}/{before['points']} | {before['median_abs_error']:.1%} | "
-             f"{before['worst_abs_error']:.1%} |",
-             f"| with the measured wait | {after['inside']}/{after['points']} | {after['median_abs_error']:.1%} | "
-             f"{after['worst_abs_error']:.1%} |", "",
-             f"Issue 25's bar (inside on 85% of points, median error at most 8%): without {before['meets_issue_25']}, "
-             f"with {after['meets_issue_25']}.", "",
-             "| config | wait per ring hop (ms) |", "|---|---:|"]
-    lines += [f"| {label} | {w['busy_hop_s'] * 1e3:.2f} |" for label, w in data["waits"].items()]
-    lines += ["", "| config | codec | measured median (ms) | [min, max] | without | with |", "|---|---|---:|---|---:|---:|"]
+             f"compute thread keeps each busy, {data['reps']} all-reduces, median of {data['repeats']} runs)"
+             + ("; the latency per hop from a 4 KiB all-reduce on each idle configuration (median of "
+                f"{data['repeats']} x 60, less its bytes at the link's rate, over the ring's 2 (p-1) hops)" if alpha else "")
+             + "; the steps are the committed validation passes (`results/validation_passes/`, 2026-12-01, 3 passes), "
+             "predicted again from the same profile (`results/validation-profile.yaml`, whose network probe on a "
+             "separate 2-host cluster gave alpha 0). Nothing is fitted to the steps.", "",
+             "| | inside measured range +-5% | median abs error | worst |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {summ[k]['inside']}/{summ[k]['points']} | {summ[k]['median_abs_error']:.1%} | "
+              f"{summ[k]['worst_abs_error']:.1%} |" for name, k in rows]
+    lines += ["", "Issue 25's bar (inside on 85% of points, median error at most 8%): "
+              + ", ".join(f"{k} {summ[k]['meets_issue_25']}" for _, k in rows) + ".", ""]
+    if alpha:
+        lines += ["| config | wait per ring hop (ms) | idle 4 KiB all-reduce, median (ms) | latency per hop (ms) |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {label} | {w['busy_hop_s'] * 1e3:.2f} | {statistics.median(w['idle_4kib_s']) * 1e3:.2f} | "
+                  f"{w['alpha_s'] * 1e3:.2f} |" for label, w in data["waits"].items()]
+    else:
+        lines += ["| config | wait per ring hop (ms) |", "|---|---:|"]
+        lines += [f"| {label} | {w['busy_hop_s'] * 1e3:.2f} |" for label, w in data["waits"].items()]
+    keys = [k for _, k in rows]
+    lines += ["", "| config | codec | measured median (ms) | [min, max] | " + " | ".join(keys) + " |",
+              "|---|---|---:|---|" + "---:|" * len(keys)]
     for pt in data["points"]:
+        cells = " | ".join(f"{pt[k + '_s'] * 1e3:.1f} ({pt[k + '_s'] / pt['median_s'] - 1:+.1%})" for k in keys)
         lines.append(f"| {pt['config']} | {pt['codec']} | {pt['median_s'] * 1e3:.1f} | [{pt['min_s'] * 1e3:.1f}, "
-                     f"{pt['max_s'] * 1e3:.1f}] | {pt['without_s'] * 1e3:.1f} ({pt['without_s'] / pt['median_s'] - 1:+.1%}) | "
-                     f"{pt['with_s'] * 1e3:.1f} ({pt['with_s'] / pt['median_s'] - 1:+.1%}) |")
+                     f"{pt['max_s'] * 1e3:.1f}] | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default="validation_busy")
     ap.add_argument("--waits", type=Path, help="reuse the waits of an earlier run's .json (measure nothing)")
+    ap.add_argument("--alpha", action="store_true",
+                    help="also time a 4 KiB all-reduce on each idle configuration and predict with that latency per hop")
     args = ap.parse_args(argv)
     meta = json.loads((RESULTS / "validation.json").read_text())
     budget, threads, batch = meta["cpu_budget"], 1, 24
@@ -118,16 +154,24 @@ def main(argv: list[str] | None = None) -> None:
               for p in sorted((RESULTS / "validation_passes").glob("pass*.json"))}
     points = merge(passes, [])
     labels = list(dict.fromkeys(pt["config"] for pt in points))
-    waits = json.loads(args.waits.read_text())["waits"] if args.waits else measure_waits(labels, budget, args.reps, args.repeats)
     profile = load_profile(RESULTS / "validation-profile.yaml")
+    waits = (json.loads(args.waits.read_text())["waits"] if args.waits
+             else measure_waits(labels, budget, args.reps, args.repeats, profile if args.alpha else None))
+    if args.alpha and not all("alpha_s" in w for w in waits.values()):
+        raise SystemExit(f"--alpha with --waits {args.waits}: that run measured no latency per hop; leave out --waits")
     for pt in points:
         pt["without_s"] = predict(pt["config"], pt["codec"], budget, profile, threads, batch, 0.0)
         pt["with_s"] = predict(pt["config"], pt["codec"], budget, profile, threads, batch, waits[pt["config"]]["busy_hop_s"])
+        if args.alpha:
+            pt["alpha_s"] = predict(pt["config"], pt["codec"], budget, profile, threads, batch,
+                                    waits[pt["config"]]["busy_hop_s"], waits[pt["config"]]["alpha_s"])
         assert abs(pt["without_s"] / pt["predicted_s"] - 1) < 1e-6, (pt, "the committed prediction is not reproduced")
     command = " ".join(["sudo .venv/bin/python", "benchmarks/validate_busy.py", *(argv if argv is not None else sys.argv[1:])])
     data = {"command": command, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
             "repeats": args.repeats, "waits": waits, "points": points,
-            "summary": {"without": summary(points, "without_s"), "with": summary(points, "with_s")}}
+            "alpha": args.alpha,
+            "summary": {"without": summary(points, "without_s"), "with": summary(points, "with_s"),
+                        **({"alpha": summary(points, "alpha_s")} if args.alpha else {})}}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(data, indent=1))
     (RESULTS / f"{args.name}.md").write_text(markdown(data))
     print(markdown(data))

@@ -9,9 +9,10 @@
   compute, as the network probes keep their fastest repetition. (On 4 emulated hosts sharing 2
   cores the no-communication steps ranged 0.17-0.93 s around a median of 0.3 s, while training the
   same model with top-k, whose step is nearly all compute, ran at 0.175 s.)
-* **The all-reduce**: a 4 KiB one (mostly latency) and one of the model's gradient size, each the
-  fastest of several after a barrier; the ring model turns the two into latency (alpha) and seconds
-  per byte (beta), as :mod:`thinwire.measure.network` does on the emulator.
+* **The all-reduce**: a 4 KiB one (mostly latency; the median of ``SMALL_REPS``, as every collective
+  of a step pays its hosts' hand-offs) and one of the model's gradient size (the fastest of several),
+  each after a barrier; the ring model turns the two into latency (alpha) and seconds per byte
+  (beta), as :mod:`thinwire.measure.network` does on the emulator.
 * **Each codec, tried**: a few real steps of the same model with thinwire's hook and that codec
   (a fresh copy of the model per codec, every rank the same number of steps, about ``TRIAL_S``
   seconds each): what the codec's bytes, its CPU work and the hook's own work cost on these hosts and
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.cluster.bench import bus_factor
-from thinwire.measure.network import SMALL_BYTES, alpha_beta
+from thinwire.measure.network import SMALL_BYTES, SMALL_REPS, alpha_beta
 from thinwire.precision.setup import sample_from
 from thinwire.workloads.base import collate
 
@@ -84,15 +85,16 @@ def allreduce(large_bytes: int, device, reps: int = 3) -> dict:
     times = []
     for n in sizes:
         buf = torch.zeros(n // 4, device=device)
-        best = float("inf")
-        for _ in range(reps):
+        small = n == SMALL_BYTES  # latency: the median of many (thinwire.measure.network); bandwidth: the fastest
+        got = []
+        for _ in range(max(reps, SMALL_REPS) if small else reps):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(buf)
             if buf.is_cuda:
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        t = torch.tensor([best], dtype=torch.float64)
+            got.append(time.perf_counter() - start)
+        t = torch.tensor([statistics.median(got) if small else min(got)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
         times.append(float(t))
     if p == 1:
