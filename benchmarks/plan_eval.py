@@ -9,8 +9,10 @@ Steps:
 
 1. ``thinwire profile`` measures the workload once (per-rank batches around the hosts' shares, the
    candidate codecs, one thread): the planner's only input besides the cluster spec.
-2. For each cluster, ``thinwire plan --colocated CORES`` (the emulated hosts share this machine's cores)
-   writes the plan; each alternative it kept becomes a plan file of its own (``Plan.select``).
+2. For each cluster, the network is probed on its own hosts and links (``probe_network``, what
+   ``thinwire profile --cluster SPEC`` adds: latency, payload rate, the quota wait; ``--no-probe``
+   leaves it out, as runs before 2026-12-03 did) into ``profile-<key>.yaml``, and ``thinwire plan
+   --colocated CORES`` (the emulated hosts share this machine's cores) writes the plan from it; each alternative it kept becomes a plan file of its own (``Plan.select``).
 3. Each contender runs ``thinwire train --cluster SPEC`` for ``--steps`` steps at the same global
    batch: ``torch:none`` (PyTorch DDP fp32, even shares), the planner's best single codec on uniform
    DDP, the plan (``--plan``), and every alternative (``--plan``). From each run's metrics.jsonl: median
@@ -110,16 +112,32 @@ def contenders(plan_path: Path, alts: list[Path]) -> list[tuple[str, list[str], 
     return out
 
 
+def probed_profile(profile: Path, cluster, out: Path) -> Path:
+    """``profile`` with the network measured on ``cluster``'s own hosts and links (what ``thinwire profile
+    --cluster SPEC`` adds: latency, payload rate, the quota wait), without measuring the workload again."""
+    import dataclasses
+
+    from thinwire.measure.file import load_profile, save_profile
+    from thinwire.measure.network import probe_network
+
+    net = probe_network(cluster.spec)
+    print(f"[{cluster.spec.name}] network: alpha {net.alpha_s * 1e3:.2f} ms per message, {net.measured_bps / 1e6:.0f} "
+          f"Mbit/s payload, quota wait {(net.busy_hop_s or 0) * 1e3:.2f} ms per hop", flush=True)
+    return save_profile(dataclasses.replace(load_profile(profile), network=net), out)
+
+
 def bench_cluster(key: str, profile: Path, args, folder: Path, work: Path) -> dict:
     from thinwire.cluster.emulator import EmulatedCluster
     from thinwire.cluster.spec import load_cluster_spec
 
     spec = ROOT / "examples" / "clusters" / f"{CLUSTERS[key]}.yaml"
-    plan_path, alts = make_plans(key, spec, profile, args.batch, args.keep, folder)
     runs = []
     cluster = EmulatedCluster(load_cluster_spec(spec))
     cluster.up()
     try:
+        if not args.no_probe:
+            profile = probed_profile(profile, cluster, folder / f"profile-{key}.yaml")
+        plan_path, alts = make_plans(key, spec, profile, args.batch, args.keep, folder)
         for label, how, predicted, name in contenders(plan_path, alts):
             print(f"[{CLUSTERS[key]}] {label}: {name or ' '.join(how)} ...", flush=True)
             r = run_one(spec, label, how, work / f"{key}-{label.replace(' ', '_').replace(',', '')}", args.steps,
@@ -185,6 +203,8 @@ def main() -> int:
     ap.add_argument("--keep", type=int, help="alternatives per plan to measure (default 6, 2 with --quick)")
     ap.add_argument("--clusters", default="a,b,c", help="comma-separated subset of a,b,c")
     ap.add_argument("--plan-only", action="store_true", help="profile and plan, print the plans, train nothing")
+    ap.add_argument("--no-probe", action="store_true", help="plan every cluster from the workload's profile alone "
+                    "(no network probe on the cluster: the runs before 2026-12-03)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     args.steps = args.steps or (30 if args.quick else 60)
