@@ -210,6 +210,7 @@ def table(data: dict, name: str) -> dict[str, dict]:
 def verdicts(data: dict) -> list[str]:
     lines = []
     fmt = lambda v: "never" if not math.isfinite(v) else f"{v:.0f}"  # noqa: E731
+    secs = lambda v: "never" if not math.isfinite(v) else f"{v:.0f} s"  # noqa: E731
     if "skew" in data["scenarios"]:
         t = table(data, "skew")
         d = t[DYNAMIC[0]]
@@ -241,7 +242,7 @@ def verdicts(data: dict) -> list[str]:
             if g["n"] and all(v["n"] for v in others.values()):
                 ok = all(g["ttt"] < v["ttt"] for v in others.values())
                 lines.append(f"- **slowlink** (one host behind 5 Mbit/s): time to DDP fp32's loss, {name} "
-                             f"{fmt(g['ttt'])} s, " + ", ".join(f"{k} {fmt(v['ttt'])} s" for k, v in others.items())
+                             f"{secs(g['ttt'])}, " + ", ".join(f"{k} {secs(v['ttt'])}" for k, v in others.items())
                              + f" (medians): **{'met' if ok else 'not met'}** (asked of exp2: sooner than every peer).")
     return lines
 
