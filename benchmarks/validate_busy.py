@@ -40,13 +40,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from thinwire.cluster.bench import _run_workers, bus_factor, busy_latency  # noqa: E402
 from thinwire.cluster.emulator import EmulatedCluster  # noqa: E402
 from thinwire.measure.file import load_profile  # noqa: E402
+from thinwire.measure.network import SMALL_BYTES as ALPHA_BYTES  # noqa: E402  (the profile's small probe)
 from thinwire.sim import inputs  # noqa: E402
 from thinwire.sim.sweep import SimOptions, simulate  # noqa: E402
 from thinwire.validation import scaled_spec  # noqa: E402
 from validate import BAND, PASS_INSIDE, PASS_MEDIAN, hetero_spec, merge, uniform_spec  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-ALPHA_BYTES = 4096   # as thinwire.measure.network's small probe
 
 
 def grid_spec(label: str, budget: float):
