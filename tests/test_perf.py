@@ -1053,3 +1053,36 @@ def test_an_offload_engine_runs_the_codec_off_compute_at_its_own_speed(tmp_path)
     assert engine.timeline.backward_s == slow_engine.timeline.backward_s  # engines take nothing from it
     assert slow_engine.codec_s == pytest.approx(engine.codec_s * 10)  # codec at 0.1 core instead of 1
     assert engine.step_s < inline.step_s
+
+
+def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_one(monkeypatch):
+    """Latency is what every collective of a step pays (the median of many small all-reduces: on hosts sharing
+    cores the fastest rep misses the hand-offs' waits); bandwidth is the token bucket's (the fastest large rep)."""
+    from thinwire.cluster.spec import ClusterSpec, DefaultsSpec, HostSpec
+    from thinwire.measure import network
+
+    small = [0.0015] * 5 + [0.009] * 20 + [0.02] * 16       # fastest 1.5 ms, median 9 ms
+    large = [0.62, 0.5, 0.55]
+    calls = []
+
+    def fake_run(cluster, hosts, sizes, reps, timeout):
+        calls.append((tuple(sizes), reps))
+        return [small[:reps]] if sizes == [network.SMALL_BYTES] else [large[:reps]]
+
+    class Up:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def require_up(self):
+            pass
+
+    monkeypatch.setattr(network, "_run_workers", fake_run)
+    monkeypatch.setattr(network, "EmulatedCluster", Up)
+    spec = ClusterSpec(name="probe", defaults=DefaultsSpec(bandwidth="100mbit"),
+                       hosts=[HostSpec(name=f"h{i}") for i in range(4)])
+    rec = network.probe_network(spec, reps=3)
+    assert calls[0] == ((network.SMALL_BYTES,), network.SMALL_REPS) and calls[1][1] == 3
+    alpha, beta = network.alpha_beta(rec.sizes, [0.009, 0.5], 4)
+    assert rec.times_s == [0.009, 0.5]
+    assert rec.alpha_s == pytest.approx(alpha) and rec.alpha_s > 1e-3  # the fastest rep would give ~0.2 ms
+    assert rec.measured_bps == pytest.approx(8 / beta)
