@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from thinwire.compress.spec import parse_codec_spec, spec_string
-from thinwire.measure.convergence import measure_convergence, sample_factor
+from thinwire.measure.convergence import GUARD_ORDERS, _record, measure_convergence, sample_factor, tail_gap
+from thinwire.measure.file import ConvergenceRecord
 from thinwire.workloads.base import Workload
 
 
@@ -63,6 +64,35 @@ def test_guard_is_deterministic_and_fp32_is_its_own_reference():
     b = measure_convergence(_regression(), ["none", "topk:ratio=0.05"], world=2, batch=16, steps=20)
     assert a == b
     assert a["none"].loss == a["none"].reference_loss and a["none"].factor == 1.0
+
+
+def test_verdict_is_the_median_over_data_orders_of_the_second_half_gap():
+    ref = [(10, 4.0), (20, 3.0), (30, 2.0), (40, 2.0)]
+    even = [(10, 4.2), (20, 3.1), (30, 2.01), (40, 2.01)]          # +0.5% over the second half
+    off = [(10, 4.2), (20, 3.1), (30, 2.2), (40, 2.2)]             # +10%
+    late = [(10, 4.2), (20, 3.1), (30, 2.0), (40, 2.05)]           # its last point is +2.5%, its second half +1.25%
+    assert tail_gap(ref, even) == pytest.approx(0.005) and tail_gap(ref, late) == pytest.approx(0.0125)
+    one_bad_order = _record([ref] * 3, [even, off, even], world=4)  # one order's divergence is not the codec's
+    assert one_bad_order.reaches and one_bad_order.gap == pytest.approx(0.005) and one_bad_order.orders == 3
+    every_order = _record([ref] * 3, [off, even, off], world=4)     # a gap in most orders is
+    assert not every_order.reaches and every_order.gap == pytest.approx(0.1)
+    assert every_order.factor == sample_factor(ref, 2.2)
+    unknown = _record([ref] * 3, [[(10, 9.0), (20, 9.0)]] * 2 + [off], world=4)  # two orders worse than fp32's start
+    assert unknown.factor is None and not unknown.reaches
+
+
+def test_guard_runs_every_comparison_on_several_data_orders():
+    seen = []
+    out = measure_convergence(_regression(), ["int8"], world=2, batch=16, steps=20, progress=seen.append)
+    assert out["int8"].orders == GUARD_ORDERS == len(seen) == 3 and "data order 3 of 3" in seen[-1]
+    single = measure_convergence(_regression(), ["int8"], world=2, batch=16, steps=20, orders=1)
+    assert single["int8"].orders == 1
+
+
+def test_a_profile_from_before_the_gap_keeps_its_verdict():
+    old = ConvergenceRecord(factor=1.1, loss=2.03, reference_loss=2.0, steps=60, world=4)  # no gap: last loss
+    assert old.relative_gap == pytest.approx(0.015) and not old.reaches
+    assert ConvergenceRecord(factor=1.1, loss=2.03, reference_loss=2.0, steps=60, world=4, gap=0.004).reaches
 
 
 def test_sample_factor_rule():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -35,8 +36,8 @@ def add_parser(sub) -> None:
                         "and the host CPU of an all-reduce")
     p.add_argument("--guard-steps", type=int,
                    help="steps of each codec's convergence-guard run against fp32, from the workload's initial "
-                        "weights at the largest batch (default 60, thinwire.measure.convergence.GUARD_STEPS; 0 skips "
-                        "the guard, and `plan` then ranks by step time)")
+                        "weights at the largest batch, on 3 data orders (default 60, thinwire.measure.convergence.GUARD_STEPS; "
+                        "0 skips the guard, and `plan` then ranks by step time)")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.set_defaults(func=run)
 
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     prof = profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
                             bucket_mb=args.bucket_mb, threads=args.threads, codecs=codecs, reps=args.reps,
                             network=network, corun=args.corun,
-                            guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps)
+                            guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     path = save_profile(prof, args.out)
     _show(prof, path)
     return 0
@@ -110,7 +112,8 @@ def _show(prof, path: Path) -> None:
     for name, c in prof.codecs.items():
         g = c.convergence
         guard = "" if g is None else (
-            f"; guard: held-out loss {g.loss:.4g} vs fp32 {g.reference_loss:.4g} after {g.steps} steps, "
+            f"; guard: {g.relative_gap:+.2%} vs fp32 over the second half of {g.steps} steps "
+            f"({'reaches' if g.reaches else 'does not reach'} fp32's loss, median of {g.orders} data orders), "
             + (f"{g.factor:.2f}x fp32's samples" if g.factor is not None else "worse than fp32 after its first steps"))
         console.print(f"  {name:>12}: encode {c.encode.per_byte_s * 1e9:.3f} ns/B + {c.encode.fixed_s * 1e6:.0f} us, "
                       f"decode {c.decode.per_byte_s * 1e9:.3f} ns/B + {c.decode.fixed_s * 1e6:.0f} us{guard}")

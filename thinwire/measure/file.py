@@ -21,7 +21,8 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     collective_cpu_s_per_byte: 1.1e-9  # host CPU of a gloo all-reduce per byte a rank sends (2 local ranks)
     kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
     codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002,
-             convergence: {factor: 1.0, loss: 2.31, reference_loss: 2.31, steps: 60, world: 4}}, ...}
+             convergence: {factor: 1.0, loss: 2.31, reference_loss: 2.31, steps: 60, world: 4,
+                                          gap: 0.002, orders: 3}}, ...}
     sync: {delayed: {factor: 1.4, loss: 2.5, reference_loss: 2.31, steps: 60, world: 4}}  # the guard's
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
 
@@ -62,18 +63,28 @@ class ConvergenceRecord:
     """The convergence guard's short run of this codec against fp32 (:mod:`thinwire.measure.convergence`)."""
 
     factor: float | None          # samples relative to fp32 for the loss it reached; None: unknown (worse)
-    loss: float                   # held-out loss after ``steps``
+    loss: float                   # held-out loss after ``steps`` (median over the data orders)
     reference_loss: float         # fp32's
     steps: int
     world: int
+    # the verdict's gap to fp32 at equal samples: median over ``orders`` data orders of the mean held-out
+    # loss over the last half of the run against fp32's; None (a profile from before it): loss / reference - 1
+    gap: float | None = None
+    orders: int = 1
 
     @property
     def reaches(self) -> bool:
         """The guard's verdict: within ``REACH_TOL`` of fp32's loss at equal samples."""
-        return self.loss <= self.reference_loss * (1 + REACH_TOL)
+        return self.relative_gap <= REACH_TOL
+
+    @property
+    def relative_gap(self) -> float:
+        return self.gap if self.gap is not None else self.loss / self.reference_loss - 1
 
     def __post_init__(self) -> None:
         check_range("factor", self.factor, 1, 1e6)
+        check_range("gap", self.gap, -1, 1e6)
+        check_range("orders", self.orders, 1, 1000, kind="an integer")
         check_range("steps", self.steps, 1, 10**9, kind="an integer")
         check_range("world", self.world, 1, 10**6, kind="an integer")
 

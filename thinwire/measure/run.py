@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,10 +48,12 @@ def machine_info(threads: int) -> dict:
 
 def profile_workload(*, workload: str, model: dict | None = None, data: str | None = None, batch_sizes: list[int],
                      bucket_mb: float = 25.0, threads: int = 1, codecs: Sequence[str] | None = None, reps: int = 10,
-                     warmup: int = 3, network=None, seed: int = 0, corun: bool = True, guard_steps: int = 0) -> Profile:
+                     warmup: int = 3, network=None, seed: int = 0, corun: bool = True, guard_steps: int = 0,
+                     progress: Callable[[str], None] | None = None) -> Profile:
     """Measure ``workload`` at each per-rank batch size (see the module docstring). ``codecs``: the
     specs to measure (default: every registered codec at its default parameters); ``guard_steps``:
-    steps of each convergence-guard run at the largest batch as the global batch (0: no guard)."""
+    steps of each convergence-guard run at the largest batch as the global batch (0: no guard);
+    ``progress`` gets a line as each of the guard's data orders ends."""
     from thinwire.compress.spec import REGISTRY
     from thinwire.workloads.registry import build_workload
 
@@ -81,7 +83,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             torch.manual_seed(seed)
             fresh = build_workload(workload, dict(model or {}), data)
             guard = measure_convergence(fresh, list(codecs), world=min(GUARD_WORLD, b0), batch=b0, steps=guard_steps,
-                                        seed=seed, delayed=True)
+                                        seed=seed, delayed=True, progress=progress)
         flops = count_flops(wl, b0) / b0
         acts = activation_bytes(wl, b0) / b0
         layer_costs = _layer_costs(wl, workload, b0, reps)
