@@ -152,6 +152,21 @@ def test_an_offload_engine_is_a_host_field_with_a_default():
         make([{"name": "a"}, {"name": "b", "nic": {"cpu": 3}}]).check_fits(cores=2)
 
 
+def test_a_switch_aggregator_takes_the_subnets_last_address_and_its_own_cpu():
+    spec = make([{"name": "a"}, {"name": "b"}], switch={"cpu": 0.5})
+    assert spec.switch.cpu == 0.5 and spec.switch_address == "10.213.0.254"
+    assert make([{"name": "a"}]).switch is None
+    assert make([{"name": "a"}], switch={}).switch.cpu is None  # no cap
+    with pytest.raises(ConfigError, match=r"^switch\.cpu: must be a number of cores .* got -1"):
+        make([{"name": "a"}], switch={"cpu": -1})
+    with pytest.raises(ConfigError, match=r"^switch\.cpu: must be at most 2 \(the cores of this machine\), got 3"):
+        make([{"name": "a"}], switch={"cpu": 3}).check_fits(cores=2)
+    with pytest.raises(ConfigError, match=r"^hosts: must be at most 1 hosts for subnet 10.1.0.0/30 \(its last address is the switch's aggregator\)"):
+        make([{"name": "a"}, {"name": "b"}], subnet="10.1.0.0/30", switch={"cpu": 0.5})
+    with pytest.raises(ConfigError, match=r"^switch\.nic: must be one of the known fields \(cpu\)"):
+        make([{"name": "a"}], switch={"nic": 1})
+
+
 def test_cpu_must_fit_this_machine():
     spec = make([{"name": "a", "cpu": 1.0}, {"name": "b", "cpu": 3.0}])
     spec.check_fits(cores=4)

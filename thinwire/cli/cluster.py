@@ -13,8 +13,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cluster.bench import bench, busy_latency
-from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.cluster.bench import bench, busy_latency, switch_bench
+from thinwire.cluster.emulator import AGGREGATOR_GROUP, EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec, parse_size
 from thinwire.errors import ThinwireError
 
@@ -45,6 +45,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     bn.add_argument("--busy", action="store_true",
                     help="instead: a 4-byte all-reduce's time with the hosts idle and while each computes (what a "
                          "CPU quota adds to a collective issued during backward)")
+    bn.add_argument("--aggregation", choices=["ring", "switch"], default="ring",
+                    help="switch: an int8 all-reduce of a gradient of --sizes (fp32 bytes) around the ring as "
+                         "--compression int8 sends it and through the aggregator on the switch (spec `switch:`), "
+                         "alternating rep by rep")
     bn.add_argument("--json", action="store_true", help="print the result as JSON")
     ln = command("link", cmd_link, "take a host's link down or up (fault tests)")
     ln.add_argument("host")
@@ -91,6 +95,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(f"namespaces {cluster.switch_ns}.HOST; run a command with `thinwire cluster exec SPEC HOST -- CMD`")
     for link in cluster.spec.links:
         console.print(f"link {link.between[0]} <-> {link.between[1]}: {_rate(link.bandwidth)} each way, shared")
+    if cluster.spec.switch is not None:
+        agg = cluster.aggregator()
+        cpu = cluster.cgroups.limits(AGGREGATOR_GROUP)[0]
+        console.print(f"aggregator on the switch: {agg.address} on {agg.interface} in {agg.namespace}, "
+                      f"{'no CPU cap' if cpu is None else f'{cpu:g} cores'} (`cluster bench --aggregation switch`)")
     return 0
 
 
@@ -118,6 +127,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.busy:
         return _bench_busy(cluster, hosts, args)
     args.reps = args.reps or 5
+    if args.aggregation == "switch":
+        return _bench_switch(cluster, hosts, sizes, args)
     result = bench(cluster, hosts=hosts, sizes=sizes, reps=args.reps)
     if args.json:
         print(json.dumps({**result.__dict__, "median_bps": result.median_bps, "ratio": result.ratio}))
@@ -128,6 +139,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for n, bw in zip(result.sizes, result.busbw_bps):
         table.add_row(f"{n / 2**20:.2f} MiB", _rate(bw), _rate(result.expected_bps), f"{bw / result.expected_bps:.1%}")
     table.add_row("median", _rate(result.median_bps), _rate(result.expected_bps), f"{result.ratio:.1%}")
+    Console().print(table)
+    return 0
+
+
+def _bench_switch(cluster, hosts, sizes, args) -> int:
+    r = switch_bench(cluster, hosts=hosts, sizes=sizes, reps=args.reps)
+    if args.json:
+        print(json.dumps({**r.__dict__, "speedups": r.speedups}))
+        return 0
+    table = Table(title=f"int8 all-reduce across {', '.join(r.hosts)}: ring vs the switch's aggregator "
+                        f"(gloo, median of {args.reps}, slowest host)")
+    for col in ("gradient (fp32)", "ring", "switch", "switch speed-up"):
+        table.add_column(col, justify="right")
+    for n, a, b, x in zip(r.sizes, r.ring_s, r.switch_s, r.speedups):
+        table.add_row(f"{n / 2**20:.2f} MiB", f"{a * 1e3:.1f} ms", f"{b * 1e3:.1f} ms", f"{x:.2f}x")
     Console().print(table)
     return 0
 

@@ -17,6 +17,13 @@ at 0.45 core took ~28 ms busy against ~0.5 ms idle, about 5 ms per ring hop, far
 ``(1-q)^2 P / 2`` a uniformly arriving message would wait; a real core of that speed adds no such wait.
 The model does not price it yet; this measures it on any spec.
 
+**In the switch** (:func:`switch_bench`, ``thinwire cluster bench --aggregation switch``, a spec with
+``switch:``): a gradient of fp32 values summed as int8 across the hosts, two ways, alternating rep by
+rep: around the ring as ``--compression int8`` sends it (:class:`thinwire.compress.schemes.decoded.Decoded`:
+compressed reduce-scatter + all-gather, each ``2(p-1)/p`` of the payload), and through the aggregator on
+the switch (:mod:`thinwire.compress.switch`: the payload up once, the sum down once). A rep's time is the
+slowest host's; encoding and decoding are included on both sides.
+
 Run as a module inside a host, it is the worker: ``python -m thinwire.cluster.bench --worker ...``.
 """
 
@@ -119,8 +126,46 @@ def busy_latency(cluster: EmulatedCluster, *, hosts: list[str] | None = None, si
                       busy_s=statistics.median(out["busy"]), load=out["load"])
 
 
+@dataclass(frozen=True)
+class SwitchResult:
+    """Median seconds of an int8 all-reduce of ``sizes`` (fp32 bytes of the gradient) around the ring and
+    through the switch's aggregator, and every rep's."""
+
+    hosts: list[str]
+    sizes: list[int]
+    ring_s: list[float]
+    switch_s: list[float]
+    ring_reps: list[list[float]]
+    switch_reps: list[list[float]]
+
+    @property
+    def speedups(self) -> list[float]:
+        return [r / s for r, s in zip(self.ring_s, self.switch_s)]
+
+
+def switch_bench(cluster: EmulatedCluster, *, hosts: list[str] | None = None, sizes: list[int] | None = None,
+                 reps: int = 5, timeout: float = 600.0) -> SwitchResult:
+    """An int8 all-reduce around the ring and through the switch's aggregator (module docstring)."""
+    spec = cluster.spec
+    hosts = hosts or spec.host_names
+    if len(hosts) < 2:
+        raise ThinwireError(f"bench needs at least 2 hosts, got {hosts}; add a host to the spec or to --hosts.")
+    for h in hosts:
+        spec.host(h)
+    aggregator = cluster.aggregator()
+    cluster.require_up()
+    if sizes is None:  # a ring all-reduce of about 0.25 and 1 s at the slowest pair's rate, as int8
+        expected = min(spec.bandwidth_bps(a, b) for a, b in combinations(hosts, 2))
+        sizes = [int(min(max(4 * t * expected / 8 / bus_factor(len(hosts)), 2**20), 2**28)) // 1024 * 1024
+                 for t in (0.25, 1.0)]
+    out = _run_workers(cluster, hosts, sizes, reps, timeout, switch=aggregator)
+    return SwitchResult(hosts=list(hosts), sizes=sizes, ring_reps=out["ring"], switch_reps=out["switch"],
+                        ring_s=[statistics.median(t) for t in out["ring"]],
+                        switch_s=[statistics.median(t) for t in out["switch"]])
+
+
 def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], reps: int,
-                 timeout: float, dtype: str = "float32", busy: bool = False):
+                 timeout: float, dtype: str = "float32", busy: bool = False, switch=None):
     """Start one worker per host, wait, return rank 0's times (seconds) per size and rep.
 
     ``sizes`` are bytes; each all-reduce sums a tensor of ``dtype`` (a ``torch`` dtype name) of that
@@ -128,13 +173,15 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
     master = f"{cluster.host(hosts[0]).address}:{random.randint(20000, 60000)}"
     pythonpath = str(Path(__file__).resolve().parents[2])
     procs = []
+    places = [cluster.host(name) for name in hosts] + ([switch] if switch is not None else [])
     try:
-        for rank, name in enumerate(hosts):
+        for rank, place in enumerate(places):
             argv = [sys.executable, "-m", "thinwire.cluster.bench", "--worker", "--rank", str(rank),
-                    "--world", str(len(hosts)), "--master", master, "--reps", str(reps),
-                    "--sizes", ",".join(map(str, sizes)), "--dtype", dtype, *(["--busy"] if busy else [])]
-            procs.append(cluster.host(name).spawn(argv, env={"PYTHONPATH": pythonpath}, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True))
+                    "--world", str(len(places)), "--master", master, "--reps", str(reps),
+                    "--sizes", ",".join(map(str, sizes)), "--dtype", dtype, *(["--busy"] if busy else []),
+                    *(["--switch"] if switch is not None else [])]
+            procs.append(place.spawn(argv, env={"PYTHONPATH": pythonpath}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:
         raise ThinwireError(f"bench did not finish in {timeout:.0f} s; is a link down? "
@@ -144,11 +191,11 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for name, p, (_, err) in zip(hosts, procs, outs):
+    for place, p, (_, err) in zip(places, procs, outs):
         if p.returncode != 0:
-            raise ThinwireError(f"bench worker on host {name!r} failed (exit {p.returncode}): {err.strip()[-2000:]}")
+            raise ThinwireError(f"bench worker on {place.name!r} failed (exit {p.returncode}): {err.strip()[-2000:]}")
     result = json.loads(outs[0][0].strip().splitlines()[-1])
-    return result if busy else result["times"]
+    return result if busy or switch is not None else result["times"]
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -162,6 +209,9 @@ def _worker(args: argparse.Namespace) -> None:
                             world_size=args.world, timeout=timedelta(seconds=120))
     if args.busy:
         _busy_worker(args)
+        return
+    if args.switch:
+        _switch_worker(args)
         return
     times = []
     dtype = getattr(torch, args.dtype)
@@ -237,6 +287,70 @@ def _busy_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _switch_worker(args: argparse.Namespace) -> None:
+    """Ranks 0..p-1 (the hosts) time the ring's and the switch's int8 all-reduce, alternating; rank p (the
+    aggregator) serves until they are done; rank 0 prints every rep's time (the slowest host's)."""
+    from time import perf_counter
+
+    import torch
+    import torch.distributed as dist
+
+    from thinwire.compress import switch
+    from thinwire.compress.hook import CommState, StaticPolicy
+    from thinwire.compress.schemes import scheme_for
+    from thinwire.compress.schemes.base import BucketJob
+    from thinwire.compress.spec import parse_codec_spec
+
+    torch.set_num_threads(1)
+    p = args.world - 1
+    hosts = dist.new_group(list(range(p)))
+    if args.rank == p:
+        switch.serve(list(range(p)))
+        dist.barrier()  # leave together (see _worker)
+        dist.destroy_process_group()
+        return
+    codec = parse_codec_spec("int8")
+    state = CommState(StaticPolicy(codec), error_feedback=True, warmup_steps=0, min_compress_bytes=0,
+                      nonfinite="skip", group=hosts)
+    port = switch.SwitchPort(aggregator=p)
+    gen = torch.Generator().manual_seed(args.rank)
+
+    def timed(fn) -> float:
+        dist.barrier(group=hosts)
+        t0 = perf_counter()
+        fn()
+        dt = torch.tensor([perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=hosts)
+        return dt.item()
+
+    out = {"ring": [], "switch": []}
+    for k, size in enumerate(map(int, args.sizes.split(","))):
+        x = torch.randn(size // 4, generator=gen)
+
+        def ring(step: int = 0) -> None:
+            scheme_for(codec).run(BucketJob(key=str(k), buf=x.clone(), step=step, shapes=[tuple(x.shape)],
+                                            layout=((k, x.numel()),), codec=codec, state=state))
+
+        def via_switch() -> None:
+            port.all_reduce(x, key=k)
+
+        ring()  # warm-up: connections, buffers
+        via_switch()
+        rings, switches = [], []
+        for rep in range(args.reps):
+            first, second = (ring, via_switch) if rep % 2 == 0 else (via_switch, ring)
+            a, b = timed(first), timed(second)
+            rings.append(a if first is ring else b)
+            switches.append(b if first is ring else a)
+        out["ring"].append(rings)
+        out["switch"].append(switches)
+    port.close()
+    if args.rank == 0:
+        print(json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", required=True)
@@ -247,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--busy", action="store_true")
+    p.add_argument("--switch", action="store_true")
     _worker(p.parse_args(argv))
 
 

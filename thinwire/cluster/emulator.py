@@ -13,8 +13,9 @@ Topology (all inside namespaces we create; the caller's namespace is never touch
   carries an htb with one class per linked group, classified by destination address, so all traffic
   from group j to group k shares one class at the link's rate: the inter-group rate is enforced on
   the aggregate, not per host pair. Groups with no link between them pass unshaped.
-* The switch namespace holds only bridges; hosts have no default route, so nothing leaves the
-  namespaces. Interface names are per namespace, so they stay short whatever the host names.
+* The switch namespace holds only bridges (and, with ``switch:`` in the spec, the aggregator's address
+  on ``br0``, the subnet's last usable one, with a cgroup of its own: :meth:`EmulatedCluster.aggregator`);
+  hosts have no default route, so nothing leaves the namespaces. Interface names are per namespace, so they stay short whatever the host names.
 
 CPU and memory limits come from :class:`~thinwire.cluster.cgroup.HostCgroups`. A small state file
 ``/run/thinwire/<tag>.json`` records what ``up`` built (the spec's fingerprint and cgroup folders),
@@ -51,6 +52,8 @@ from thinwire.signals import deferred
 HOST_IF = "eth0"
 NIC_ENV = "THINWIRE_NIC_CPU"  # set in a host with an offload engine (spec ``nic:``): the engine's cores
 CORE_BRIDGE = "br0"
+AGGREGATOR = "switch"          # the aggregator's name in logs and process titles (spec ``switch:``)
+AGGREGATOR_GROUP = "switch.agg"  # its cgroup: a '.' no host name has
 STATE_DIR = Path("/run/thinwire")
 log = logging.getLogger(__name__)
 LAYOUT_VERSION = 1  # bump when the topology built by `up` changes, so old clusters get rebuilt
@@ -141,6 +144,15 @@ class EmulatedCluster:
 
     def hosts(self) -> list[EmulatedHost]:
         return [self.host(n) for n in self.spec.host_names]
+
+    def aggregator(self) -> EmulatedHost:
+        """The switch's aggregator (spec ``switch:``): a process started with it runs in the switch's
+        namespace on the core bridge, in the aggregator's cgroup."""
+        if self.spec.switch is None:
+            raise ThinwireError(f"cluster {self.spec.name!r} has no aggregator on its switch; add `switch: "
+                                "{cpu: 0.5}` to the spec (and `thinwire cluster up` it again).")
+        return EmulatedHost(name=AGGREGATOR, namespace=self.switch_ns, address=self.spec.switch_address,
+                            interface=CORE_BRIDGE, cgroup_procs=tuple(self.cgroups.procs_files(AGGREGATOR_GROUP)))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -251,6 +263,9 @@ class EmulatedCluster:
         for i, h in enumerate(self.spec.hosts):
             self._build_host(i, h, group_bridge[h.group])
         self._shape_group_links()
+        if self.spec.switch is not None:
+            netns.set_address(self.switch_ns, CORE_BRIDGE, f"{self.spec.switch_address}/{self.spec.prefixlen}")
+            self.cgroups.create(AGGREGATOR_GROUP, self.spec.switch.cpu, None)
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         state = {"fingerprint": self.fingerprint, "cgroups": [str(d) for d in self.cgroups.base_dirs()]}
         self.state_file.write_text(json.dumps(state))

@@ -33,6 +33,10 @@ Fields and units:
   the host's communication work (the codec, error feedback, the collectives' copies and reductions)
   runs there, off the host's ``cpu``. The emulator gives the engine's threads a cgroup and quota of
   their own; ``null`` (the default) means none: communication shares the host's CPU.
+* ``switch``: an aggregator on the switch, ``{cpu: 0.5}`` (cores; ``null``: no cap), for in-network
+  aggregation (:mod:`thinwire.compress.switch`): the emulator gives it the switch's own namespace, the
+  subnet's last usable address on the core bridge (its port, unshaped: each host's traffic to it is
+  limited by the host's own link) and a cgroup of its own. ``null`` (the default): no aggregator.
 * ``links[].latency`` (``5ms``) and ``links[].loss`` (``0.1%``): parsed here for the simulator; the
   emulator honours them only where the kernel has the ``netem`` qdisc.
 
@@ -77,6 +81,18 @@ class NicSpec:
     def __post_init__(self) -> None:
         check(isinstance(self.cpu, (int, float)) and MIN_CPU <= self.cpu <= MAX_CPU, "cpu", self.cpu,
               f"a number of cores in [{MIN_CPU:g}, {MAX_CPU:g}] for the engine's own processor (0.25 = a quarter of one core)")
+
+
+@dataclass(kw_only=True)
+class SwitchSpec:
+    """An aggregator on the switch: ``cpu`` cores of its own (None: no cap)."""
+
+    cpu: float | None = None
+
+    def __post_init__(self) -> None:
+        check(self.cpu is None or (isinstance(self.cpu, (int, float)) and MIN_CPU <= self.cpu <= MAX_CPU),
+              "cpu", self.cpu, f"a number of cores in [{MIN_CPU:g}, {MAX_CPU:g}] for the aggregator "
+              "(0.5 = half of one core) or null for no cap")
 
 
 @dataclass(kw_only=True)
@@ -159,6 +175,7 @@ class ClusterSpec:
     defaults: DefaultsSpec = field(default_factory=DefaultsSpec)
     hosts: list[HostSpec]
     links: list[LinkSpec] = field(default_factory=list)
+    switch: SwitchSpec | None = None
 
     def __post_init__(self) -> None:
         check(bool(_CLUSTER_NAME.fullmatch(self.name)), "name", self.name, _CLUSTER_NAME_RULE,
@@ -173,9 +190,11 @@ class ClusterSpec:
             check(h.name not in seen, f"hosts[{i}].name", h.name, "unique",
                   f"hosts[{seen.get(h.name)}] has the same name; rename one.")
             seen[h.name] = i
-        usable = ipaddress.ip_network(self.subnet).num_addresses - 2
+        usable = ipaddress.ip_network(self.subnet).num_addresses - 2 - (self.switch is not None)
         check(len(self.hosts) <= usable, "hosts", f"{len(self.hosts)} hosts",
-              f"at most {usable} hosts for subnet {self.subnet}", "Use a larger subnet such as a /16.")
+              f"at most {usable} hosts for subnet {self.subnet}"
+              + (" (its last address is the switch's aggregator)" if self.switch else ""),
+              "Use a larger subnet such as a /16.")
         self._check_links()
 
     def _check_subnet(self) -> None:
@@ -225,6 +244,11 @@ class ClusterSpec:
         return str(ipaddress.ip_network(self.subnet).network_address + self.index(name) + 1)
 
     @property
+    def switch_address(self) -> str:
+        """The aggregator's address on the switch (spec ``switch:``): the subnet's last usable one."""
+        return str(ipaddress.ip_network(self.subnet).broadcast_address - 1)
+
+    @property
     def prefixlen(self) -> int:
         return ipaddress.ip_network(self.subnet).prefixlen
 
@@ -253,6 +277,8 @@ class ClusterSpec:
                   f"at most {cores} (the cores of this machine)", "Lower it or use null for no cap.")
             check(h.nic is None or h.nic.cpu <= cores, f"hosts[{i}].nic.cpu", h.nic and h.nic.cpu,
                   f"at most {cores} (the cores of this machine)", "Lower it.")
+        check(self.switch is None or self.switch.cpu is None or self.switch.cpu <= cores, "switch.cpu",
+              self.switch and self.switch.cpu, f"at most {cores} (the cores of this machine)", "Lower it.")
 
 
 def load_cluster_spec(path: str | Path) -> ClusterSpec:
