@@ -82,6 +82,31 @@ def make_profile(name: str, folder: Path) -> Path:
     return path
 
 
+def reguard(name: str, profile: Path) -> None:
+    """Replace the convergence records of the stored ``profile`` by this commit's guard (what ``thinwire
+    profile`` now records: the same codecs, its largest batch as the global batch, seed 0), nothing else."""
+    import torch
+
+    from thinwire.measure.convergence import GUARD_STEPS, GUARD_WORLD, measure_convergence
+    from thinwire.measure.file import load_profile, save_profile
+    from thinwire.workloads.registry import build_workload
+
+    workload, model, _, _ = WORKLOADS[name]
+    prof = load_profile(profile)
+    codecs = [c for c, v in prof.codecs.items() if v.convergence is not None]
+    b0 = max(c.batch for c in prof.compute)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    guard = measure_convergence(build_workload(workload, dict(model), None), codecs, world=min(GUARD_WORLD, b0),
+                                batch=b0, steps=GUARD_STEPS, seed=0, delayed=True,
+                                progress=lambda line: print(f"{name}: {line}", flush=True))
+    for c in codecs:
+        prof.codecs[c].convergence = guard[c]
+    if "delayed" in guard:
+        prof.sync["delayed"] = guard["delayed"]
+    save_profile(prof, profile)
+
+
 def make_plans(name: str, key: str, profile: Path, keep: int, folder: Path) -> list[dict]:
     """[{label, path, name, predicted_step_s, sample_factor}] of the plan and each alternative it kept."""
     from thinwire.plan.planfile import read_plan, save_plan
@@ -214,7 +239,11 @@ def main() -> int:
     ap.add_argument("--replan", action="store_true",
                     help="plan the selected cells again (after a planner change); a cell whose plan or alternatives "
                          "changed loses its runs (kept under 'superseded' in the JSON) and is measured again")
+    ap.add_argument("--reguard", action="store_true",
+                    help="run the convergence guard again (this commit's rule) into each selected workload's stored "
+                         "profile, then --replan")
     args = ap.parse_args()
+    args.replan = args.replan or args.reguard
     out = Path(args.out)
     path = out / "plan_target.json"
     data = json.loads(path.read_text()) if path.exists() else {"workloads": {}, "commands": [], "commits": []}
@@ -250,6 +279,12 @@ def main() -> int:
             w = data["workloads"].setdefault(name, {"clusters": {}, "targets": {}})
             if "profile" not in w:
                 w["profile"] = rel(make_profile(name, folder))
+                save()
+            elif args.reguard and w.get("guard_commit") != commit:
+                t0 = time.time()
+                reguard(name, ROOT / w["profile"])
+                w["guard_commit"] = commit
+                print(f"{name}: guard run again into {w['profile']} in {time.time() - t0:.0f} s", flush=True)
                 save()
             for key in keys:
                 if args.replan and key in w["clusters"]:

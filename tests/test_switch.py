@@ -27,8 +27,8 @@ def _switch_and_ring(rank: int, world: int, n: int, calls: int) -> dict:
     p = world - 1
     trainers = dist.new_group(list(range(p)))  # every rank takes part in creating it
     if rank == p:
-        return {"served": switch.serve(list(range(p)))}
-    port = switch.SwitchPort(aggregator=p)
+        return {"served": switch.serve(dist.group.WORLD, list(range(p)))}
+    port = switch.SwitchPort(dist.group.WORLD, aggregator=p)
     codec = parse_codec_spec("int8")
     state = CommState(StaticPolicy(codec), error_feedback=True, warmup_steps=0, min_compress_bytes=0,
                       nonfinite="skip", group=trainers)
@@ -78,8 +78,8 @@ def test_switch_sum_is_exact_before_its_one_rounding_and_agrees_with_the_ring(p,
 def _nonfinite(rank: int, world: int) -> dict:
     p = world - 1
     if rank == p:
-        return {"served": switch.serve(list(range(p)))}
-    port = switch.SwitchPort(aggregator=p)
+        return {"served": switch.serve(dist.group.WORLD, list(range(p)))}
+    port = switch.SwitchPort(dist.group.WORLD, aggregator=p)
     x = torch.ones(300)
     if rank == 1:
         x[5] = float("inf")
@@ -100,11 +100,11 @@ def _mismatch(rank: int, world: int) -> str:
     p = world - 1
     if rank == p:
         try:
-            switch.serve(list(range(p)))
+            switch.serve(dist.group.WORLD, list(range(p)))
         except Exception as e:  # noqa: BLE001
             return str(e)
         return "served"
-    port = switch.SwitchPort(aggregator=p)
+    port = switch.SwitchPort(dist.group.WORLD, aggregator=p)
     try:
         port.all_reduce(torch.ones(100 + rank))  # different bucket sizes: lost step
     except Exception:  # noqa: BLE001 - the aggregator stopped answering
@@ -115,3 +115,21 @@ def _mismatch(rank: int, world: int) -> str:
 def test_trainers_out_of_step_are_an_error_naming_both():
     msg = run_ranks(_mismatch, 3, timeout=60)[2]
     assert "rank 1" in msg and "rank 0" in msg and "lost step" in msg, msg
+
+
+def test_train_config_refuses_what_the_switch_cannot_sum():
+    from thinwire.errors import ConfigError
+    from thinwire.train.config import TrainConfig
+
+    ok = dict(workload="digits", cluster="spec.yaml", compression="int8", aggregation="switch")
+    assert TrainConfig(**ok).aggregation == "switch"
+    assert TrainConfig(**{**ok, "compression": "int8:block=64"}).comm.codec.config.block == 64
+    cases = [({"cluster": None}, r"^aggregation: must be switch with --cluster SPEC"),
+             ({"compression": "bf16"}, r"^compression: must be int8 \(nearest rounding, any block\) with --aggregation switch"),
+             ({"compression": "int8:stochastic=true"}, r"^compression: must be int8"),
+             ({"sync": "delayed"}, r"^sync: must be allreduce with --aggregation switch"),
+             ({"min_hosts": 2, "max_restarts": 1}, r"^min_hosts: must be left out with --aggregation switch"),
+             ({"aggregation": "tree"}, r"^aggregation: must be ring or switch, got 'tree'")]
+    for change, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            TrainConfig(**{**ok, **change})

@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="torch threads per worker")
     p.add_argument("--cluster", help="cluster spec: one worker per emulated host (needs `thinwire cluster up`)")
     p.add_argument("--plan", help="execute a plan from `thinwire plan` (uneven shares, codecs, grouping); needs --cluster")
+    p.add_argument("--aggregation", choices=["ring", "switch"], help="with --cluster and --compression int8: switch "
+                   "sums the buckets in the aggregator on the cluster's switch (spec `switch:`) instead of around the "
+                   "ring (default ring)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config field, e.g. --set model.width=256 (repeatable)")
     p.set_defaults(func=run)
@@ -78,7 +81,7 @@ def add_parser(sub) -> None:
 FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc", "max_restarts", "min_hosts", "out", "resume", "compression", "sync",
          "partition", "pipeline",
          "precision", "memory_budget", "seed", "eval_every", "checkpoint_every", "log_every", "threads", "cluster",
-         "plan", "tensorboard")
+         "plan", "tensorboard", "aggregation")
 
 
 def run(args: argparse.Namespace) -> int:

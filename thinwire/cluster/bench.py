@@ -305,14 +305,14 @@ def _switch_worker(args: argparse.Namespace) -> None:
     p = args.world - 1
     hosts = dist.new_group(list(range(p)))
     if args.rank == p:
-        switch.serve(list(range(p)))
+        switch.serve(dist.group.WORLD, list(range(p)))
         dist.barrier()  # leave together (see _worker)
         dist.destroy_process_group()
         return
     codec = parse_codec_spec("int8")
     state = CommState(StaticPolicy(codec), error_feedback=True, warmup_steps=0, min_compress_bytes=0,
                       nonfinite="skip", group=hosts)
-    port = switch.SwitchPort(aggregator=p)
+    port = switch.SwitchPort(dist.group.WORLD, aggregator=p)
     gen = torch.Generator().manual_seed(args.rank)
 
     def timed(fn) -> float:

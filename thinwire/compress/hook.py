@@ -124,6 +124,8 @@ class CommState:
         # every bucket's whole job on the engine thread, none on DDP's (a host with an offload engine:
         # the thread runs on the engine's CPU, see thinwire.compress.engine)
         self.offload = False
+        # a port to the aggregator on the switch (thinwire.compress.switch): int8 buckets go through it
+        self.switch = None
 
     # -- the hook ------------------------------------------------------------------------------
     def hook(self, bucket):  # no annotations: DDP rejects the string ones `from __future__` makes
@@ -241,6 +243,12 @@ class CommState:
 
     def close(self) -> None:
         self._thread.close()
+        if self.switch is not None:  # the aggregator's serve() returns once every trainer has closed
+            port, self.switch = self.switch, None
+            try:
+                port.close()
+            except RuntimeError as e:  # the aggregator or a peer is gone (a failing run): its error stands
+                log.warning("could not say goodbye to the switch's aggregator: %s", e)
 
 
 def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none", *, error_feedback: bool = True,

@@ -7,7 +7,7 @@ The aggregator is one more rank of the job's process group, placed on the switch
 CPU quota of its own); the transport is torch.distributed's point to point (gloo or NCCL), nothing of
 our own. Per bucket of ``n`` fp32 values, ``b = n_blocks(n)`` blocks of ``block`` values:
 
-1. **Header** (each trainer, 3 int64: kind, key, n). The aggregator checks every trainer sent the same
+1. **Header** (each trainer, 4 int64: kind, key, n, block). The aggregator checks every trainer sent the same
    bucket, so a trainer that lost step with the others is an error naming both, not a wrong sum.
 2. **Agreed scales** (each trainer sends ``b + 1`` fp32: its blocks' max |x| and a non-finite flag; the
    aggregator returns the elementwise max): every trainer quantizes block ``j`` with the same scale
@@ -28,14 +28,27 @@ The trainer's side keeps the error-feedback contract of the hook's schemes: :met
 returns the sum and what this trainer actually sent (its values at the agreed scale), so the caller's
 residual is ``x - sent``.
 
-    # trainers: ranks 0..p-1; the aggregator: rank p, running serve([0, ..., p-1])
-    port = SwitchPort(aggregator=p)
+    # a group of trainers 0..p-1 and the aggregator p, which runs serve(group, [0, ..., p-1])
+    port = SwitchPort(group, aggregator=p)
     total, sent = port.all_reduce(x, key=bucket_index)   # every trainer gets the same total
     ...
     port.close()                                         # the aggregator's serve() returns
+
+**In a training job** the trainers are torchrun's world and the aggregator is not in it: it is its own
+process (:func:`main`, which ``thinwire train --cluster SPEC --aggregation switch`` starts on the switch), holding a ``TCPStore`` at its address (:data:`ENV` tells the workers
+where). Each worker joins it with :func:`connect`: a gloo process group of the trainers and the
+aggregator (rank ``p``), one per worker restart (prefixed by torchrun's restart count), so a worker that
+failed and started again meets a fresh group; the aggregator goes to the next one when a trainer of the
+current one is gone.
 """
 
 from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,6 +57,8 @@ from torch import Tensor
 from thinwire.compress.codecs.common import as_blocks, block_absmax, n_blocks, round_toward_zero
 from thinwire.errors import ThinwireError
 
+log = logging.getLogger(__name__)
+ENV = "THINWIRE_SWITCH"  # ADDRESS:PORT of the aggregator's store, set for the workers by the launcher
 QMAX = 127
 BLOCK = 256           # values per block: the int8 codec's default
 STOP, INT8 = 0, 1     # header kinds
@@ -53,7 +68,7 @@ CHUNK_BYTES = 64 * 1024
 
 
 def header_bytes() -> int:
-    return 3 * 8
+    return 4 * 8
 
 
 def bytes_up(numel: int, block: int = BLOCK) -> int:
@@ -84,10 +99,11 @@ def _decode(q: Tensor, scale: Tensor, numel: int) -> Tensor:
 
 
 class SwitchPort:
-    """A trainer's side of switch aggregation (module docstring). ``aggregator``: its global rank."""
+    """A trainer's side of switch aggregation (module docstring): ``group`` a process group (object)
+    holding the trainers and the aggregator, ``aggregator`` its rank there."""
 
-    def __init__(self, aggregator: int, block: int = BLOCK) -> None:
-        self.aggregator, self.block = aggregator, block
+    def __init__(self, group, aggregator: int, block: int = BLOCK) -> None:
+        self.group, self.aggregator, self.block = group, aggregator, block
         self.bytes_sent = 0
         self.calls = 0
 
@@ -95,13 +111,13 @@ class SwitchPort:
         """(the sum of ``x`` over the trainers, identical on each; what this trainer sent: ``x`` at the
         agreed scales, for its error feedback). NaN everywhere if any trainer's ``x`` was not finite."""
         x = x.detach().reshape(-1).float()
-        n, agg = x.numel(), self.aggregator
-        dist.send(torch.tensor([INT8, key, n], dtype=torch.int64), agg)
+        n, agg, g = x.numel(), self.aggregator, self.group
+        _send(g, torch.tensor([INT8, key, n, self.block], dtype=torch.int64), agg)
         blocks = as_blocks(x, self.block)
         local = torch.cat([block_absmax(blocks), torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0])])
-        dist.send(local.nan_to_num(nan=0.0, posinf=0.0), agg)
+        _send(g, local.nan_to_num(nan=0.0, posinf=0.0), agg)
         agreed = torch.empty_like(local)
-        dist.recv(agreed, agg)
+        _recv(g, agreed, agg)
         self.bytes_sent += bytes_up(n, self.block)
         self.calls += 1
         if agreed[-1] != 0:
@@ -110,8 +126,8 @@ class SwitchPort:
         scale = round_toward_zero(agreed[:-1] / QMAX)
         q = _quantize(blocks, scale)
         back = [torch.empty(c * self.block + 4 * c, dtype=torch.uint8) for c in _chunks(q.shape[0], self.block)]
-        works = [dist.isend(part.reshape(-1), agg, tag=j) for j, part in enumerate(_split(q, self.block))]
-        works += [dist.irecv(buf, agg, tag=j) for j, buf in enumerate(back)]
+        works = [g.send([part.reshape(-1)], agg, j) for j, part in enumerate(_split(q, self.block))]
+        works += [g.recv([buf], agg, j) for j, buf in enumerate(back)]
         for w in works:
             w.wait()
         q2 = torch.cat([buf[: buf.numel() // (self.block + 4) * self.block] for buf in back]).view(torch.int8)
@@ -120,36 +136,37 @@ class SwitchPort:
 
     def close(self) -> None:
         """Tell the aggregator this trainer is done (its :func:`serve` returns when every trainer is)."""
-        dist.send(torch.tensor([STOP, 0, 0], dtype=torch.int64), self.aggregator)
+        _send(self.group, torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), self.aggregator)
 
 
-def serve(trainers: list[int], block: int = BLOCK) -> int:
-    """The aggregator's loop (module docstring) for the trainers' global ranks ``trainers``, until every
-    trainer has called :meth:`SwitchPort.close`; returns the number of buckets summed."""
-    residuals: dict[tuple[int, int], Tensor] = {}
+def serve(group, trainers: list[int]) -> int:
+    """The aggregator's loop (module docstring) for the trainers' ranks ``trainers`` in ``group`` (a
+    process group object), until every trainer has called :meth:`SwitchPort.close`; returns the number
+    of buckets summed."""
+    residuals: dict[tuple[int, int, int], Tensor] = {}
     served = 0
     while True:
-        headers = _gather([torch.empty(3, dtype=torch.int64) for _ in trainers], trainers)
+        headers = _gather(group, [torch.empty(4, dtype=torch.int64) for _ in trainers], trainers)
         kinds = {int(h[0]) for h in headers}
         if kinds == {STOP}:
             return served
         first = headers[0].tolist()
         for t, h in zip(trainers, headers):
             if h.tolist() != first:
-                raise ThinwireError(f"switch aggregation: trainer rank {t} sent bucket (kind, key, values) "
+                raise ThinwireError(f"switch aggregation: trainer rank {t} sent bucket (kind, key, values, block) "
                                     f"{tuple(h.tolist())} while rank {trainers[0]} sent {tuple(first)}; the "
                                     "trainers lost step with each other (different models or bucket layouts?)")
-        _, key, n = first
+        _, key, n, block = first
         b = n_blocks(n, block)
-        maxima = _gather([torch.empty(b + 1) for _ in trainers], trainers)
+        maxima = _gather(group, [torch.empty(b + 1) for _ in trainers], trainers)
         agreed = torch.stack(maxima).amax(0)
-        _scatter(agreed, trainers)
+        _scatter(group, agreed, trainers)
         if agreed[-1] != 0:
             continue
         scale = round_toward_zero(agreed[:-1] / QMAX)
-        residual = residuals.setdefault((key, n), torch.zeros(b * block))
+        residual = residuals.setdefault((key, n, block), torch.zeros(b * block))
         sizes = _chunks(b, block)
-        recvs = [[(buf := torch.empty(c * block, dtype=torch.int8), dist.irecv(buf, t, tag=j)) for t in trainers]
+        recvs = [[(buf := torch.empty(c * block, dtype=torch.int8), group.recv([buf], t, j)) for t in trainers]
                  for j, c in enumerate(sizes)]
         sends, first = [], 0
         for j, (c, arriving) in enumerate(zip(sizes, recvs)):  # chunk by chunk: chunk j+1 arrives meanwhile
@@ -163,7 +180,7 @@ def serve(trainers: list[int], block: int = BLOCK) -> int:
             q2, scale2 = _encode(corrected, block)
             residual[first * block : (first + c) * block] = corrected - _decode(q2, scale2, corrected.numel())
             out = torch.cat([q2.view(-1).view(torch.uint8), scale2.view(torch.uint8)])
-            sends += [dist.isend(out, t, tag=j) for t in trainers]
+            sends += [group.send([out], t, j) for t in trainers]
             first += c
         for w in sends:
             w.wait()
@@ -181,12 +198,72 @@ def _split(q: Tensor, block: int) -> list[Tensor]:
     return list(q.split(max(1, CHUNK_BYTES // block)))
 
 
-def _gather(bufs: list[Tensor], ranks: list[int]) -> list[Tensor]:
-    for w in [dist.irecv(buf, r) for buf, r in zip(bufs, ranks)]:
+def _send(group, t: Tensor, dst: int) -> None:
+    group.send([t], dst, 0).wait()
+
+
+def _recv(group, t: Tensor, src: int) -> None:
+    group.recv([t], src, 0).wait()
+
+
+def _gather(group, bufs: list[Tensor], ranks: list[int]) -> list[Tensor]:
+    for w in [group.recv([buf], r, 0) for buf, r in zip(bufs, ranks)]:
         w.wait()
     return bufs
 
 
-def _scatter(t: Tensor, ranks: list[int]) -> None:
-    for w in [dist.isend(t, r) for r in ranks]:
+def _scatter(group, t: Tensor, ranks: list[int]) -> None:
+    for w in [group.send([t], r, 0) for r in ranks]:
         w.wait()
+
+
+def connect(rank: int, trainers: int, generation: int, timeout_s: float, block: int = BLOCK) -> SwitchPort:
+    """A worker's port to the aggregator whose store :data:`ENV` names: a gloo group of the ``trainers``
+    workers (this one ``rank``) and the aggregator (rank ``trainers``), for worker restart ``generation``."""
+    where = os.environ.get(ENV, "")
+    address, _, port = where.rpartition(":")
+    if not address or not port.isdigit():
+        raise ThinwireError(f"aggregation: switch needs the aggregator's address in {ENV} (ADDRESS:PORT), got "
+                            f"{where!r}; `thinwire train --cluster SPEC --aggregation switch` sets it")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"switch/{generation}", store), rank, trainers + 1, timeout)
+    return SwitchPort(group, aggregator=trainers, block=block)
+
+
+def aggregate(address: str, port: int, trainers: int, timeout_s: float) -> None:
+    """The aggregator process: hold the store at ``address:port``, then serve one group per worker
+    restart, forever (the launcher stops it when the job ends)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    generation = 0
+    while True:
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"switch/{generation}", store), trainers,
+                                          trainers + 1, timeout)
+        except RuntimeError as e:  # nobody came within the timeout: keep waiting for this generation
+            log.info("switch: generation %d not formed yet (%s)", generation, e)
+            continue
+        try:
+            served = serve(group, list(range(trainers)))
+            log.info("switch: generation %d done, %d buckets", generation, served)
+        except (RuntimeError, ThinwireError) as e:  # a trainer died: its agent restarts the workers
+            log.warning("switch: generation %d ended by %s", generation, e)
+        generation += 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="thinwire's aggregator on the switch (started by `thinwire train "
+                                            "--cluster SPEC --aggregation switch`)")
+    p.add_argument("--address", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--trainers", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    torch.set_num_threads(1)
+    aggregate(args.address, args.port, args.trainers, args.timeout)
+
+
+if __name__ == "__main__":
+    main()

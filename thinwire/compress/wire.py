@@ -32,7 +32,13 @@ def alltoall_bytes(nbytes_total: int, p: int) -> int:
     return 0 if p <= 1 else ((p - 1) * nbytes_total) // p
 
 
-COLLECTIVE_BYTES = {"all-reduce": ring_allreduce_bytes, "all-gather": allgather_bytes, "all-to-all": alltoall_bytes}
+def switch_bytes(nbytes: int, p: int) -> int:
+    """Through the switch's aggregator (:mod:`thinwire.compress.switch`): this rank sends its ``nbytes`` once."""
+    return 0 if p <= 1 else nbytes
+
+
+COLLECTIVE_BYTES = {"all-reduce": ring_allreduce_bytes, "all-gather": allgather_bytes, "all-to-all": alltoall_bytes,
+                    "switch": switch_bytes}
 
 
 def collective_bytes(kind: str, nbytes: int, p: int) -> int:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from thinwire.cluster.emulator import EmulatedCluster
+from thinwire.compress.switch import ENV as SWITCH_ENV
 from thinwire.cluster.spec import load_cluster_spec
 from thinwire.errors import ThinwireError
 from thinwire.train.distenv import HOST_CPUS_ENV
@@ -59,6 +60,7 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
     # elastic: a rendezvous round closes this long after the smallest allowed group has joined
     last_call = f",last_call_timeout={ELASTIC_LAST_CALL_S}" if cfg.min_hosts else ""
     agents = {}
+    aggregator = _start_aggregator(cluster, len(hosts), cfg, logs, pythonpath) if cfg.aggregation == "switch" else None
     for i, h in enumerate(hosts):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}",
@@ -70,9 +72,23 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
         # a fresh store per rendezvous round (hosted by rank 0's worker): agents count restarts on their
         # own, so a prefix by restart count can differ between hosts after a membership change
         env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               **({HOST_CPUS_ENV: str(cpus[h.name])} if cpus.get(h.name) else {})}
+               **({HOST_CPUS_ENV: str(cpus[h.name])} if cpus.get(h.name) else {}),
+               **({SWITCH_ENV: f"{aggregator.host.address}:{SWITCH_PORT}"} if aggregator else {})}
         agents[h.name] = Agent(h, argv, env, None if i == 0 else logs / f"{h.name}.log")
-    _wait(cluster, list(agents.values()), logs, min_hosts=cfg.min_hosts)
+    _wait(cluster, list(agents.values()), logs, min_hosts=cfg.min_hosts, aggregator=aggregator)
+
+
+SWITCH_PORT = 29500
+
+
+def _start_aggregator(cluster: EmulatedCluster, trainers: int, cfg: TrainConfig, logs: Path, pythonpath: str) -> "Agent":
+    """The aggregator on the switch (spec ``switch:``), before any worker needs it; logs to OUT/hosts/switch.log."""
+    host = cluster.aggregator()
+    # -c, not -m: `-m thinwire.compress.switch` would import the module twice (the package imports it)
+    argv = [sys.executable, "-c", "from thinwire.compress.switch import main; main()", "--address", host.address,
+            "--port", str(SWITCH_PORT),
+            "--trainers", str(trainers), "--timeout", str(cfg.timeout_s)]
+    return Agent(host, argv, {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}, logs / "switch.log")
 
 
 ELASTIC_LAST_CALL_S = 5
@@ -99,7 +115,8 @@ class Agent:
         self.gone = False
 
 
-def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: int | None = None) -> None:
+def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: int | None = None,
+          aggregator: Agent | None = None) -> None:
     """Until every agent has finished. Without ``min_hosts`` any failure stops the run. With it a host
     other than the first (which holds the rendezvous store) may fail and the run goes on while at
     least ``min_hosts`` are left: torchrun's agents restart the workers on the hosts that are left
@@ -107,6 +124,10 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
     `thinwire cluster restore` brings it back, and joins at the next rendezvous."""
     try:
         while True:
+            if aggregator is not None and aggregator.proc.poll() is not None:  # before the workers it failed
+                raise ThinwireError(f"cluster: the aggregator on the switch stopped (exit code {aggregator.proc.poll()}) "
+                                    f"and the hosts were stopped; the last checkpoint is kept (resume with --resume "
+                                    f"OUT, or --aggregation ring). {_tail(logs / 'switch.log')}")
             for a in agents:
                 code = a.proc.poll()
                 if a.gone or code in (None, 0):
@@ -137,13 +158,14 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                     a.start(append=True)
             if all(a.proc.poll() == 0 for a in agents if not a.gone):
                 return
+
             for a in agents:  # hosts with an offload engine (spec `nic:`): threads a process group started
                 if a.nic and not a.gone:
                     cluster.adopt_offloaded_threads(a.host.name)
             time.sleep(0.2)
     finally:  # also on Ctrl-C, SIGTERM and SIGHUP (thinwire.signals); a second signal waits for it
         with deferred():
-            _stop_hosts(agents)
+            _stop_hosts(agents + ([aggregator] if aggregator is not None else []))
 
 
 STOP_GRACE_S = 5.0  # all agents together; a failure must still surface within a collective timeout or two

@@ -60,6 +60,9 @@ class TrainConfig:
     # it one (`nic:`), else inline; off: inline (to compare); core:N: on core N of this machine, which the
     # compute threads leave to it (an engine as a pinned core, on real machines)
     offload: str = "auto"
+    # how buckets are summed across hosts: ring (collectives among the workers) or switch (int8 through the
+    # aggregator on the cluster's switch, spec `switch:`; thinwire.compress.switch)
+    aggregation: str = "ring"
     timeout_s: float = 300.0            # a collective stuck this long (dead peer, cut link) fails the run
     precision: Literal["fp32", "bf16", "fp16", "int8", "auto"] = "fp32"
     memory_budget: str | None = None    # e.g. "512MiB": largest micro-batch that fits, accumulated to batch_size
@@ -92,6 +95,28 @@ class TrainConfig:
         self.pipeline_spec = parse_pipeline_spec(self.pipeline)
         if self.pipeline_spec.enabled:
             self._check_pipeline()
+        self._check_aggregation()
+
+    def _check_aggregation(self) -> None:
+        """``switch``: what the aggregator on the switch sums (int8 with nearest rounding, every step's
+        buckets of one fixed set of hosts); each other case refused with the way to run it."""
+        from thinwire.commspec import CodecSpec
+
+        check(self.aggregation in ("ring", "switch"), "aggregation", self.aggregation, "ring or switch")
+        if self.aggregation == "ring":
+            return
+        ring = "Use --aggregation ring (the default) for it."
+        check(self.cluster is not None, "aggregation", self.aggregation, "switch with --cluster SPEC",
+              "The aggregator runs on the emulated cluster's switch (spec `switch: {cpu: 0.5}`).")
+        codec = self.comm.codec if isinstance(self.comm, CodecSpec) else None
+        check(codec is not None and codec.name == "int8" and not codec.config.stochastic, "compression",
+              self.compression, "int8 (nearest rounding, any block) with --aggregation switch",
+              "The switch sums int8 at agreed block scales; other codecs travel around the ring: " + ring)
+        check(self.sync_spec.mode == "allreduce", "sync", self.sync, "allreduce with --aggregation switch", ring)
+        check(self.min_hosts is None, "min_hosts", self.min_hosts, "left out with --aggregation switch",
+              "The aggregator expects a fixed set of hosts. " + ring)
+        check(self.plan is None and not self.pipeline_spec.enabled, "aggregation", self.aggregation,
+              "ring with --plan or --pipeline", "Leave --plan and --pipeline out to aggregate in the switch.")
 
     def _check_pipeline(self) -> None:
         """What a pipelined run does not do (yet): each refused with the way to run without it."""

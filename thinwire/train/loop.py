@@ -181,7 +181,13 @@ class Trainer:
                       process_group=dist.group.WORLD)
         if self.planned:
             return self.planned.attach(self.ddp, **kwargs)
-        return attach(self.ddp, self.cfg.comm, **kwargs)
+        state = attach(self.ddp, self.cfg.comm, **kwargs)
+        if self.cfg.aggregation == "switch":  # int8 buckets through the aggregator on the switch
+            from thinwire.compress.switch import connect
+
+            state.switch = connect(self.env.rank, self.env.world, self.env.restart_count, self.cfg.timeout_s,
+                                   block=self.cfg.comm.codec.config.block)
+        return state
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps

@@ -41,6 +41,7 @@ from thinwire.compress.wire import collective_bytes
 from thinwire.compress.schemes.decoded import Decoded
 from thinwire.compress.schemes.lowrank import LowRank
 from thinwire.compress.schemes.summed import Fp32, Summed, flag_bytes
+from thinwire.compress.schemes.switched import Switched
 
 SCHEMES: tuple[Scheme, ...] = (Fp32(), LowRank(), Summed(), Decoded())
 FP32 = SCHEMES[0]
@@ -60,8 +61,14 @@ def start(job: BucketJob) -> Pending | None:
     return scheme_for(job.codec).start(job)
 
 
+SWITCHED = Switched()
+
+
 def run(job: BucketJob) -> tuple[Tensor, bool]:
-    """Average the bucket across ranks with the job's codec; returns (result, all ranks finite)."""
+    """Average the bucket across ranks with the job's codec; returns (result, all ranks finite). A job
+    whose state has a port to the switch's aggregator (``state.switch``) sends int8 through it."""
+    if getattr(job.state, "switch", None) is not None and SWITCHED.accepts(job.codec):
+        return SWITCHED.run(job)
     return scheme_for(job.codec).run(job)
 
 
@@ -74,4 +81,4 @@ def traffic(codec: Codec, numel: int, p: int, shapes: Sequence[Sequence[int]] | 
 
 
 __all__ = ["BucketJob", "Pending", "Scheme", "Traffic", "SCHEMES", "FP32", "scheme_for", "start", "run", "traffic",
-           "flag_bytes", "all_finite", "Fp32", "Summed", "Decoded", "LowRank"]
+           "flag_bytes", "all_finite", "Fp32", "Summed", "Decoded", "LowRank", "Switched"]
