@@ -133,3 +133,24 @@ def test_train_config_refuses_what_the_switch_cannot_sum():
     for change, match in cases:
         with pytest.raises(ConfigError, match=match):
             TrainConfig(**{**ok, **change})
+
+
+def test_the_model_prices_the_switch_as_the_hook_sends_it():
+    from thinwire.compress.schemes import traffic
+    from thinwire.compress.spec import parse_codec_spec
+    from thinwire.perf import collectives as coll
+    from thinwire.perf.model import Network, bucket_cost
+    from thinwire.sim.inputs import codec_model
+
+    codec, n, p = parse_codec_spec("int8"), 1_000_000, 8
+    ring, sw = traffic(codec, n, p), traffic(codec, n, p, switch=True)
+    assert sw.scheme == "switch" and sw.bytes_sent == switch.bytes_up(n)      # what Switched.run counts
+    assert ring.bytes_sent / sw.bytes_sent == pytest.approx(2 * (p - 1) / p, rel=0.02)
+    assert traffic(parse_codec_spec("bf16"), n, p, switch=True).scheme == "summable"  # only int8 goes to the switch
+    beta = 8 / 100e6
+    net = Network(alpha_s=1e-3, beta_s_per_byte=beta)
+    ring_s = bucket_cost(codec_model("int8", None), 0, n, p, net).comm_s
+    switch_s = bucket_cost(codec_model("int8", None, switch=True), 0, n, p, net).comm_s
+    assert switch_s == pytest.approx(4e-3 + (sw.bytes_sent + coll.SWITCH_CHUNK_BYTES) * beta)
+    assert 1.6 < ring_s / switch_s < 1.8  # bandwidth-bound at 8 hosts: 2(p-1)/p = 1.75 fewer bytes each way
+    assert coll.SWITCH_CHUNK_BYTES == switch.CHUNK_BYTES

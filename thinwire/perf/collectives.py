@@ -76,6 +76,19 @@ def alltoall_s(nbytes: float, p: int, *, alpha: float, beta: float) -> float:
     return 0.0 if p == 1 else (p - 1) * alpha + (p - 1) / p * nbytes * beta
 
 
+SWITCH_CHUNK_BYTES = 64 * 1024  # thinwire.compress.switch.CHUNK_BYTES (perf/ sits below compress/)
+SWITCH_MESSAGES = 4  # on the critical path: header, block maxima, agreed maxima back, then the chunks
+
+
+def switch_s(nbytes: float, p: int, *, alpha: float, beta: float) -> float:
+    """Through the aggregator on the switch (:mod:`thinwire.compress.switch`), ``nbytes`` sent by each
+    rank: 4 messages' latency, the payload up and the re-encoded sum down chunk by chunk, both directions
+    of the host's link busy at once (the way down lags one chunk): ``4 alpha + (n + min(n, chunk)) beta``.
+    The aggregator's port is taken to carry ``p`` hosts' traffic at their rate, and its CPU to keep up."""
+    _check(nbytes, p)
+    return 0.0 if p == 1 else SWITCH_MESSAGES * alpha + (nbytes + min(nbytes, SWITCH_CHUNK_BYTES)) * beta
+
+
 def halving_doubling_allreduce_s(nbytes: float, p: int, *, alpha: float, beta: float, gamma: float = 0.0) -> float:
     """Rabenseifner's recursive halving (reduce-scatter) then doubling (all-gather).
 

@@ -166,7 +166,8 @@ class StepPrediction:
         return sum(b.bytes_sent for b in self.buckets)
 
 
-_TIME = {"all-reduce": coll.ring_allreduce_s, "all-gather": coll.allgather_s, "all-to-all": coll.alltoall_s}
+_TIME = {"all-reduce": coll.ring_allreduce_s, "all-gather": coll.allgather_s, "all-to-all": coll.alltoall_s,
+         "switch": coll.switch_s}
 
 
 def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Network,
@@ -182,8 +183,10 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
 
 
 def ring_hops(kind: str, p: int) -> int:
-    """Messages one after another on a ring collective's critical path: 2(p-1) for an all-reduce
-    (reduce-scatter, then all-gather), p-1 for an all-gather or all-to-all."""
+    """Messages one after another on a collective's critical path: 2(p-1) for an all-reduce
+    (reduce-scatter, then all-gather), p-1 for an all-gather or all-to-all, 4 through the switch."""
+    if kind == "switch":
+        return coll.SWITCH_MESSAGES
     return 2 * (p - 1) if kind == "all-reduce" else p - 1
 
 

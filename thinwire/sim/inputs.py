@@ -155,12 +155,12 @@ def _cost(c: Cost) -> LinearCost:
 
 
 def codec_model(spec: str | Codec, profile: Profile | None, *, min_compress_bytes: int = 4096,
-                shapes: list[list[list[int]]] | None = None) -> CodecModel:
+                shapes: list[list[list[int]]] | None = None, switch: bool = False) -> CodecModel:
     """The :class:`CodecModel` of codec ``spec`` (a spec string or a codec) with the profile's measured
     costs (zero without a profile: bytes only). Its traffic is the codec's own scheme's
     (:func:`thinwire.compress.schemes.traffic`), fp32 for buckets under ``min_compress_bytes`` as the
     hook sends them. ``shapes``: parameter shapes per bucket (default: the profile's buckets; a bucket
-    without them is priced from its size alone)."""
+    without them is priced from its size alone). ``switch``: int8 through the aggregator on the switch."""
     codec = parse_codec_spec(spec) if isinstance(spec, str) else spec
     name = spec_string(codec)
     if shapes is None:
@@ -168,7 +168,8 @@ def codec_model(spec: str | Codec, profile: Profile | None, *, min_compress_byte
 
     def traffic(index: int, numel: int, p: int):
         small = codec.lossless or numel * 4 < min_compress_bytes
-        return schemes.traffic(codec, numel, p, shapes[index] if index < len(shapes) else None, uncompressed=small)
+        return schemes.traffic(codec, numel, p, shapes[index] if index < len(shapes) else None, uncompressed=small,
+                               switch=switch)
 
     return CodecModel(name=name, traffic=traffic, **_measured_costs(name, codec, profile))
 

@@ -73,10 +73,12 @@ def run(job: BucketJob) -> tuple[Tensor, bool]:
 
 
 def traffic(codec: Codec, numel: int, p: int, shapes: Sequence[Sequence[int]] | None = None, *,
-            uncompressed: bool = False) -> Traffic:
+            uncompressed: bool = False, switch: bool = False) -> Traffic:
     """How a bucket of ``numel`` fp32 values travels with ``codec`` on ``p`` ranks (see :class:`Traffic`);
-    ``uncompressed``: as the hook sends a bucket during warm-up or under ``min_compress_bytes`` (fp32)."""
-    t = (FP32 if uncompressed else scheme_for(codec)).traffic(codec, numel, p, shapes)
+    ``uncompressed``: as the hook sends a bucket during warm-up or under ``min_compress_bytes`` (fp32);
+    ``switch``: where the job has an aggregator on the switch (what :func:`run` then does)."""
+    scheme = FP32 if uncompressed else SWITCHED if switch and SWITCHED.accepts(codec) else scheme_for(codec)
+    t = scheme.traffic(codec, numel, p, shapes)
     return t._replace(bytes_sent=sum(collective_bytes(kind, size, p) for kind, size in t.collectives))
 
 
