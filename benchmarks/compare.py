@@ -27,7 +27,10 @@ here is 3-12%, ``results/validation_repeats.md``), and the runs go seed by seed,
 once per seed, so a slow spell of the machine does not land on one contender (``_seed_major``).
 A contender ``CODEC@SYNC`` trains with ``--compression CODEC --sync SYNC`` (``int8@delayed``,
 ``int8@local:period=16``, ``none@diloco:period=16``); ``torch:localsgd:period=H`` is PyTorch's
-post-local SGD. A cluster without DDP fp32 of its own (a slow link where fp32 would take hours) takes
+post-local SGD. A contender ``CODEC+switch`` (``int8+switch``) trains with ``--aggregation switch``: every
+emulated cluster then has an aggregator on its switch (spec ``switch: {cpu: SWITCH_CPU}``, on top of the
+hosts' even split of the cores, so a switch run's hosts may get a little less than their quota; idle in
+the other contenders' runs). A cluster without DDP fp32 of its own (a slow link where fp32 would take hours) takes
 its targets from DDP fp32 on the same hosts at ``FLOOR_RATE``: the loss at equal samples does not
 depend on the link. With a floor cluster in the results every contender's median time to target is
 also given over the floor's (``/ floor``: DDP fp32 on unshaped links, the compute floor).
@@ -68,10 +71,15 @@ LR = None  # ``--lr``; None: the workload's default (charlm: 3e-3)
 EMULATE_SEEDS = False  # ``--emulate-seeds``: every contender, not only auto, runs every seed emulated
 
 
+SWITCH_CPU = 0.25  # the aggregator's cores where a contender aggregates in the switch (``CODEC+switch``)
+SWITCH = False     # set when a contender is ``CODEC+switch``
+
+
 def cluster_spec(hosts: int, rate: str, folder: Path) -> Path:
     cpu = round((os.cpu_count() or 2) / hosts, 3)
     path = folder / f"cmp-{hosts}h-{rate}.yaml"
-    lines = [f"name: cmp-{hosts}h-{rate}", f"defaults: {{bandwidth: {rate}, cpu: {cpu}}}", "hosts:"]
+    lines = [f"name: cmp-{hosts}h-{rate}", f"defaults: {{bandwidth: {rate}, cpu: {cpu}}}",
+             *([f"switch: {{cpu: {SWITCH_CPU}}}"] if SWITCH else []), "hosts:"]
     lines += [f"  - {{name: h{i}}}" for i in range(hosts)]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -89,8 +97,10 @@ def split_contenders(text: str) -> list[str]:
 
 
 def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> list[str]:
+    contender, switch = (contender[: -len("+switch")], True) if contender.endswith("+switch") else (contender, False)
     codec, _, sync = contender.partition("@")
     return [sys.executable, "-m", "thinwire", "train", "--workload", "charlm", *(("--sync", sync) if sync else ()),
+            *(("--aggregation", "switch") if switch else ()),
             "--compression", codec, "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
             "--eval-every", str(max(1, steps // EVALS)), "--checkpoint-every", str(steps), "--set", "warmup_steps=10",
             *(("--set", f"lr={LR}") if LR else ()), "--seed", str(seed), "--out", str(out),
@@ -513,7 +523,7 @@ def plots(results: dict, folder: Path, stem: str) -> list[Path]:
 
 
 def main() -> int:
-    global EVALS, LR, EMULATE_SEEDS
+    global EVALS, LR, EMULATE_SEEDS, SWITCH
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 clusters, 4 contenders, 40 steps (~5 min)")
     ap.add_argument("--steps", type=int)
@@ -546,6 +556,9 @@ def main() -> int:
     if args.lr is not None and not args.lr > 0:
         ap.error(f"--lr must be a learning rate > 0, got {args.lr}")
     EVALS, LR, EMULATE_SEEDS = args.evals, args.lr, args.emulate_seeds
+    SWITCH = any(c.endswith("+switch") for c in contenders)
+    if SWITCH and not args.emulate_seeds:
+        ap.error("a CODEC+switch contender needs --emulate-seeds (its seeds cannot run on local workers)")
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
                "steps": steps, "evals": args.evals, "lr": args.lr, "emulate_seeds": args.emulate_seeds, "batch": args.batch, "model": MODEL, "clusters": []}

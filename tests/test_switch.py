@@ -154,3 +154,14 @@ def test_the_model_prices_the_switch_as_the_hook_sends_it():
     assert switch_s == pytest.approx(4e-3 + (sw.bytes_sent + coll.SWITCH_CHUNK_BYTES) * beta)
     assert 1.6 < ring_s / switch_s < 1.8  # bandwidth-bound at 8 hosts: 2(p-1)/p = 1.75 fewer bytes each way
     assert coll.SWITCH_CHUNK_BYTES == switch.CHUNK_BYTES
+
+
+def test_simulate_takes_the_switch_for_int8_only():
+    from thinwire.errors import ConfigError
+    from thinwire.sim.sweep import SimOptions
+
+    assert SimOptions(codec="int8:block=64", aggregation="switch").aggregation == "switch"
+    with pytest.raises(ConfigError, match=r"^--compression: must be int8 \(nearest rounding\) with --aggregation switch, got 'bf16'"):
+        SimOptions(codec="bf16", aggregation="switch")
+    with pytest.raises(ConfigError, match=r"^--aggregation: must be ring or switch"):
+        SimOptions(codec="int8", aggregation="tree")

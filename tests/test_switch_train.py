@@ -77,3 +77,24 @@ def test_a_dead_aggregator_stops_the_run_naming_it(cluster, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and time.time() - t0 < 60
     assert "aggregator on the switch stopped" in err and "last checkpoint is kept" in err, err[-3000:]
+
+
+def test_with_restarts_left_a_dead_aggregator_costs_one_and_the_run_finishes_on_the_ring(cluster, tmp_path):
+    spec, c = cluster
+    out = tmp_path / "run"
+    proc = _train(spec, out, "--aggregation", "switch", "--steps", "400", "--checkpoint-every", "20",
+                  "--max-restarts", "1")
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(
+            json.loads(l).get("step", 0) >= 30 for l in ((out / "metrics.jsonl").read_text().splitlines()
+                                                         if (out / "metrics.jsonl").exists() else []) if l.strip()):
+        time.sleep(0.2)
+    for pid in c.cgroups.pids(AGGREGATOR_GROUP):
+        os.kill(pid, 9)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 400 and (out / "config-ring.yaml").exists()
+    events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in l]
+    resumed = [e for e in events if e["event"] in ("resume", "restart")]
+    assert resumed and resumed[-1]["step"] >= 20  # from the last checkpoint, not from scratch

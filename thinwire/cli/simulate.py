@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     add_workload_args(p)
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
     p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
+    p.add_argument("--aggregation", default="ring", choices=["ring", "switch"],
+                   help="switch: int8 buckets through an aggregator on the switch (`train --aggregation switch`)")
     p.add_argument("--sync", default="allreduce", metavar="MODE",
                    help="also price a sync mode: delayed, local:period=H, diloco:period=H[,fragments=F] (columns next to "
                    "allreduce's), or all: a table of the modes side by side")
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     hosts = parse_hosts(args.hosts) if args.hosts else None
     opts = SimOptions(codec=args.compression, hosts=hosts, batch_size=args.batch_size, scaling=args.scaling,
                       threads=args.threads, colocated_cores=args.colocated, device=args.device, mfu=args.mfu,
-                      steps=args.steps or 1000, sync=sync, **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
+                      steps=args.steps or 1000, sync=sync, aggregation=args.aggregation,
+                      **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
     profile, default_batch = _profile(args, model)
     out = Path(args.out or Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     if args.validate:

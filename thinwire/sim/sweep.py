@@ -45,6 +45,7 @@ class SimOptions:
     bucket_mb: float | None = None
     sync: object = None                   # a parsed --sync (thinwire.syncspec.SyncSpec); None: allreduce
     busy_hop_s: float | None = None       # a ring hop's wait for CPU quotas while hosts compute; None: the profile's
+    aggregation: str = "ring"             # switch: int8 buckets through the aggregator on the switch
 
     def __post_init__(self) -> None:
         check(self.scaling in ("weak", "strong"), "--scaling", self.scaling, "weak or strong")
@@ -56,6 +57,13 @@ class SimOptions:
         check_range("--j-per-bit", self.j_per_bit, 0, 1, kind="joules per bit",
                     fix="The internet's is about 6e-8 (Aslan et al. 2018); leave it out for that default.")
         get_device_checked(self.device)
+        check(self.aggregation in ("ring", "switch"), "--aggregation", self.aggregation, "ring or switch")
+        if self.aggregation == "switch":
+            from thinwire.compress.schemes import SWITCHED
+            from thinwire.compress.spec import parse_codec_spec
+
+            check(SWITCHED.accepts(parse_codec_spec(self.codec)), "--compression", self.codec,
+                  "int8 (nearest rounding) with --aggregation switch", "Other codecs travel around the ring.")
 
 
 def get_device_checked(name: str):
@@ -114,7 +122,7 @@ def per_host_batch(opts: SimOptions, profile: Profile, k: int, p: int, default_b
 
 def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_batch: int) -> list[Point]:
     """Predictions for each host count in ``opts.hosts`` (see the module docstring)."""
-    codec = inputs.codec_model(opts.codec, profile)
+    codec = inputs.codec_model(opts.codec, profile, switch=opts.aggregation == "switch")
     buckets = inputs.buckets_of(profile, opts.bucket_mb)
     threads = opts.threads or profile.threads
     device = get_device_checked(opts.device)

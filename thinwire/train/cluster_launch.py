@@ -37,7 +37,34 @@ from thinwire.train.progress import console
 RDZV_PORT = 29400
 
 
+class AggregatorGone(ThinwireError):
+    """The aggregator on the switch stopped while the workers still needed it."""
+
+
 def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.train.worker") -> None:
+    """Run the job on the emulated cluster (module docstring). With ``--aggregation switch`` and restarts
+    left, a dead aggregator costs one restart: the job goes on around the ring from its last checkpoint
+    (the config it then runs with is ``OUT/config-ring.yaml``)."""
+    try:
+        _launch(cfg, config_path, module)
+    except AggregatorGone as e:
+        if cfg.max_restarts < 1:
+            raise AggregatorGone(f"{e} Go on around the ring with `thinwire train --resume {cfg.out} --cluster "
+                                 f"{cfg.cluster} --aggregation ring ...`, or give --max-restarts 1 or more to have it "
+                                 "done by itself.") from None
+        import dataclasses
+
+        from thinwire.train.config import save_config
+
+        ring = dataclasses.replace(cfg, aggregation="ring", max_restarts=cfg.max_restarts - 1)
+        path = Path(cfg.out) / "config-ring.yaml"
+        save_config(ring, path)
+        console.print(f"[yellow]{e} Going on around the ring from the last checkpoint (one of --max-restarts; "
+                      f"config {path}).[/yellow]")
+        _launch(ring, path, module)
+
+
+def _launch(cfg: TrainConfig, config_path: Path, module: str) -> None:
     spec = load_cluster_spec(cfg.cluster)
     cluster = EmulatedCluster(spec)
     if not cluster.is_up():
@@ -125,9 +152,8 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
     try:
         while True:
             if aggregator is not None and aggregator.proc.poll() is not None:  # before the workers it failed
-                raise ThinwireError(f"cluster: the aggregator on the switch stopped (exit code {aggregator.proc.poll()}) "
-                                    f"and the hosts were stopped; the last checkpoint is kept (resume with --resume "
-                                    f"OUT, or --aggregation ring). {_tail(logs / 'switch.log')}")
+                raise AggregatorGone(f"cluster: the aggregator on the switch stopped (exit code {aggregator.proc.poll()}) "
+                                     f"and the hosts were stopped; the last checkpoint is kept. {_tail(logs / 'switch.log')}")
             for a in agents:
                 code = a.proc.poll()
                 if a.gone or code in (None, 0):
