@@ -74,16 +74,22 @@ def default_sizes(expected_bps: float, p: int) -> list[int]:
     return [int(min(max(s, 256 * 1024), 256 * 2**20)) // 4 * 4 for s in sizes]
 
 
+def _checked_hosts(cluster: EmulatedCluster, hosts: list[str] | None) -> list[str]:
+    """``hosts`` (default: all of the spec's), each known, at least 2, on a cluster that is up."""
+    hosts = hosts or cluster.spec.host_names
+    if len(hosts) < 2:
+        raise ThinwireError(f"bench needs at least 2 hosts, got {hosts}; add a host to the spec or to --hosts.")
+    for h in hosts:
+        cluster.spec.host(h)
+    cluster.require_up()
+    return list(hosts)
+
+
 def bench(cluster: EmulatedCluster, *, hosts: list[str] | None = None, sizes: list[int] | None = None,
           reps: int = 5, timeout: float = 300.0) -> BenchResult:
     """Run the all-reduce benchmark across ``hosts`` (default all) of a running cluster."""
     spec = cluster.spec
-    hosts = hosts or spec.host_names
-    if len(hosts) < 2:
-        raise ThinwireError(f"bench needs at least 2 hosts, got {hosts}; add a host to the spec or to --hosts.")
-    for h in hosts:
-        spec.host(h)
-    cluster.require_up()
+    hosts = _checked_hosts(cluster, hosts)
     expected = min(spec.bandwidth_bps(a, b) for a, b in combinations(hosts, 2))
     sizes = sizes or default_sizes(expected, len(hosts))
     times = _run_workers(cluster, hosts, sizes, reps, timeout)
@@ -115,12 +121,7 @@ class BusyResult:
 def busy_latency(cluster: EmulatedCluster, *, hosts: list[str] | None = None, size: int = 4, reps: int = 100,
                  timeout: float = 300.0) -> BusyResult:
     """A ``size``-byte all-reduce's median time with the hosts idle and while each computes (module docstring)."""
-    hosts = hosts or cluster.spec.host_names
-    if len(hosts) < 2:
-        raise ThinwireError(f"bench needs at least 2 hosts, got {hosts}; add a host to the spec or to --hosts.")
-    for h in hosts:
-        cluster.spec.host(h)
-    cluster.require_up()
+    hosts = _checked_hosts(cluster, hosts)
     out = _run_workers(cluster, hosts, [size], reps, timeout, busy=True)
     return BusyResult(hosts=list(hosts), size=size, idle_s=statistics.median(out["idle"]),
                       busy_s=statistics.median(out["busy"]), load=out["load"])
@@ -147,13 +148,8 @@ def switch_bench(cluster: EmulatedCluster, *, hosts: list[str] | None = None, si
                  reps: int = 5, timeout: float = 600.0) -> SwitchResult:
     """An int8 all-reduce around the ring and through the switch's aggregator (module docstring)."""
     spec = cluster.spec
-    hosts = hosts or spec.host_names
-    if len(hosts) < 2:
-        raise ThinwireError(f"bench needs at least 2 hosts, got {hosts}; add a host to the spec or to --hosts.")
-    for h in hosts:
-        spec.host(h)
     aggregator = cluster.aggregator()
-    cluster.require_up()
+    hosts = _checked_hosts(cluster, hosts)
     if sizes is None:  # a ring all-reduce of about 0.25 and 1 s at the slowest pair's rate, as int8
         expected = min(spec.bandwidth_bps(a, b) for a, b in combinations(hosts, 2))
         sizes = [int(min(max(4 * t * expected / 8 / bus_factor(len(hosts)), 2**20), 2**28)) // 1024 * 1024

@@ -77,12 +77,6 @@ def bytes_up(numel: int, block: int = BLOCK) -> int:
     return header_bytes() + 4 * (b + 1) + b * block
 
 
-def bytes_down(numel: int, block: int = BLOCK) -> int:
-    """What one trainer receives per bucket (agreed maxima + flag, the re-encoded sum and its scales)."""
-    b = n_blocks(numel, block)
-    return 4 * (b + 1) + b * block + 4 * b
-
-
 def _quantize(blocks: Tensor, scale: Tensor) -> Tensor:
     y = blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
     return y.round_().clamp_(-QMAX, QMAX).to(torch.int8)
@@ -150,13 +144,13 @@ def serve(group, trainers: list[int]) -> int:
         kinds = {int(h[0]) for h in headers}
         if kinds == {STOP}:
             return served
-        first = headers[0].tolist()
+        head = headers[0].tolist()
         for t, h in zip(trainers, headers):
-            if h.tolist() != first:
+            if h.tolist() != head:
                 raise ThinwireError(f"switch aggregation: trainer rank {t} sent bucket (kind, key, values, block) "
-                                    f"{tuple(h.tolist())} while rank {trainers[0]} sent {tuple(first)}; the "
+                                    f"{tuple(h.tolist())} while rank {trainers[0]} sent {tuple(head)}; the "
                                     "trainers lost step with each other (different models or bucket layouts?)")
-        _, key, n, block = first
+        _, key, n, block = head
         b = n_blocks(n, block)
         maxima = _gather(group, [torch.empty(b + 1) for _ in trainers], trainers)
         agreed = torch.stack(maxima).amax(0)
