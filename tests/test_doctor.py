@@ -79,6 +79,42 @@ def test_a_codecs_trial_outranks_the_models_price(digits_profile):
     assert r["recommendation"]["codec"] == "int8" and r["codecs"][0]["speedup"] == pytest.approx(2.0)
 
 
+def test_with_the_guard_doctor_recommends_by_time_to_fp32s_loss(digits_profile):
+    """The same guard as plan and auto: a codec it says does not reach fp32's loss is never recommended,
+    however fast its step; the others rank by step speed-up over their sample factor."""
+    from thinwire.compress.spec import default_candidates
+    from thinwire.doctor.advise import apply_guard
+    from thinwire.measure.file import ConvergenceRecord
+
+    def rec(gap, factor):
+        return ConvergenceRecord(factor=factor, loss=1.0 + gap, reference_loss=1.0, steps=60, world=4, gap=gap, orders=3)
+
+    trials = {c: 1.0 for c in default_candidates()} | {"topk:ratio=0.01": 0.2, "int8": 0.5, "bf16": 0.45}
+    records = {"topk:ratio=0.01": rec(0.20, 3.0), "int8": rec(0.004, 1.02), "bf16": rec(0.009, 1.3)}
+    r = apply_guard(_report(5.0, digits_profile, trials), records, "p.yaml")
+    rows = {c["codec"]: c for c in r["codecs"]}
+    assert rows["topk:ratio=0.01"]["speedup"] == pytest.approx(5.0) and rows["topk:ratio=0.01"]["time_speedup"] is None
+    # bf16 steps faster than int8 (2.22x vs 2x) but needs 1.3x the samples: int8 is sooner to the target
+    assert rows["int8"]["time_speedup"] == pytest.approx(2.0 / 1.02)
+    assert r["recommendation"]["codec"] == "int8" and "1.02x its samples" in r["recommendation"]["why"]
+    assert "topk:ratio=0.01" in r["recommendation"]["why"] and r["guard"] == "p.yaml"
+    none_left = apply_guard(_report(5.0, digits_profile, trials), {"topk:ratio=0.01": rec(0.2, 3.0)}, "p.yaml")
+    assert none_left["recommendation"]["action"] == "keep"  # no record is no promise
+
+
+def test_doctor_refuses_a_guard_profile_of_another_workload(tmp_path):
+    from thinwire.measure.file import save_profile
+    from thinwire.measure.run import profile_workload
+
+    prof = profile_workload(workload="digits", batch_sizes=[8], codecs=["int8"], reps=2, corun=False, guard_steps=0)
+    save_profile(prof, tmp_path / "unguarded.yaml")
+    proc = thinwire("doctor", "--workload", "digits", "--guard", str(tmp_path / "unguarded.yaml"), "--out", str(tmp_path / "d"))
+    assert proc.returncode != 0 and "--guard:" in proc.stderr and "no convergence guard records" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "d").exists()
+    proc = thinwire("doctor", "--workload", "charlm", "--guard", str(tmp_path / "unguarded.yaml"), "--out", str(tmp_path / "d"))
+    assert proc.returncode != 0 and "profiles workload 'digits'" in proc.stderr and not (tmp_path / "d").exists()
+
+
 def test_doctor_refuses_an_existing_folder_and_a_bad_workload(tmp_path):
     out = tmp_path / "taken"
     out.mkdir()

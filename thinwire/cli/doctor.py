@@ -18,6 +18,7 @@ EPILOG = """examples:
   thinwire doctor --nproc 2                                   # charlm on 2 local workers
   thinwire doctor --workload mypkg.jobs:build --nproc 4 --json
   thinwire doctor --cluster examples/clusters/pair-100mbit.yaml   # on the emulated cluster (root)
+  thinwire doctor --guard profile.yaml                        # recommend only what reaches fp32's loss
   torchrun --nnodes 4 --nproc-per-node 1 ... -m thinwire doctor    # on your own nodes
 """
 
@@ -31,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", help="an emulated cluster spec: one worker per host (needs `thinwire cluster up`)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores / local workers)")
     p.add_argument("--out", help="folder for report.json (default: runs/doctor-TIMESTAMP; must not exist)")
+    p.add_argument("--guard", metavar="PROFILE", help="a `thinwire profile` of this workload: recommend only codecs its "
+                   "convergence guard says reach fp32's loss, ranked by time to it (as `plan` and `auto:guard=` do)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise ThinwireError(f"out: {str(out)!r} exists and is not empty; doctor never writes over a folder. "
                             "Pass a new --out.")
     wl = build_workload(cfg.workload, cfg.model, cfg.data)  # a bad workload or data path fails here, before launch
+    guard = _guard_records(args.guard, cfg) if args.guard else None
     if not env.launched:
         from thinwire.train.loop import check_batch
 
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if env.launched:  # under the user's torchrun: this process is one of the ranks
         report = diagnose(cfg, out)
         if report is not None:
-            show(report, as_json=args.json)
+            show(_guarded(report, guard, args.guard, out), as_json=args.json)
         return 0
     save_config(cfg, out / "config.yaml")
     if cfg.cluster:
@@ -80,8 +84,35 @@ def run(args: argparse.Namespace) -> int:
     path = out / REPORT
     if not path.is_file():
         raise ThinwireError(f"doctor: the workers finished without writing {path}; see their output above")
-    show(json.loads(path.read_text()), as_json=args.json)
+    show(_guarded(json.loads(path.read_text()), guard, args.guard, out), as_json=args.json)
     return 0
+
+
+def _guard_records(path: str, cfg) -> dict:
+    """The convergence guard's records of ``--guard``'s profile, checked against this job's workload."""
+    from thinwire.measure.file import load_profile
+
+    prof = load_profile(path)
+    if prof.workload != cfg.workload or dict(prof.model) != dict(cfg.model):
+        raise ThinwireError(f"--guard: {path!r} profiles workload {prof.workload!r} with model options {prof.model}, "
+                            f"but doctor runs {cfg.workload!r} with {dict(cfg.model)}; profile this workload "
+                            "(`thinwire profile --workload ...`) and pass that file.")
+    if not prof.guarded:
+        raise ThinwireError(f"--guard: {path!r} has no convergence guard records (it was made with --guard-steps 0); "
+                            "run `thinwire profile` again without --guard-steps 0.")
+    return {c: v.convergence for c, v in prof.codecs.items() if v.convergence is not None}
+
+
+def _guarded(report: dict, guard: dict | None, source: str | None, out: Path) -> dict:
+    """The report with the guard applied (and written back to report.json), or as it is without one."""
+    if guard is None:
+        return report
+    from thinwire.doctor.advise import apply_guard
+    from thinwire.doctor.worker import REPORT
+
+    report = apply_guard(report, guard, source)
+    (out / REPORT).write_text(json.dumps(report, indent=1))
+    return report
 
 
 def _ms(s: float) -> str:
@@ -110,12 +141,19 @@ def show(r: dict, *, as_json: bool = False) -> None:
                   "it a smaller share")
     for q in r["slow_links"]:
         con.print(f"link rank {q['a']} <-> rank {q['b']}: {q['bps'] / 1e6:.0f} Mbit/s, under half the median pair's")
-    t = Table(title="codecs, tried for a few steps each (loss at equal samples not measured here)")
-    for col in ("codec", "step", "speed-up", "model's", "MB per rank"):
+    guarded = bool(r.get("guard"))
+    t = Table(title="codecs, tried for a few steps each" + (f"; loss by the convergence guard of {r['guard']}" if guarded
+                                                            else " (loss at equal samples not measured here)"))
+    for col in ("codec", "step", "speed-up", "model's", "MB per rank", *(("guard", "to fp32's loss") if guarded else ())):
         t.add_column(col, justify="right" if col != "codec" else "left")
     for c in r["codecs"]:
+        g = c.get("guard")
+        verdict = () if not guarded else (
+            ("no record", "-") if g is None else
+            (f"{g['gap']:+.1%}, {g['factor']:.2f}x samples" if g["reaches"] else f"does not reach ({g['gap']:+.1%})",
+             "-" if c["time_speedup"] is None else f"{c['time_speedup']:.2f}x"))
         t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x" + ("" if c["source"] == "trial" else " (model)"),
-                  f"{c['model_speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}")
+                  f"{c['model_speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}", *verdict)
     con.print(t)
     s = Table(title="sync modes (what-if: their loss at equal samples is not predicted)")
     for col in ("sync", "codec", "step", "speed-up"):

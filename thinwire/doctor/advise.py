@@ -22,6 +22,10 @@ performance model, the model checked against the DDP fp32 step it can be compare
   :data:`WORTH` (5%); otherwise "keep DDP fp32", said plainly. Lossy codecs change the loss at equal
   samples: the recommendation says how to check that (``thinwire profile`` runs the convergence guard
   and ``thinwire plan`` ranks by time to fp32's loss).
+* **With the convergence guard** (``thinwire doctor --guard PROFILE``, a ``thinwire profile`` of the same
+  workload; :func:`apply_guard`): the same guard as ``plan`` and ``auto``. A codec it says does not reach
+  fp32's loss, or has no record of, is shown but never recommended; the others are ranked by time to
+  fp32's loss: speed-up per step over the samples the guard says they need (its sample factor).
 """
 
 from __future__ import annotations
@@ -119,3 +123,39 @@ def _recommend(worth: bool, best: dict, comm_share: float, workload: str) -> dic
                    "convergence guard and `thinwire plan` ranks codecs by time to fp32's loss",
             "command": f"thinwire train --workload {workload} --compression {c}",
             "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
+
+
+def apply_guard(report: dict, records: dict, source: str) -> dict:
+    """``report`` with each codec's guard verdict (``records``: codec -> the profile's
+    :class:`~thinwire.measure.file.ConvergenceRecord`, from ``source``) and the recommendation made again by
+    time to fp32's loss among the codecs the guard lets through (module docstring)."""
+    for row in report["codecs"]:
+        c = row["codec"]
+        r = None if c == "none" else records.get(c)
+        row["guard"] = ({"reaches": True, "gap": 0.0, "factor": 1.0} if c == "none" else None if r is None else
+                        {"reaches": r.reaches and r.factor is not None, "gap": r.relative_gap, "factor": r.factor})
+        g = row["guard"]
+        row["time_speedup"] = row["speedup"] / g["factor"] if g and g["reaches"] else None
+    kept = sorted((row for row in report["codecs"] if row["time_speedup"] is not None), key=lambda r: -r["time_speedup"])
+    out = [row["codec"] for row in report["codecs"] if row["time_speedup"] is None]
+    best = kept[0]
+    worth = best["codec"] != "none" and best["time_speedup"] >= WORTH
+    comm_share = report["measured"]["comm_share"]
+    left = (f" Left out by the guard: {', '.join(out)} (it says they do not reach fp32's loss within 1% at equal "
+            "samples, or it has no record of them)." if out else "")
+    if not worth:
+        rec = {"action": "keep", "codec": "none",
+               "why": f"communication is {comm_share:.0%} of the step and no codec the convergence guard ({source}) "
+                      f"lets through reaches DDP fp32's loss more than {WORTH - 1:.0%} sooner: keep DDP fp32.{left}",
+               "command": None}
+    else:
+        c = best["codec"]
+        rec = {"action": "compress", "codec": c, "speedup": best["speedup"], "time_speedup": best["time_speedup"],
+               "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step "
+                      f"than DDP fp32 and needs {best['guard']['factor']:.2f}x its samples by the convergence guard "
+                      f"({source}): {best['time_speedup']:.2f}x sooner to fp32's loss.{left}",
+               "command": f"thinwire train --workload {report['workload']} --compression {c}",
+               "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
+    report["recommendation"] = rec
+    report["guard"] = source
+    return report
