@@ -165,3 +165,19 @@ def test_simulate_takes_the_switch_for_int8_only():
         SimOptions(codec="bf16", aggregation="switch")
     with pytest.raises(ConfigError, match=r"^--aggregation: must be ring or switch"):
         SimOptions(codec="int8", aggregation="tree")
+
+
+def test_switch_bench_builds_a_valid_spec_and_prices_the_wire(tmp_path):
+    import sys as _sys
+
+    from thinwire.cluster.spec import load_cluster_spec
+
+    _sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
+    import switch_bench
+
+    path = tmp_path / "s.yaml"
+    path.write_text(switch_bench.spec_text(8, "100mbit", 0.5))
+    spec = load_cluster_spec(path)
+    assert len(spec.hosts) == 8 and spec.switch.cpu == 0.5 and spec.hosts[0].cpu is None
+    ring, sw = (switch_bench.wire_s(8 << 20, 8, 1e8, s) for s in (False, True))
+    assert ring / sw == pytest.approx(1.75, rel=0.02)  # 2(p-1)/p of the payload against once
