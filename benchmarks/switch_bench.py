@@ -40,7 +40,7 @@ SIZES = "1792KiB,8MiB,32MiB"  # charlm's gradient at compare.py's model (0.45M v
 
 def spec_text(hosts: int, rate: str, switch_cpu: float) -> str:
     lines = [f"name: swb-{hosts}h", "subnet: 10.216.0.0/24", f"defaults: {{bandwidth: {rate}}}",
-             f"switch: {{cpu: {switch_cpu}}}", "hosts:"]
+             f"switch: {{cpu: {switch_cpu if switch_cpu > 0 else 'null'}}}", "hosts:"]
     return "\n".join(lines + [f"  - {{name: h{i}}}" for i in range(hosts)]) + "\n"
 
 
@@ -54,7 +54,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=8)
     ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--switch-cpu", type=float, default=0.5)
+    ap.add_argument("--switch-cpu", type=float, default=0.5, help="the aggregator's cores (0: no cap)")
     ap.add_argument("--sizes", default=SIZES, help="gradient sizes in fp32 bytes")
     ap.add_argument("--reps", type=int, default=5, help="reps per size and way in one pass")
     ap.add_argument("--passes", type=int, default=3)
@@ -101,8 +101,8 @@ def main() -> int:
     lines = [f"# Aggregation in the switch against the ring: int8 all-reduce, {args.hosts} hosts x {args.rate}", "",
              f"Command: `{data['command']}`  ",
              f"Run {started} to {data['ended']} UTC, commit {commit}. {args.hosts} emulated hosts at {args.rate} each "
-             f"(no CPU cap; they share this machine's cores), an aggregator on the switch with {args.switch_cpu} core "
-             f"of its own. {args.passes} passes of `thinwire cluster bench SPEC --aggregation switch --reps {args.reps}`:"
+             f"(no CPU cap; they share this machine's cores), an aggregator on the switch with "
+             f"{f'{args.switch_cpu} core of its own' if args.switch_cpu > 0 else 'no CPU cap'}. {args.passes} passes of `thinwire cluster bench SPEC --aggregation switch --reps {args.reps}`:"
              " per size, the ring's int8 all-reduce (thinwire's `--compression int8`: compressed reduce-scatter + "
              "all-gather) and the switch's, alternating rep by rep; a rep's time is the slowest host's, encode and "
              "decode included. Times: median over passes of each pass's median. 'wire' is what the bytes each host "
