@@ -85,15 +85,18 @@ def _nonfinite(rank: int, world: int) -> dict:
         x[5] = float("inf")
     total, _ = port.all_reduce(x)
     after, _ = port.all_reduce(torch.ones(300))  # the protocol stays in step after a skipped payload
+    small, _ = port.all_reduce(torch.arange(300.0) * (rank + 1), key=1, block=64)  # int8:block=64's buckets
     port.close()
-    return {"nan": bool(total.isnan().all()), "after": after}
+    return {"nan": bool(total.isnan().all()), "after": after, "small": small}
 
 
 def test_a_nonfinite_gradient_on_one_trainer_makes_every_result_nan_and_the_next_bucket_works():
     results = run_ranks(_nonfinite, 4)
     assert all(r["nan"] for r in results[:3])
     assert all(torch.allclose(r["after"], torch.full((300,), 3.0)) for r in results[:3])
-    assert results[3]["served"] == 1  # the non-finite bucket's payload was skipped
+    assert results[3]["served"] == 2  # the non-finite bucket's payload was skipped
+    exact = torch.arange(300.0) * 6  # 1 + 2 + 3 trainers' multiples
+    assert all(torch.allclose(r["small"], exact, atol=float(exact.max()) / 127) for r in results[:3])
 
 
 def _mismatch(rank: int, world: int) -> str:

@@ -101,31 +101,32 @@ class SwitchPort:
         self.bytes_sent = 0
         self.calls = 0
 
-    def all_reduce(self, x: Tensor, key: int = 0) -> tuple[Tensor, Tensor]:
+    def all_reduce(self, x: Tensor, key: int = 0, block: int | None = None) -> tuple[Tensor, Tensor]:
         """(the sum of ``x`` over the trainers, identical on each; what this trainer sent: ``x`` at the
-        agreed scales, for its error feedback). NaN everywhere if any trainer's ``x`` was not finite."""
+        agreed scales, for its error feedback). NaN everywhere if any trainer's ``x`` was not finite.
+        ``block``: values per scale (default the port's; the header tells the aggregator)."""
         x = x.detach().reshape(-1).float()
-        n, agg, g = x.numel(), self.aggregator, self.group
-        _send(g, torch.tensor([INT8, key, n, self.block], dtype=torch.int64), agg)
-        blocks = as_blocks(x, self.block)
+        n, agg, g, block = x.numel(), self.aggregator, self.group, block or self.block
+        _send(g, torch.tensor([INT8, key, n, block], dtype=torch.int64), agg)
+        blocks = as_blocks(x, block)
         local = torch.cat([block_absmax(blocks), torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0])])
         _send(g, local.nan_to_num(nan=0.0, posinf=0.0), agg)
         agreed = torch.empty_like(local)
         _recv(g, agreed, agg)
-        self.bytes_sent += bytes_up(n, self.block)
+        self.bytes_sent += bytes_up(n, block)
         self.calls += 1
         if agreed[-1] != 0:
             nan = torch.full_like(x, float("nan"))
             return nan, nan
         scale = round_toward_zero(agreed[:-1] / QMAX)
         q = _quantize(blocks, scale)
-        back = [torch.empty(c * self.block + 4 * c, dtype=torch.uint8) for c in _chunks(q.shape[0], self.block)]
-        works = [g.send([part.reshape(-1)], agg, j) for j, part in enumerate(_split(q, self.block))]
+        back = [torch.empty(c * block + 4 * c, dtype=torch.uint8) for c in _chunks(q.shape[0], block)]
+        works = [g.send([part.reshape(-1)], agg, j) for j, part in enumerate(_split(q, block))]
         works += [g.recv([buf], agg, j) for j, buf in enumerate(back)]
         for w in works:
             w.wait()
-        q2 = torch.cat([buf[: buf.numel() // (self.block + 4) * self.block] for buf in back]).view(torch.int8)
-        scale2 = torch.cat([buf[buf.numel() // (self.block + 4) * self.block:] for buf in back]).view(torch.float32)
+        q2 = torch.cat([buf[: buf.numel() // (block + 4) * block] for buf in back]).view(torch.int8)
+        scale2 = torch.cat([buf[buf.numel() // (block + 4) * block:] for buf in back]).view(torch.float32)
         return _decode(q2, scale2, n), _decode(q, scale, n)
 
     def close(self) -> None:

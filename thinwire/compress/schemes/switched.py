@@ -26,9 +26,9 @@ class Switched(Scheme):
     def run(self, job: BucketJob) -> tuple[Tensor, bool]:
         port: switch.SwitchPort = job.state.switch
         x = corrected(job, job.key, job.buf)
-        port.block = job.codec.config.block
-        total, sent = port.all_reduce(x, key=int(job.key))
-        job.state.wire.bytes_sent += switch.bytes_up(x.numel(), port.block)
+        block = job.codec.config.block
+        total, sent = port.all_reduce(x, key=int(job.key), block=block)
+        job.state.wire.bytes_sent += switch.bytes_up(x.numel(), block)
         job.state.wire.calls += 1
         finite = not bool(total[:1].isnan().any())  # a non-finite rank makes every value NaN
         if finite:
