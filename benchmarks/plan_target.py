@@ -66,10 +66,18 @@ def must(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedPr
     return proc
 
 
+EVAL_BATCHES = 50  # each validation's global batches: enough for a 0.5% target to be read off the curve
+
+
+def eval_every(n: int) -> int:
+    """Steps between validations of a workload trained N steps: 20 points on the target run's curve."""
+    return max(1, n // 20)
+
+
 def common(name: str, steps: int, seed: int, out: Path) -> list[str]:
     workload, model, batch, n = WORKLOADS[name]
     return ["--workload", workload, *sets(model), "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
-            "--eval-every", str(max(1, n // 20)), "--checkpoint-every", str(steps), "--set", "eval_batches=50",
+            "--eval-every", str(eval_every(n)), "--checkpoint-every", str(steps), "--set", f"eval_batches={EVAL_BATCHES}",
             "--seed", str(seed), "--out", str(out)]
 
 
@@ -111,11 +119,12 @@ def make_plans(name: str, key: str, profile: Path, keep: int, folder: Path) -> l
     """[{label, path, name, predicted_step_s, sample_factor}] of the plan and each alternative it kept."""
     from thinwire.plan.planfile import read_plan, save_plan
 
-    workload, model, batch, _ = WORKLOADS[name]
+    workload, model, batch, n = WORKLOADS[name]
     spec = ROOT / "examples" / "clusters" / f"{CLUSTERS[key]}.yaml"
     out = folder / f"plan-{name}-{key}.yaml"
     proc = must(thinwire("plan", "--cluster", str(spec), "--workload", workload, *sets(model), "--profile", str(profile),
                          "--batch-size", str(batch), "--codecs", CODECS, "--colocated", str(os.cpu_count() or 2),
+                         "--eval-every", str(eval_every(n)), "--eval-batches", str(EVAL_BATCHES),
                          "--keep", str(keep), "--out", str(out)), f"plan of {name} on {key}")
     print(proc.stdout, flush=True)
     plan = read_plan(out)

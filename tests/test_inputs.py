@@ -281,6 +281,8 @@ def test_malicious_pickle_is_reported_as_refused(tmp_path, capsys):
     pytest.param(lambda: SimOptions(threads=10**9), r"--threads: must be an integer in \[1, 1024\]", id="simulate-threads"),
     pytest.param(lambda: PlanOptions(batch_size=8, max_error=float("inf")), r"--max-error: must be a relative error in \(0, ",
                  id="plan-max-error-inf"),
+    pytest.param(lambda: PlanOptions(batch_size=8, eval_batches=-2), r"--eval-batches: must be an integer",
+                 id="plan-eval-batches-negative"),
     pytest.param(lambda: PlanOptions(batch_size=8, colocated_cores=-1.0), r"--colocated: must be a number of cores in",
                  id="plan-colocated-negative"),
     pytest.param(lambda: profile_workload(workload="digits", batch_sizes=[4], bucket_mb=float("inf")),

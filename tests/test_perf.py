@@ -380,6 +380,8 @@ def test_profile_measures_ddp_layout_and_costs(tmp_path):
     assert sum(b.numel for b in prof.buckets) == prof.parameters
     assert all(0.0 <= b.ready_frac <= 1.0 for b in prof.buckets)
     assert prof.flops_per_sample > 0 and prof.activation_bytes_per_sample > 0
+    from thinwire.workloads.registry import build_workload
+    assert prof.val_items == len(build_workload("digits", {"channels": 4, "hidden": 64}, None).val) > 0
     # DDP's rebuilt layout is the size-capped assignment in gradient-ready order (first cap = cap here)
     order = [i for b in prof.buckets for i in b.params]
     sizes = {i: 4 * math.prod(s) for b in prof.buckets for i, s in zip(b.params, b.shapes)}

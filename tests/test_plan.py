@@ -488,3 +488,47 @@ def test_the_planner_runs_codec_work_on_an_offload_engine_when_the_spec_has_one(
     encode = lambda s: sum(b.encode_s for b in s.timeline.buckets)  # noqa: E731
     assert encode(same) == pytest.approx(encode(inline))            # at the same speed as the host's half core
     assert encode(small) == pytest.approx(2 * encode(inline))       # a quarter core encodes at half that speed
+
+
+# -- validation is part of the time to target ------------------------------------------------------------
+def test_a_validation_is_priced_as_the_trainer_splits_it_and_says_so():
+    """64 items (2 global batches of 32) over 4 even hosts of 8: 16 items each, two forwards of 8 at the
+    profile's data + forward phase (20 ms at batch 8), on a half-core host: 80 ms, 8 ms a step at every 10."""
+    plan = plan_for(four(), eval_every=10, eval_batches=2)
+    assert plan.chosen.hosts == ["h0", "h1", "h2", "h3"] and plan.chosen.shares == [8, 8, 8, 8]
+    assert plan.chosen.validation_s == pytest.approx(2 * 0.02 / 0.5)
+    line = next(l for l in plan.explanation if l.startswith("Validation:"))
+    assert "64 items every 10 steps" in line and "80.0 ms each" in line and "8.0 ms per step" in line
+    assert plan_for(four()).chosen.validation_s == 0.0  # eval_every 0 (the API's default): not priced
+
+
+def test_a_plan_on_fewer_hosts_pays_for_validating_more_items_on_each():
+    """On two groups behind a thin link the step alone is best on one group's 2 hosts; when the run
+    validates 20 global batches every step, each of those 2 hosts forwards twice the items it would
+    among 4, and the planner keeps all 4."""
+    spec, prof = load_cluster_spec(EXAMPLES / "plan-b-two-groups.yaml"), profile(params=800_000)
+    alone = plan_for(spec, prof=prof, batch=32)
+    assert len(alone.chosen.hosts) == 2
+    heavy = plan_for(spec, prof=prof, batch=32, eval_every=1, eval_batches=20)
+    assert len(heavy.chosen.hosts) == 4, heavy.chosen.name
+    two = next(a for a in heavy.alternatives if len(a.hosts) == 2)
+    assert two.validation_s == pytest.approx(2 * heavy.chosen.validation_s)
+    assert heavy.chosen.predicted_step_s > two.predicted_step_s  # chosen for its time to target, not its step
+    light = plan_for(spec, prof=prof, batch=32, eval_every=1000, eval_batches=1)
+    assert light.chosen.name == alone.chosen.name
+
+
+def test_validation_items_follow_the_trainers_subset():
+    from thinwire.plan.planner import validation_items
+    from thinwire.workloads.base import eval_subset
+
+    prof = dataclasses.replace(profile(), val_items=500)
+    for batches in (0, 2, 100):
+        items, note = validation_items(prof, PlanOptions(batch_size=32, eval_every=5, eval_batches=batches))
+        assert items == len(eval_subset(500, batches, 32)) and note is None
+    old = profile()  # a profile from before val_items: the asked batches, or nothing priced for a whole pass
+    assert validation_items(old, PlanOptions(batch_size=32, eval_every=5, eval_batches=3)) == (96, None)
+    items, note = validation_items(old, PlanOptions(batch_size=32, eval_every=5, eval_batches=0))
+    assert items == 0 and "--eval-batches 0" in note
+    with pytest.raises(ConfigError, match="--eval-every"):
+        PlanOptions(batch_size=32, eval_every=-1)

@@ -14,6 +14,7 @@ from thinwire.compress.spec import default_candidates
 from thinwire.config import check
 from thinwire.errors import ConfigError
 from thinwire.plan.choose import MAX_EF_ERROR
+from thinwire.train.config import TrainConfig
 
 EPILOG = """examples:
   thinwire profile --workload charlm --out charlm.profile.yaml
@@ -48,6 +49,13 @@ def add_parser(sub) -> None:
                         f"workload's gradients is above this (default {MAX_EF_ERROR}, as auto's)")
     p.add_argument("--pipeline", action="store_true", help="plan a pipeline over the hosts (the layer list split by "
                    "host speed and memory), also where data parallelism fits; planned anyway where it does not")
+    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every,
+                   help="the run validates every this many steps, as `train --eval-every`; its validation, split "
+                        f"over the plan's hosts, counts in the time to target (default {TrainConfig.eval_every}, "
+                        "train's; 0: leave validation out)")
+    p.add_argument("--eval-batches", type=int, default=TrainConfig.eval_batches,
+                   help=f"... on this many global batches, as train's eval_batches (default {TrainConfig.eval_batches}; "
+                        "0: the whole validation set)")
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.set_defaults(func=run)
 
@@ -79,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch_size or _default_batch(args, model)
     opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,
                        device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error, rank=args.rank,
-                       pipeline=args.pipeline)
+                       pipeline=args.pipeline, eval_every=args.eval_every, eval_batches=args.eval_batches)
     profile = _profile(args, model, batch, len(spec.hosts), codecs, guard=args.rank == "time" and not args.pipeline)
     plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
     path = save_plan(plan, args.out)

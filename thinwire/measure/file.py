@@ -205,6 +205,7 @@ class Profile:
     layers_batch: int = 0                                                 # the batch they were measured at
     runtime_bytes: int = 0  # a worker process's memory before its model: Python, torch, thinwire (0: not measured)
     pipeline_overhead_s: float = 0.0  # a stage's schedule and send/receive time per micro-batch (measure.pipeline_overhead)
+    val_items: int = 0  # the workload's validation set size (0: not recorded): what a validation can cost (plan)
 
     def __post_init__(self) -> None:
         check(self.version == VERSION, "version", self.version, f"{VERSION}",
@@ -217,6 +218,7 @@ class Profile:
         for name in ("flops_per_sample", "achieved_flops", "activation_bytes_per_sample"):
             check_range(name, getattr(self, name), 0, 1e30)
         check_range("collective_cpu_s_per_byte", self.collective_cpu_s_per_byte, 0, 1e-3)
+        check_range("val_items", self.val_items, 0, 2**62, kind="an integer")
         for copies, speed in self.corun_speed.items():
             check_range(f"corun_speed.{copies}", speed, 0, 100, open_lo=True)
 

@@ -165,8 +165,22 @@ def explain(pb: Problem, chosen: Scored, base: dict[str, Scored | None], all_hos
         line = fn(pb, chosen)
         if line:
             lines.append(line)
+    line = _validation_line(pb, chosen, fp32)
+    if line:
+        lines.append(line)
     lines.append(f"What remains: {bottleneck(pb, chosen)}.")
     return lines + [f"Note: {n}." for n in notes]
+
+
+def _validation_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str | None:
+    """What a validation costs on the chosen hosts, against uniform DDP's, and that it is counted."""
+    if chosen.val_s <= 0:
+        return None
+    than = (f" (uniform DDP over {len(fp32.layout.hosts)} hosts: {_ms(fp32.val_s)})"
+            if fp32 is not None and fp32.layout.hosts != chosen.layout.hosts else "")
+    return (f"Validation: {pb.val_items} items every {pb.eval_every} steps, split evenly over the {len(chosen.layout.hosts)} "
+            f"hosts, predicted at {_ms(chosen.val_s)} each{than}, {_ms(chosen.val_per_step_s)} per step spread over "
+            "the steps between validations; counted in the time to target (--eval-every 0 leaves it out).")
 
 
 def _ranking_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str:

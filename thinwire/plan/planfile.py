@@ -61,6 +61,7 @@ class Decision:
     exposed_comm_s: float = 0.0
     bytes_per_step: int = 0
     sample_factor: float = 1.0  # samples relative to DDP fp32 to reach its loss (the convergence guard's; 1: not priced)
+    validation_s: float = 0.0   # one validation's predicted seconds on these hosts (0: not priced)
 
     def __post_init__(self) -> None:
         n = len(self.hosts)
@@ -73,7 +74,7 @@ class Decision:
         if self.collective == "hierarchical":
             flat = sorted(h for g in self.groups for h in g)
             check(flat == sorted(self.hosts), "groups", self.groups, "a partition of the plan's hosts")
-        for name in ("predicted_step_s", "compute_s", "exposed_comm_s"):
+        for name in ("predicted_step_s", "compute_s", "exposed_comm_s", "validation_s"):
             check_range(name, getattr(self, name), 0, 1e9, fix="Seconds; make the plan again with `thinwire plan`.")
         check_range("bytes_per_step", self.bytes_per_step, 0, 2**62, kind="an integer")
         check_range("sample_factor", self.sample_factor, 1, 1e6, fix="Make the plan again with `thinwire plan`.")

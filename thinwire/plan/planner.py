@@ -62,6 +62,8 @@ class PlanOptions:
     max_error: float = MAX_EF_ERROR       # with --rank step (or no guard): the cap on a codec's relative error with EF
     rank: str = "time"                    # "time": by predicted time to fp32's loss (the guard's factors); "step"
     pipeline: bool = False                # plan a pipeline over the hosts (also when data parallelism fits)
+    eval_every: int = 0                   # the run validates every this many steps (0: validation not priced)
+    eval_batches: int = 20                # ... on this many global batches (0: the whole validation set)
 
     def __post_init__(self) -> None:
         check(self.batch_size >= 1, "--batch-size", self.batch_size, "an integer >= 1")
@@ -76,6 +78,8 @@ class PlanOptions:
                     fix=f"The default is {MAX_EF_ERROR}.")
         check(self.rank in ("time", "step"), "--rank", self.rank, "time or step",
               "time: by predicted time to DDP fp32's loss (step x the guard's sample factor); step: by step time.")
+        check_range("--eval-every", self.eval_every, 0, 10**9, kind="an integer (0: validation not priced)")
+        check_range("--eval-batches", self.eval_batches, 0, 10**9, kind="an integer (0: the whole validation set)")
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
@@ -203,8 +207,24 @@ def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = M
     return out, factors, notes
 
 
+def validation_items(profile: Profile, opts: PlanOptions) -> tuple[int, str | None]:
+    """(items one validation forwards, a note or None), as ``workloads.base.eval_subset`` picks them: the
+    profile's validation set size (``val_items``) capped at ``eval_batches`` global batches."""
+    if opts.eval_every == 0:
+        return 0, None
+    if opts.eval_batches == 0 and not profile.val_items:
+        return 0, ("validation is not priced: the whole validation set was asked for (--eval-batches 0) and the "
+                   "profile does not record its size (an older `thinwire profile` made it; profile again)")
+    want = opts.eval_batches * opts.batch_size
+    if not profile.val_items:
+        return want, None
+    return (profile.val_items if opts.eval_batches == 0 else min(profile.val_items, want)), None
+
+
 def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[HostModel]) -> tuple[Problem, list[str]]:
     codecs, factors, notes = codec_models(profile, opts.codecs, opts.max_error, opts.rank)
+    val_items, note = validation_items(profile, opts)
+    notes += [note] if note else []
     latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
     alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + latency
     pb = Problem(hosts=hosts, buckets=[Bucket(numel=b.numel, ready_frac=b.ready_frac) for b in profile.buckets],
@@ -213,7 +233,8 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                  efficiency=inputs.efficiency_of(profile), batch=opts.batch_size,
                  threads=opts.threads or profile.threads, min_gain=opts.min_gain, factors=factors,
                  cpu_s_per_byte=profile.collective_cpu_s_per_byte,
-                 busy_hop_s=(profile.network.busy_hop_s or 0.0) if profile.network else 0.0)
+                 busy_hop_s=(profile.network.busy_hop_s or 0.0) if profile.network else 0.0,
+                 val_items=val_items, eval_every=max(1, opts.eval_every))
     return pb, notes
 
 
@@ -246,7 +267,8 @@ def decision(pb: Problem, s: Scored, left_out: list[str]) -> Decision:
     return Decision(name=explain.name(pb, s), hosts=names, shares=list(lay.shares), micro=list(lay.micro),
                     collective="hierarchical" if lay.groups else "ring", groups=groups, codecs=list(lay.codecs),
                     left_out=out, predicted_step_s=s.step_s, compute_s=s.compute_s,
-                    exposed_comm_s=s.timeline.exposed_comm_s, bytes_per_step=s.bytes_per_step, sample_factor=s.factor)
+                    exposed_comm_s=s.timeline.exposed_comm_s, bytes_per_step=s.bytes_per_step, sample_factor=s.factor,
+                    validation_s=s.val_s)
 
 
 def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict, options: PlanOptions) -> Plan:

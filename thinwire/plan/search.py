@@ -21,10 +21,13 @@ Every candidate is priced with the performance model (:mod:`thinwire.perf`), no 
    target: sample factors are at least 1); subsets are tried in order of that bound and skipped once
    it cannot reach the ``keep``-th best found.
 
-**The objective** is the predicted time to DDP fp32's loss, :attr:`Scored.time_s`: the step times the
-sample factor of the codecs the candidate sends with (``Problem.factors``, from the convergence
-guard; the largest over its buckets' codecs). With no factors (``--rank step``, or a profile without
-the guard) every factor is 1 and the objective is the step time.
+**The objective** is the predicted time to DDP fp32's loss, :attr:`Scored.time_s`: the step, plus the
+run's validation spread over the steps between validations (:func:`validation_s`), times the sample
+factor of the codecs the candidate sends with (``Problem.factors``, from the convergence guard; the
+largest over its buckets' codecs). With no factors (``--rank step``, or a profile without the guard)
+every factor is 1. Validation counts because the trainer splits it evenly over the plan's hosts: a plan
+on fewer hosts validates more items on each (denoise on two groups of two half-core hosts, 50 global
+batches: 0.80 s per validation on 2 hosts, 0.42 s on 4).
 
 Scoring (:func:`score`) follows :func:`thinwire.perf.model.predict_step` but with per-host compute: bucket
 ``i`` is ready when its gradient is ready on the *last* host, ``max_h(pre_h + f_i * backward_h)``;
@@ -81,6 +84,8 @@ class Problem:
     threads: int = 1
     min_gain: float = 0.02
     factors: dict[str, float] = dataclasses.field(default_factory=dict)  # codec -> sample factor (absent: 1)
+    val_items: int = 0                   # validation items per evaluation (0: validation not priced)
+    eval_every: int = 1                  # steps between evaluations
     scored: int = 0                      # candidates priced so far
     _memo: dict = dataclasses.field(default_factory=dict)
 
@@ -123,11 +128,14 @@ class Scored:
     codec_bytes: int         # of which through the codec (the ring, or between group leaders)
     factor: float = 1.0      # samples relative to DDP fp32 to reach its loss (the guard's, largest over the codecs)
     steals: bool = False     # no spare core for the communication thread: codec work is taken from compute
+    val_s: float = 0.0       # one validation's predicted seconds (0: not priced)
+    val_per_step_s: float = 0.0  # val_s over the steps between validations
 
     @property
     def time_s(self) -> float:
-        """The objective: predicted seconds per fp32-equivalent step (step x sample factor)."""
-        return self.step_s * self.factor
+        """The objective: predicted seconds per fp32-equivalent step ((step + its share of validation) x
+        sample factor)."""
+        return (self.step_s + self.val_per_step_s) * self.factor
 
 
 # -- pricing -----------------------------------------------------------------------------------------
@@ -179,7 +187,27 @@ def score(pb: Problem, lay: Layout) -> Scored:
                           post_s=max(post), codec_steals_compute=steals, busy_wait_s=[c[6] * pb.busy_hop_s for c in costs])
     compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
     factor = max((pb.factors.get(c, 1.0) for c in set(lay.codecs)), default=1.0) if len(lay.hosts) > 1 else 1.0
-    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor, steals)
+    val = validation_s(pb, lay)
+    return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor, steals,
+                  val, val / max(1, pb.eval_every))
+
+
+def validation_s(pb: Problem, lay: Layout) -> float:
+    """One validation's predicted seconds: as the trainer runs it (``train.loop._validate``), rank ``r`` of
+    ``p`` takes every p-th of ``pb.val_items`` items and forwards them its share at a time; the slowest
+    rank decides (the result is all-reduced). A forward is priced at the profile's data + forward phase
+    (``pre_s``, measured with autograd on: a slight over-estimate of a no-grad forward)."""
+    if pb.val_items <= 0:
+        return 0.0
+    p, worst = len(lay.hosts), 0.0
+    for r, (h, share) in enumerate(zip(lay.hosts, lay.shares)):
+        items = len(range(r, pb.val_items, p))
+        if items == 0:
+            continue
+        full, last = divmod(items, share)
+        t = full * pb.compute(share).pre_s + (pb.compute(last).pre_s if last else 0.0)
+        worst = max(worst, t / pb.hosts[h].speed)
+    return worst
 
 
 def _coder(pb: Problem, coders: Sequence[int]) -> tuple[float, bool]:
