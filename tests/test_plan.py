@@ -499,6 +499,7 @@ def test_a_validation_is_priced_as_the_trainer_splits_it_and_says_so():
     assert plan.chosen.validation_s == pytest.approx(2 * 0.02 / 0.5)
     line = next(l for l in plan.explanation if l.startswith("Validation:"))
     assert "64 items every 10 steps" in line and "80.0 ms each" in line and "8.0 ms per step" in line
+    assert plan.planning["validation"] == {"every": 10, "batches": 2, "items": 64}
     assert plan_for(four()).chosen.validation_s == 0.0  # eval_every 0 (the API's default): not priced
 
 

@@ -296,7 +296,8 @@ def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict
         best_single = min((s for s in base.values() if s is not None), key=lambda s: s.step_s)
         baselines = {"uniform_ddp_fp32_s": base["none"].step_s, "best_single_codec": best_single.layout.codecs[0],
                      "best_single_codec_s": best_single.step_s}
-    planning = {"seconds": time.perf_counter() - t0, "candidates_scored": pb.scored, "hosts": len(spec.hosts)}
+    planning = {"seconds": time.perf_counter() - t0, "candidates_scored": pb.scored, "hosts": len(spec.hosts),
+                "validation": {"every": options.eval_every, "batches": options.eval_batches, "items": pb.val_items}}
     return Plan(**head, chosen=chosen, alternatives=alts, baselines=baselines, explanation=lines, planning=planning)
 
 
