@@ -533,3 +533,15 @@ def test_validation_items_follow_the_trainers_subset():
     assert items == 0 and "--eval-batches 0" in note
     with pytest.raises(ConfigError, match="--eval-every"):
         PlanOptions(batch_size=32, eval_every=-1)
+
+
+def test_train_notes_a_validation_cadence_the_plan_did_not_price():
+    from thinwire.cli.train import validation_mismatch
+    from thinwire.train.config import TrainConfig
+
+    cfg = TrainConfig(eval_every=50, eval_batches=0)
+    note = validation_mismatch({"every": 15, "batches": 50, "items": 800}, cfg)
+    assert "every 15 steps on 50" in note and "every 50 steps on all" in note and "--eval-every 50 --eval-batches 0" in note
+    assert validation_mismatch({"every": 50, "batches": 0, "items": 800}, cfg) is None
+    assert validation_mismatch({"every": 0, "batches": 20, "items": 0}, cfg) is None  # not priced
+    assert validation_mismatch(None, cfg) is None  # a plan from before

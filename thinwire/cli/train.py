@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import datetime
 import math
+import sys
 from pathlib import Path
 
 from thinwire.errors import ConfigError, ThinwireError
@@ -238,6 +239,21 @@ def _check_plan(cfg: TrainConfig) -> None:
     plan = load_plan(cfg.plan, load_cluster_spec(cfg.cluster), cfg.workload, cfg.model, batch_size=cfg.batch_size)
     if plan.pipeline is None:
         plan.shares(len(plan.hosts))  # refuses a plan that is not executable
+    note = validation_mismatch(plan.planning.get("validation"), cfg)
+    if note:
+        print(f"thinwire: note: {note}", file=sys.stderr, flush=True)
+
+
+def validation_mismatch(priced: dict | None, cfg: TrainConfig) -> str | None:
+    """A note when the plan priced another validation cadence than this run's (its ranking counted it)."""
+    if not priced or not priced.get("every"):
+        return None
+    if (priced["every"], priced["batches"]) == (cfg.eval_every, cfg.eval_batches):
+        return None
+    return (f"the plan counted a validation every {priced['every']} steps on {priced['batches'] or 'all'} global batches; "
+            f"this run validates every {cfg.eval_every} steps on {cfg.eval_batches or 'all'}. Its choice may not be the "
+            f"fastest to the target for this run: `thinwire plan ... --eval-every {cfg.eval_every} --eval-batches "
+            f"{cfg.eval_batches}` plans for it.")
 
 
 def _world_size(cfg: TrainConfig) -> int:
