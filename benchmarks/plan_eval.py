@@ -75,6 +75,7 @@ def make_plans(key: str, spec: Path, profile: Path, batch: int, keep: int, folde
     out = folder / f"plan-{key}.yaml"
     proc = thinwire("plan", "--cluster", str(spec), "--workload", "charlm", *model_sets(), "--profile", str(profile),
                     "--batch-size", str(batch), "--codecs", CODECS, "--colocated", str(os.cpu_count() or 2),
+                    "--eval-every", "0",  # per-step comparison: validation is not what is measured here
                     "--keep", str(keep), "--out", str(out))
     print(proc.stdout, flush=True)
     if proc.returncode != 0:
