@@ -501,6 +501,7 @@ def test_a_validation_is_priced_as_the_trainer_splits_it_and_says_so():
     assert "64 items every 10 steps" in line and "80.0 ms each" in line and "8.0 ms per step" in line
     assert plan.planning["validation"] == {"every": 10, "batches": 2, "items": 64}
     assert plan_for(four()).chosen.validation_s == 0.0  # eval_every 0 (the API's default): not priced
+    assert plan_for(four(), eval_every=10, eval_batches=2, rank="step").chosen.validation_s == 0.0  # step time alone
 
 
 def test_a_plan_on_fewer_hosts_pays_for_validating_more_items_on_each():

@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--mfu", type=float, help="utilization of --device's peak (e.g. 0.4)")
     p.add_argument("--keep", type=int, default=6, help="alternatives kept in the plan file (default 6)")
     p.add_argument("--rank", choices=("time", "step"), default="time",
-                   help="time (default): rank by predicted time to DDP fp32's loss, step time x each codec's sample "
-                        "factor from the profile's convergence guard; step: by step time alone (with --max-error)")
+                   help="time (default): rank by predicted time to DDP fp32's loss, (step time + the run's validation "
+                        "per step) x each codec's sample factor from the profile's convergence guard; step: by step "
+                        "time alone (with --max-error)")
     p.add_argument("--max-error", type=float, default=MAX_EF_ERROR,
                    help="with --rank step: leave out codecs whose relative error with error feedback on this "
                         f"workload's gradients is above this (default {MAX_EF_ERROR}, as auto's)")

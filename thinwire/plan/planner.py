@@ -209,8 +209,9 @@ def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = M
 
 def validation_items(profile: Profile, opts: PlanOptions) -> tuple[int, str | None]:
     """(items one validation forwards, a note or None), as ``workloads.base.eval_subset`` picks them: the
-    profile's validation set size (``val_items``) capped at ``eval_batches`` global batches."""
-    if opts.eval_every == 0:
+    profile's validation set size (``val_items``) capped at ``eval_batches`` global batches. None with
+    ``--rank step``, which ranks by step time alone."""
+    if opts.eval_every == 0 or opts.rank == "step":
         return 0, None
     if opts.eval_batches == 0 and not profile.val_items:
         return 0, ("validation is not priced: the whole validation set was asked for (--eval-batches 0) and the "
