@@ -216,10 +216,11 @@ def validation_items(profile: Profile, opts: PlanOptions) -> tuple[int, str | No
     if opts.eval_batches == 0 and not profile.val_items:
         return 0, ("validation is not priced: the whole validation set was asked for (--eval-batches 0) and the "
                    "profile does not record its size (an older `thinwire profile` made it; profile again)")
-    want = opts.eval_batches * opts.batch_size
     if not profile.val_items:
-        return want, None
-    return (profile.val_items if opts.eval_batches == 0 else min(profile.val_items, want)), None
+        return opts.eval_batches * opts.batch_size, None
+    from thinwire.workloads.base import eval_subset
+
+    return len(eval_subset(profile.val_items, opts.eval_batches, opts.batch_size)), None
 
 
 def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[HostModel]) -> tuple[Problem, list[str]]:
