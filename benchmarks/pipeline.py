@@ -268,8 +268,10 @@ def fit_markdown(r: dict) -> list[str]:
 
 
 def add_predictions(result: dict, key: str, work: Path) -> None:
-    """The model's step for every contender given as ``--pipeline`` (a plan's runs carry their own), from a
-    profile of the scenario's model measured now at the micro-batch size (``thinwire profile``)."""
+    """The model's step for every contender (a plan's runs keep what their plan said as ``planned_step_s``),
+    from ``thinwire profile --cluster SPEC`` run now on each of the scenario's clusters, as a user would
+    price a pipeline there: the model's per-layer costs at the micro-batch size, the hosts' speeds with all
+    of them computing at once, and the network's latencies."""
     from thinwire.cluster.spec import load_cluster_spec as load
     from thinwire.measure.file import load_profile
     from thinwire.pipeline.layout import default_microbatches, layout
@@ -278,20 +280,33 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
 
     sc = SCENARIOS[key]
     micro = sc["batch"] // default_microbatches(sc["batch"], sc["hosts"])
-    prof = work / f"{key}-profile.yaml"
     model = [a for k, v in sc["model"].items() for a in ("--set", f"model.{k}={v}")]
-    subprocess.run([sys.executable, "-m", "thinwire", "profile", "--workload", "charlm", *model, "--batch-sizes",
-                    str(micro), "--codecs", "none", "--guard-steps", "0", "--out", str(prof)], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
-    profile = load_profile(prof)
-    result["profile"] = prof.read_text()
     hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
              for i in range(sc["hosts"])]
+    specs, profiles = {}, {}
+    for rate in dict.fromkeys("100gbit" if n in sc.get("unshaped", []) else sc["rate"] for n in sc["contenders"]):
+        path = work / f"{key}-{rate}-predict.yaml"
+        path.write_text(spec_text(f"pp-{rate}", hosts, rate, sc["cpu"],
+                                  sc["floor_subnet"] if rate == "100gbit" and "floor_subnet" in sc else sc["subnet"]))
+        specs[rate], prof = load(path), work / f"{key}-{rate}-profile.yaml"
+        cluster = EmulatedCluster(specs[rate])
+        cluster.up()
+        try:
+            subprocess.run([sys.executable, "-m", "thinwire", "profile", "--workload", "charlm", *model,
+                            "--batch-sizes", str(micro), "--codecs", "none", "--guard-steps", "0", "--cluster",
+                            str(path), "--out", str(prof)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           capture_output=True, text=True)
+        finally:
+            cluster.down()
+        profiles[rate] = load_profile(prof)
+        net, hs = profiles[rate].network, profiles[rate].host_speed
+        print(f"[{key}] {rate}: hand-off {net.p2p_latency_s * 1e3:.2f} ms, collective hop {net.alpha_s * 1e3:.2f} ms, "
+              f"host speeds {', '.join(f'{h} {v:.2f}' for h, v in hs.speed.items())}", flush=True)
+        result.setdefault("profiles", {})[rate] = prof.read_text()
+    result.pop("profile", None)  # the profile before the cluster probes (results of 2026-12-02)
     for name, args in sc["contenders"].items():
         rate = "100gbit" if name in sc.get("unshaped", []) else sc["rate"]
-        path = work / f"{key}-predict.yaml"
-        path.write_text(spec_text("predict", hosts, rate, sc["cpu"], sc["subnet"]))
-        spec = load(path)
+        spec, profile = specs[rate], profiles[rate]
         if "--plan" in args:  # the plan the runs executed (stored with them)
             from thinwire.plan.planfile import read_plan
 
@@ -304,7 +319,8 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
                      sc["batch"])
         pred = predict_pipeline(spec, profile, list(spec.hosts), lay.runs, microbatches=lay.microbatches,
                                 replica_batch=lay.replica_batch, activations=lay.links, threads=1,
-                                colocated_cores=float(os.cpu_count() or 2), recompute=pipe.recompute)
+                                colocated_cores=float(os.cpu_count() or 2), recompute=pipe.recompute,
+                                schedule=pipe.schedule)
         for run in result["runs"][name]:
             if "--plan" in args:
                 run.setdefault("planned_step_s", run.get("predicted_step_s"))  # what the plan said when made
@@ -384,7 +400,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--merge", action="store_true", help="keep the other scenarios of results/pipeline.json")
     ap.add_argument("--predict-only", action="store_true", help="add the model's predictions to the scenarios' stored "
-                    "runs (a profile measured now) and rewrite the report")
+                    "runs (a profile measured now; a run measures and predicts anyway) and rewrite the report")
     ap.add_argument("--name", default="pipeline")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -406,6 +422,8 @@ def main() -> int:
         return 0
     for key in keys:
         results[key] = bench_fit(seeds, work) if key == "does-not-fit" else bench(key, seeds, work)
+        if key != "does-not-fit":  # the model's prediction from a profile taken now, beside the runs just made
+            add_predictions(results[key], key, work)
         path.write_text(json.dumps(results, indent=1))  # each scenario's rows as soon as they exist
         (RESULTS / f"{a.name}.md").write_text(markdown(results))
     plot(results, RESULTS / f"{a.name}.png")

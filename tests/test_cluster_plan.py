@@ -47,3 +47,25 @@ def test_plan_then_train_with_it(tmp_path):
     assert summary["compression"].startswith("plan[")
     wrong = thinwire("train", "--cluster", str(spec), "--plan", str(plan), "--workload", "charlm", "--out", str(tmp_path / "x"))
     assert wrong.returncode == 2 and "was made for another workload" in wrong.stderr
+
+
+def test_profile_cluster_probes_measure_each_hosts_speed_and_the_hand_off_latency(tmp_path):
+    """What ``thinwire profile --cluster`` adds for the models: every host's step speed with all hosts computing
+    at once (a quota'd host runs at most its quota), and a point-to-point message's one-way time."""
+    from thinwire.cluster.bench import _run_workers
+    from thinwire.measure.hostspeed import host_speeds
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: hs{os.getpid()}\ndefaults: {{bandwidth: 1gbit}}\nhosts:\n"
+                    "  - {name: half, cpu: 0.5}\n  - {name: fifth, cpu: 0.2}\n")
+    c = EmulatedCluster(load_cluster_spec(spec))
+    c.up()
+    try:
+        rec = host_speeds(c, workload="digits", model={"hidden": 32}, data=None, batch=16, steps=8)
+        one_way = _run_workers(c, ["half", "fifth"], [4], 9, 120.0, p2p=True)["one_way"]
+    finally:
+        c.down()
+    assert rec.cluster == f"hs{os.getpid()}" and set(rec.speed) == {"half", "fifth"}
+    assert 0 < rec.speed["fifth"] < rec.speed["half"] <= 0.6  # a quota is a ceiling; co-running takes more
+    assert rec.speed["fifth"] <= 0.25
+    assert len(one_way) == 9 and all(0 < t < 0.05 for t in one_way)

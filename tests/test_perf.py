@@ -1067,7 +1067,10 @@ def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_o
     large = [0.62, 0.5, 0.55]
     calls = []
 
-    def fake_run(cluster, hosts, sizes, reps, timeout):
+    def fake_run(cluster, hosts, sizes, reps, timeout, p2p=False):
+        if p2p:  # the point-to-point probe: two hosts, one-way times
+            assert len(hosts) == 2
+            return {"one_way": [0.0004, 0.0002, 0.0003]}
         calls.append((tuple(sizes), reps))
         return [small[:reps]] if sizes == [network.SMALL_BYTES] else [large[:reps]]
 
@@ -1088,3 +1091,4 @@ def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_o
     assert rec.times_s == [0.009, 0.5]
     assert rec.alpha_s == pytest.approx(alpha) and rec.alpha_s > 1e-3  # the fastest rep would give ~0.2 ms
     assert rec.measured_bps == pytest.approx(8 / beta)
+    assert rec.p2p_latency_s == pytest.approx(0.0003)  # the median one-way time, a pipeline hand-off's latency

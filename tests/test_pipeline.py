@@ -329,14 +329,24 @@ def test_int8_activations_send_a_quarter_of_the_bytes_at_nearly_the_same_loss(tm
 
 
 # -- the model of a pipeline step and the planner's split --------------------------------------------
-def test_pipeline_step_formula_by_hand():
-    from thinwire.perf.pipeline import bubble_fraction, pipeline_step_s, split_for_speeds
+def test_pipeline_step_simulated_by_hand():
+    from thinwire.perf.pipeline import bubble_fraction, schedule_actions, simulate_schedule, split_for_speeds
 
-    # fill: 1 + 2 + 0.5 (stages) + 0.25 + 0.25 (links); steady: (4 - 1) x slowest host max(2, 1.5) = 6
-    assert pipeline_step_s(stage_s=[1, 2, 0.5], egress_s=[0.1, 1.5, 0.1], link_s=[0.25, 0.25], microbatches=4,
-                           after_s=0.3) == pytest.approx(1 + 2 + 0.5 + 0.5 + 3 * 2 + 0.3)
-    # a link slower than every stage paces the pipeline
-    assert pipeline_step_s(stage_s=[1, 1], egress_s=[3, 3], link_s=[3], microbatches=2) == pytest.approx(2 + 3 + 3)
+    # torch's orders: 1F1B warms up with S - s forwards; GPipe runs every forward first
+    assert schedule_actions("1f1b", 0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert schedule_actions("1f1b", 1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert schedule_actions("gpipe", 1, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    # equal stages, free links: (M + S - 1)(f + b) for both schedules
+    for sched in ("1f1b", "gpipe"):
+        assert simulate_schedule(forward_s=[1] * 3, backward_s=[2] * 3, send_forward_s=[0] * 3, send_backward_s=[0] * 3,
+                                 microbatches=5, schedule=sched) == pytest.approx((5 + 3 - 1) * 3)
+    # S = 2, M = 2, f = b = 1, every message 1 s on its sender's egress. Stage 0: F0 0-1 (sent 1-2), F1 1-2
+    # (sent 2-3). Stage 1: F0 2-3, B0 3-4 (sent back 4-5), F1 4-5, B1 5-6 (sent 6-7). Stage 0: B0 5-6, B1 7-8.
+    assert simulate_schedule(forward_s=[1, 1], backward_s=[1, 1], send_forward_s=[1, 0], send_backward_s=[0, 1],
+                             microbatches=2) == pytest.approx(8)
+    # a latency per message on top: the two hand-offs on the critical path (F0 forward, B1 back) wait 0.5 s more
+    assert simulate_schedule(forward_s=[1, 1], backward_s=[1, 1], send_forward_s=[1, 0], send_backward_s=[0, 1],
+                             microbatches=2, alpha=0.5) == pytest.approx(8 + 2 * 0.5)
     assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
     assert split_for_speeds([1] * 6, [1.0, 0.5]) == [[0, 1, 2, 3], [4, 5]]
     assert split_for_speeds([1] * 6, [1.0, 1.0], link_s=[0, 0, 9, 0, 0, 0]) == [[0, 1], [2, 3, 4, 5]]  # not after 2
@@ -424,3 +434,35 @@ def test_planner_recomputes_activations_or_takes_smaller_microbatches_only_when_
     assert parse_pipeline_spec(tight.spec_text()).recompute == tight.recompute
     run = list(range(1, 4))
     assert stage_memory(heavy, run, micro=2, inflight=4, recompute=True) < stage_memory(heavy, run, micro=2, inflight=4)
+
+
+def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probed_hand_off_latency():
+    import dataclasses as dc
+
+    from thinwire.measure.file import HostSpeedRecord, NetworkRecord
+    from thinwire.sim.pipeline import predict_pipeline
+
+    spec, prof = _cluster(), _layered_profile()
+    runs = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    price = dict(microbatches=8, replica_batch=32, activations=["fp32"] * 3, threads=1)
+    base = predict_pipeline(spec, prof, list(spec.hosts), runs, **price)
+    # h2 measured at a quarter of a core where the spec says half: its stage takes twice as long per micro-batch
+    measured = HostSpeedRecord(cluster="pp", threads=1, batch=8, speed={"h0": 0.5, "h1": 0.5, "h2": 0.25, "h3": 0.5})
+    slow = predict_pipeline(spec, dc.replace(prof, host_speed=measured), list(spec.hosts), runs, **price)
+    assert slow.stage_s[2] == pytest.approx(2 * base.stage_s[2]) and slow.stage_s[0] == pytest.approx(base.stage_s[0])
+    assert slow.step_s > base.step_s
+    # measured on another cluster, or not for every host: the spec's cores, as before
+    for other in (dc.replace(measured, cluster="elsewhere"), dc.replace(measured, speed={"h0": 0.1})):
+        assert predict_pipeline(spec, dc.replace(prof, host_speed=other), list(spec.hosts), runs,
+                                **price).step_s == pytest.approx(base.step_s)
+    # hand-offs wait the probed point-to-point latency; the step's scalar all-reduces, a collective's alpha
+    net = NetworkRecord(alpha_s=0.0, efficiency=0.95, nominal_bps=1e9, measured_bps=0.95e9, hosts=4, cluster="pp",
+                        p2p_latency_s=0.0)
+    free = predict_pipeline(spec, dc.replace(prof, network=net), list(spec.hosts), runs, **price)
+    late = predict_pipeline(spec, dc.replace(prof, network=dc.replace(net, p2p_latency_s=0.01)), list(spec.hosts), runs,
+                            **price)
+    hops = predict_pipeline(spec, dc.replace(prof, network=dc.replace(net, alpha_s=0.01)), list(spec.hosts), runs,
+                            **price)
+    assert late.step_s - free.step_s >= 2 * 3 * 0.01 - 1e-9  # at least the first micro-batch's way there and back
+    assert late.after_s == pytest.approx(free.after_s)
+    assert hops.after_s - free.after_s == pytest.approx((2 * 3 + 2 * 3) * 0.01)  # 4 stages: norm and loss rings

@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
     p.add_argument("--codecs", help="comma-separated codec specs (default: every codec with default parameters)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement")
-    p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth (root)")
+    p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth, and run the "
+                   "step on every host at once for their speeds (root)")
     p.add_argument("--no-corun", dest="corun", action="store_false",
                    help="skip measuring the step with every core busy (needed to simulate an emulated cluster) "
                         "and the host CPU of an all-reduce")
@@ -85,6 +86,17 @@ def run(args: argparse.Namespace) -> int:
                             network=network, corun=args.corun,
                             guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if network_spec is not None:  # each host's step speed there, all at once (quota and co-running included)
+        import dataclasses
+
+        from thinwire.cluster.emulator import EmulatedCluster
+        from thinwire.measure.hostspeed import describe, host_speeds
+
+        rec = host_speeds(EmulatedCluster(network_spec), workload=args.workload, model=model, data=args.data,
+                          batch=sizes[0], threads=prof.threads)
+        print(f"host speeds on {network_spec.name} (one process alone here = 1): {describe(rec)}", file=sys.stderr,
+              flush=True)
+        prof = dataclasses.replace(prof, host_speed=rec)
     path = save_profile(prof, args.out)
     _show(prof, path)
     return 0

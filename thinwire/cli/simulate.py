@@ -182,7 +182,7 @@ def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> Table
     pred = predict_pipeline(spec, profile, stage_hosts, lay.runs, microbatches=lay.microbatches,
                             replica_batch=lay.replica_batch, activations=lay.links, replicas=lay.replicas,
                             threads=opts.threads or profile.threads, colocated_cores=opts.colocated_cores,
-                            recompute=pipe.recompute)
+                            recompute=pipe.recompute, schedule=pipe.schedule)
     t = Table(title=f"pipeline {pipe.text}: {lay.describe()}; predicted {_ms(pred.step_s)} per step "
                     f"({own.prediction.step_s / pred.step_s:.2f}x data parallelism's {_ms(own.prediction.step_s)}); "
                     f"paced by {pred.bottleneck}")

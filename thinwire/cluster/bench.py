@@ -161,7 +161,7 @@ def switch_bench(cluster: EmulatedCluster, *, hosts: list[str] | None = None, si
 
 
 def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], reps: int,
-                 timeout: float, dtype: str = "float32", busy: bool = False, switch=None):
+                 timeout: float, dtype: str = "float32", busy: bool = False, switch=None, p2p: bool = False):
     """Start one worker per host, wait, return rank 0's times (seconds) per size and rep.
 
     ``sizes`` are bytes; each all-reduce sums a tensor of ``dtype`` (a ``torch`` dtype name) of that
@@ -175,7 +175,7 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
             argv = [sys.executable, "-m", "thinwire.cluster.bench", "--worker", "--rank", str(rank),
                     "--world", str(len(places)), "--master", master, "--reps", str(reps),
                     "--sizes", ",".join(map(str, sizes)), "--dtype", dtype, *(["--busy"] if busy else []),
-                    *(["--switch"] if switch is not None else [])]
+                    *(["--switch"] if switch is not None else []), *(["--p2p"] if p2p else [])]
             procs.append(place.spawn(argv, env={"PYTHONPATH": pythonpath}, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -191,7 +191,7 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
         if p.returncode != 0:
             raise ThinwireError(f"bench worker on {place.name!r} failed (exit {p.returncode}): {err.strip()[-2000:]}")
     result = json.loads(outs[0][0].strip().splitlines()[-1])
-    return result if busy or switch is not None else result["times"]
+    return result if busy or switch is not None or p2p else result["times"]
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -208,6 +208,9 @@ def _worker(args: argparse.Namespace) -> None:
         return
     if args.switch:
         _switch_worker(args)
+        return
+    if args.p2p:
+        _p2p_worker(args)
         return
     times = []
     dtype = getattr(torch, args.dtype)
@@ -243,6 +246,33 @@ def _timed_all_reduces(x, reps: int) -> list[float]:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # this one waits too: only the first is timed
         out.append(dt.item())
     return out
+
+
+def _p2p_worker(args: argparse.Namespace) -> None:
+    """Ranks 0 and 1 pass a small tensor back and forth (``send``/``recv``, as a pipeline's stages hand
+    over activations); rank 0 prints each rep's one-way time, half the round trip."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(max(1, int(args.sizes.split(",")[0]) // 4))
+    times = []
+    for i in range(args.reps + 2):  # two warm-ups: connections, buffers
+        dist.barrier()
+        t0 = time.perf_counter()
+        if args.rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif args.rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) / 2)
+    if args.rank == 0:
+        print(json.dumps({"one_way": times}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _busy_worker(args: argparse.Namespace) -> None:
@@ -358,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--busy", action="store_true")
     p.add_argument("--switch", action="store_true")
+    p.add_argument("--p2p", action="store_true")
     _worker(p.parse_args(argv))
 
 

@@ -25,6 +25,8 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
                                           gap: 0.002, orders: 3}}, ...}
     sync: {delayed: {factor: 1.4, loss: 2.5, reference_loss: 2.31, steps: 60, world: 4}}  # the guard's
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
+    host_speed: {cluster: lab, threads: 1, batch: 8, speed: {h0: 0.41, h1: 0.23}}  # only with --cluster: each
+                                 # host's step speed there, all at once, over this profile's (measure.hostspeed)
 
 All costs are one core's (``threads``) on the machine in ``machine``.
 """
@@ -170,14 +172,36 @@ class NetworkRecord:
     times_s: list[float] = dataclasses.field(default_factory=list)
     # a ring hop's wait for the hosts' CPU quotas while they compute (thinwire.cluster.bench.busy_latency)
     busy_hop_s: float | None = None
+    # one-way time of a small point-to-point message between two hosts (thinwire.cluster.bench.p2p_latency)
+    p2p_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         check_range("alpha_s", self.alpha_s, 0, MAX_SECONDS)
+        check_range("p2p_latency_s", self.p2p_latency_s, 0, MAX_SECONDS)
         check_range("busy_hop_s", self.busy_hop_s, 0, MAX_SECONDS)
         check_range("efficiency", self.efficiency, 0, 1, open_lo=True)
         check_range("nominal_bps", self.nominal_bps, 0, 1e13, open_lo=True)
         check_range("measured_bps", self.measured_bps, 0, 1e13, open_lo=True)
         check_range("hosts", self.hosts, 1, 10**6, kind="an integer")
+
+
+@dataclasses.dataclass(kw_only=True)
+class HostSpeedRecord:
+    """Each host's speed on emulated cluster ``cluster``: the workload's training step at ``batch`` with
+    ``threads`` threads run on every host at once, relative to one process alone on this machine (the
+    profile's own speed, 1.0). :mod:`thinwire.measure.hostspeed`."""
+
+    cluster: str
+    threads: int = 1
+    batch: int
+    speed: dict[str, float]
+
+    def __post_init__(self) -> None:
+        check_range("host_speed.threads", self.threads, 1, 1024, kind="an integer")
+        check_range("host_speed.batch", self.batch, 1, 2**40, kind="an integer")
+        check(len(self.speed) >= 1, "host_speed.speed", self.speed, "at least one host")
+        for host, v in self.speed.items():
+            check_range(f"host_speed.speed.{host}", v, 0, 100, open_lo=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -201,6 +225,7 @@ class Profile:
     codecs: dict[str, CodecCost] = dataclasses.field(default_factory=dict)
     sync: dict[str, ConvergenceRecord] = dataclasses.field(default_factory=dict)  # the guard's sync modes (delayed)
     network: NetworkRecord | None = None
+    host_speed: HostSpeedRecord | None = None  # measured on an emulated cluster (profile --cluster)
     layers: list[LayerRecord] = dataclasses.field(default_factory=list)  # the layer list's costs (pipelines)
     layers_batch: int = 0                                                 # the batch they were measured at
     runtime_bytes: int = 0  # a worker process's memory before its model: Python, torch, thinwire (0: not measured)

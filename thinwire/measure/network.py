@@ -20,6 +20,11 @@ the two points give::
 ``efficiency = 8 / beta / configured rate`` is the share of the link's rate that carries payload
 (~0.93 here: headers and TCP's slack); the simulator applies it to every link of a spec.
 
+A pipeline's stages hand over activations point to point, one message at a time, without the
+all-reduce's algorithm: a fourth probe passes 4 bytes back and forth between two hosts (``send``/``recv``)
+and keeps the median one-way time (``p2p_latency_s``; 0.1-0.3 ms between idle emulated hosts here, a
+tenth of the all-reduce's ``alpha``), the latency :mod:`thinwire.sim.pipeline` charges per hand-off.
+
 Where hosts have a CPU quota, a third probe (:func:`thinwire.cluster.bench.busy_latency`) measures what
 a collective issued while they compute waits per ring hop (``busy_hop_s``; the model adds it to the
 buckets that go out during backward).
@@ -61,6 +66,8 @@ def probe_network(spec: ClusterSpec, *, reps: int = 7, hosts: list[str] | None =
     alpha, beta = alpha_beta(sizes, times, p)
     capped = any(spec.host(h).cpu is not None for h in hosts)
     busy = busy_latency(cluster, hosts=hosts, reps=max(30, 5 * reps), timeout=timeout).wait_per_hop_s if capped else 0.0
+    p2p = statistics.median(_run_workers(cluster, hosts[:2], [4], SMALL_REPS, timeout, p2p=True)["one_way"]) \
+        if p > 1 else None
     return NetworkRecord(alpha_s=alpha, efficiency=min(1.0, 8 / beta / expected), nominal_bps=expected,
                          measured_bps=8 / beta, hosts=p, cluster=spec.name, sizes=sizes, times_s=times,
-                         busy_hop_s=busy)
+                         busy_hop_s=busy, p2p_latency_s=p2p)

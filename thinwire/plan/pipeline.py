@@ -84,11 +84,11 @@ def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: i
     hosts = list(spec.hosts)
     n = len(profile.layers)
     if len(hosts) > n:
-        speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores)
+        speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores, cluster=spec.name)
         keep = sorted(sorted(range(len(hosts)), key=lambda i: -speeds[i])[:n])
         hosts = [hosts[i] for i in keep]
     S = len(hosts)
-    speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores)
+    speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores, cluster=spec.name)
     best = None
     for micro_n in microbatch_counts(batch, S):
         for recompute in (False, True):  # recomputation only where nothing fits without it, or it is faster
@@ -120,7 +120,7 @@ def _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, 
     schedule = "1f1b" if micro_n >= S else "gpipe"
     micro = batch // micro_n
     price = dict(spec=spec, profile=profile, hosts=hosts, microbatches=micro_n, replica_batch=batch, threads=threads,
-                 colocated_cores=colocated_cores, recompute=recompute)
+                 colocated_cores=colocated_cores, recompute=recompute, schedule=schedule)
 
     def fits(s: int, first: int, last: int) -> bool:
         inflight = min(micro_n, S - s) if schedule == "1f1b" else micro_n

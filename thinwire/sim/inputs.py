@@ -88,6 +88,20 @@ def host_speeds(cores: list[float], *, profile_threads: int, threads: int, profi
     return speeds
 
 
+def measured_speeds(profile: Profile | None, cluster: str | None, hosts: list[HostSpec], cores: list[float],
+                    threads: int) -> list[float] | None:
+    """The hosts' speeds as ``thinwire profile --cluster`` measured them on this cluster, all at once
+    (:mod:`thinwire.measure.hostspeed`: quota and co-running included), scaled from the probe's threads to
+    ``threads``; None where the profile has no such probe for every one of them (then :func:`host_speeds`).
+    The pipeline model takes them (its stages run a micro-batch at a time, between hand-offs, where a
+    quota costs most); data parallelism's model, validated with cores and the co-run factor
+    (``benchmarks/results/validation_probe.md``), does not yet."""
+    rec = profile.host_speed if profile is not None else None
+    if rec is None or cluster != rec.cluster or any(h.name not in rec.speed for h in hosts):
+        return None
+    return [rec.speed[h.name] * min(c, threads) / min(c, rec.threads) for h, c in zip(hosts, cores)]
+
+
 def hierarchical_s(spec: ClusterSpec, hosts: list[HostSpec], nbytes: float, net: Network, efficiency: float) -> float:
     """Two-level all-reduce of ``nbytes`` over the spec's groups (what-if; thinwire's hook uses a ring)."""
     groups = sorted({h.group for h in hosts})

@@ -1,17 +1,23 @@
 """A pipelined run's predicted step from a cluster spec, a profile with per-layer costs, and a layout:
-the plain inputs of :func:`thinwire.perf.pipeline.pipeline_step_s`.
+the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
 
-* **Stage compute** per micro-batch: the profile's forward + backward seconds per sample of the stage's
-  layers (:mod:`thinwire.measure.layers`) times the micro-batch, plus the schedule's own time per
-  micro-batch (:mod:`thinwire.measure.pipeline_overhead`) and the host CPU of the bytes it sends and
-  receives (the profile's collective CPU per byte), all over the host's speed (as for data parallelism,
-  :func:`thinwire.sim.inputs.host_speeds`: its cores, co-located hosts sharing this machine).
+* **Stage compute** per micro-batch, forward and backward apart: the profile's seconds per sample of the
+  stage's layers (:mod:`thinwire.measure.layers`) times the micro-batch (backward also forwards again when
+  activations are recomputed), plus the schedule's own time per micro-batch
+  (:mod:`thinwire.measure.pipeline_overhead`) and the host CPU of the bytes it sends and receives (the
+  profile's collective CPU per byte), half to each, all over the host's speed: as ``thinwire profile
+  --cluster`` measured it on that cluster's hosts, all computing at once (:mod:`thinwire.measure.hostspeed`;
+  a 0.25-core quota runs this VM's steps at 0.18-0.19 of a core, not 0.24), else from its cores as for data
+  parallelism (:func:`thinwire.sim.inputs.host_speeds`).
 * **Links**: a micro-batch's output of the stage before a cut, forward, and its gradient, back, in the
-  link's activation format (:func:`thinwire.pipeline.wire.payload_bytes`); a host's egress carries its own
-  outputs forward and its inputs' gradients back, at its bandwidth times TCP's payload share, plus the
-  profile's latency per message.
-* **After the schedule**: the optimizer's share of the profile's post-backward time for the stage's
-  parameters, and, with replicas, the ring all-reduce of the stage's gradients among them (fp32).
+  link's activation format (:func:`thinwire.pipeline.wire.payload_bytes`), each on its sender's egress at
+  its bandwidth times TCP's payload share, one after another, and arriving a latency later: the probed
+  one-way time of a small point-to-point message (``p2p_latency_s``, 0.1-0.3 ms between emulated hosts
+  here; 0.1 ms unprobed) plus the spec's link latency.
+* **After the schedule**: the slowest stage's optimizer step (its share of the profile's post-backward
+  time), the trainer's two scalar all-reduces of a step (the whole model's gradient norm over the stages,
+  the mean loss over every rank) at a collective's latency per hop (the probe's ``alpha``), and, with
+  replicas, the ring all-reduce of the stage's gradients among them (fp32).
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from thinwire.cluster.spec import ClusterSpec, HostSpec
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
 from thinwire.perf import collectives as coll
-from thinwire.perf.pipeline import pipeline_step_s
+from thinwire.perf.pipeline import simulate_schedule
 from thinwire.pipeline.wire import payload_bytes
-from thinwire.sim.inputs import compute_at, efficiency_of, host_cores, host_speeds
+from thinwire.sim.inputs import compute_at, efficiency_of, host_cores, host_speeds, measured_speeds
 
 
 @dataclasses.dataclass
@@ -53,11 +59,12 @@ def needs_layers(profile: Profile) -> None:
 
 
 def stage_speeds(profile: Profile, hosts: list[HostSpec], *, replicas: int = 1, threads: int = 1,
-                 colocated_cores: float | None = None) -> list[float]:
-    """Each stage host's speed relative to the profile (``replicas`` copies of the hosts share the machine)."""
+                 colocated_cores: float | None = None, cluster: str | None = None) -> list[float]:
+    """Each stage host's speed relative to the profile (``replicas`` copies of the hosts share the machine):
+    as measured on ``cluster`` when the profile has its probe, else from the hosts' cores."""
     cores = host_cores(hosts * replicas, threads=threads, colocated_cores=colocated_cores)[:len(hosts)]
-    return host_speeds(cores, profile_threads=profile.threads, threads=threads, profile=profile,
-                       colocated_cores=colocated_cores)
+    return measured_speeds(profile, cluster, hosts, cores, threads) or host_speeds(
+        cores, profile_threads=profile.threads, threads=threads, profile=profile, colocated_cores=colocated_cores)
 
 
 def stage_seconds(profile: Profile, runs: list[list[int]], speeds: list[float], micro: int,
@@ -75,31 +82,42 @@ def cut_bytes(profile: Profile, run: list[int], codec: str, micro: int) -> float
 
 def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec], runs: list[list[int]], *,
                      microbatches: int, replica_batch: int, activations: list[str], replicas: int = 1,
-                     threads: int = 1, colocated_cores: float | None = None, recompute: bool = False) -> PipelinePrediction:
-    """The step of ``replicas`` pipelines over ``hosts`` (stage s of every replica on hosts like ``hosts[s]``)."""
+                     threads: int = 1, colocated_cores: float | None = None, recompute: bool = False,
+                     schedule: str | None = None) -> PipelinePrediction:
+    """The step of ``replicas`` pipelines over ``hosts`` (stage s of every replica on hosts like ``hosts[s]``);
+    ``schedule`` None: 1F1B where it runs (M >= S), else GPipe, as the planner chooses."""
     needs_layers(profile)
     S, micro = len(runs), replica_batch // microbatches
-    speeds = stage_speeds(profile, hosts, replicas=replicas, threads=threads, colocated_cores=colocated_cores)
+    schedule = schedule or ("1f1b" if microbatches >= S else "gpipe")
+    speeds = stage_speeds(profile, hosts, replicas=replicas, threads=threads, colocated_cores=colocated_cores,
+                          cluster=spec.name)
     efficiency = efficiency_of(profile)
-    alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + max(
-        (l.latency or 0.0 for l in spec.links), default=0.0)
+    latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
+    alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + latency  # a collective's per hop
+    net = profile.network
+    hand_off = (net.p2p_latency_s if net and net.p2p_latency_s is not None else DEFAULT_ALPHA_S) + latency
     fwd = [cut_bytes(profile, runs[s], activations[s], micro) for s in range(S - 1)]  # link s: stage s -> s+1
     moved = [2 * ((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) for s in range(S)]  # in and out
-    stage_s = [c + (profile.pipeline_overhead_s + profile.collective_cpu_s_per_byte * m) / v
-               for c, m, v in zip(stage_seconds(profile, runs, speeds, micro, recompute), moved, speeds)]
+    extra = [(profile.pipeline_overhead_s + profile.collective_cpu_s_per_byte * m) / v / 2 for m, v in zip(moved, speeds)]
+    forward = [sum(profile.layers[i].forward_s for i in run) * micro / v + e for run, v, e in zip(runs, speeds, extra)]
+    backward = [sum(profile.layers[i].backward_s + (profile.layers[i].forward_s if recompute else 0.0) for i in run)
+                * micro / v + e for run, v, e in zip(runs, speeds, extra)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
-    egress = [((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) / rate[s]
-              + alpha * ((s < S - 1) + (s > 0)) for s in range(S)]
-    links = [fwd[s] / rate[s] + fwd[s] / rate[s + 1] + 2 * alpha for s in range(S - 1)]
+    send_f = [fwd[s] / rate[s] if s < S - 1 else 0.0 for s in range(S)]
+    send_b = [fwd[s - 1] / rate[s] if s > 0 else 0.0 for s in range(S)]
+    egress = [f + b + hand_off * ((s < S - 1) + (s > 0)) for s, (f, b) in enumerate(zip(send_f, send_b))]
+    links = [send_f[s] + send_b[s + 1] + 2 * hand_off for s in range(S - 1)]
     after = _after_s(profile, runs, speeds, replicas, hosts, efficiency, alpha)
-    step = pipeline_step_s(stage_s=stage_s, egress_s=egress, link_s=links, microbatches=microbatches, after_s=after)
-    return PipelinePrediction(step_s=step, stage_s=stage_s, egress_s=egress, link_s=links, after_s=after,
-                              microbatches=microbatches)
+    step = simulate_schedule(forward_s=forward, backward_s=backward, send_forward_s=send_f, send_backward_s=send_b,
+                             microbatches=microbatches, schedule=schedule, alpha=hand_off) + after
+    return PipelinePrediction(step_s=step, stage_s=[f + b for f, b in zip(forward, backward)], egress_s=egress,
+                              link_s=links, after_s=after, microbatches=microbatches)
 
 
 def _after_s(profile: Profile, runs, speeds, replicas: int, hosts: list[HostSpec], efficiency: float,
              alpha: float) -> float:
-    """The slowest stage's optimizer step and (with replicas) gradient all-reduce among its replicas."""
+    """The slowest stage's optimizer step and (with replicas) gradient all-reduce among its replicas, then the
+    step's two scalar all-reduces (``PipelineRank.grad_norm`` over the stages, the mean loss over every rank)."""
     post = compute_at(profile, profile.compute[0].batch).post_s
     worst = 0.0
     for s, run in enumerate(runs):
@@ -109,4 +127,7 @@ def _after_s(profile: Profile, runs, speeds, replicas: int, hosts: list[HostSpec
             t += coll.ring_allreduce_s(params * 4, replicas, alpha=alpha,
                                        beta=coll.beta_from_rate(hosts[s].bandwidth, efficiency))
         worst = max(worst, t)
-    return worst
+    S = len(runs)
+    scalars = coll.ring_allreduce_s(8, S, alpha=alpha, beta=0.0) + coll.ring_allreduce_s(8, S * replicas, alpha=alpha,
+                                                                                          beta=0.0)
+    return worst + scalars

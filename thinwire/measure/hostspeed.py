@@ -1,0 +1,68 @@
+"""How fast each host of an emulated cluster runs the workload's step, all hosts at once.
+
+A host's ``cpu`` in a cluster spec is a CFS quota: the host runs at full speed for ``cpu x period`` and
+then waits out the rest of the period. The model's speed for it, ``cpu`` over one core's, holds for a
+long loop of one kernel, but a training step's working set is refilled after every pause while other
+hosts used the core: on this 2-core VM the same transformer layer's forward and backward took 15% more
+CPU at a 0.5-core quota than alone, and 17-42% more at 0.25 (``benchmarks/results/host_speed.md``). A
+pipeline whose slowest stage sits on a 0.25-core host was predicted 20-25% fast for that reason.
+
+``host_speeds(cluster, ...)`` measures it: one process alone on this machine, then one in every host at
+once (lined up on a barrier, as training lines them up every step), each running the workload's step
+(:mod:`thinwire.measure.corun`'s copy: data, forward, backward, optimizer) for ``steps`` steps; a host's
+speed is the median step alone over its median step there. The model uses these speeds in place of
+``cpu`` and the co-run factor for the hosts of that cluster (:func:`thinwire.sim.inputs.measured_speeds`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from thinwire.errors import ThinwireError
+from thinwire.measure.corun import _run, collect, kill_all
+from thinwire.measure.file import HostSpeedRecord
+
+
+def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch: int, threads: int = 1,
+                steps: int = 12, timeout: float = 300.0, hosts: list[str] | None = None) -> HostSpeedRecord:
+    """Each of ``hosts`` (default: all the spec's) relative to one process alone here (module docstring)."""
+    hosts = hosts or cluster.spec.host_names
+    argv = ["--workload", workload, "--model", json.dumps(model), "--batch", str(batch), "--threads", str(threads),
+            "--steps", str(steps)] + (["--data", data] if data else [])
+    alone = _run(1, argv, timeout)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory() as barrier:
+        os.chmod(barrier, 0o777)
+        cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(len(hosts)), "--barrier", barrier]
+        procs = []
+        try:
+            procs += [cluster.host(h).spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for h in hosts]
+            outs = collect(procs, time.monotonic() + timeout)
+        except subprocess.TimeoutExpired:
+            raise ThinwireError(f"host speed probe: the hosts did not finish {steps} steps in {timeout:.0f} s") from None
+        finally:
+            kill_all(procs)
+    speed = {}
+    for h, p, out in zip(hosts, procs, outs):
+        lines = out.strip().splitlines()
+        if p.returncode != 0 or not lines:
+            raise ThinwireError(f"host speed probe on {h!r} failed (exit {p.returncode}); run `thinwire cluster "
+                                "status SPEC` and try again")
+        speed[h] = alone / json.loads(lines[-1])["median_s"]
+    return HostSpeedRecord(cluster=cluster.spec.name, threads=threads, batch=batch, speed=speed)
+
+
+def describe(rec: HostSpeedRecord) -> str:
+    return ", ".join(f"{h} {v:.2f}" for h, v in rec.speed.items())
+
+
+def median_speed(rec: HostSpeedRecord) -> float:
+    return statistics.median(rec.speed.values())
