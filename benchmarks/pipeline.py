@@ -328,6 +328,21 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
         print(f"[{key}] {name}: predicted {pred.step_s * 1e3:.0f} ms ({pred.bottleneck})", flush=True)
 
 
+def probe_lines(r: dict) -> list[str]:
+    """What ``thinwire profile --cluster`` found on each of the scenario's clusters (the model's inputs)."""
+    import yaml
+
+    out = []
+    for rate, text in (r.get("profiles") or {}).items():
+        prof = yaml.safe_load(text)
+        net, hs = prof.get("network") or {}, (prof.get("host_speed") or {}).get("speed", {})
+        out.append(f"- Predicted from `thinwire profile --cluster` on the {rate} cluster, run after the contenders: "
+                   f"hand-off latency {net.get('p2p_latency_s', 0) * 1e3:.2f} ms, collective latency per hop "
+                   f"{net.get('alpha_s', 0) * 1e3:.2f} ms, host speeds (one process alone here = 1) "
+                   + ", ".join(f"{h} {v:.2f}" for h, v in hs.items()) + ".")
+    return out + ([""] if out else [])
+
+
 def med(runs: list[dict], field: str) -> float | None:
     xs = [r[field] for r in runs if "error" not in r and r.get(field) is not None]
     return statistics.median(xs) if xs else None
@@ -345,8 +360,9 @@ def markdown(results: dict) -> str:
             continue
         ctl = r["runs"][r["control"]]
         ctl_step, ctl_loss = med(ctl, "median_step_s"), med(ctl, "final_val_loss")
-        out += [f"## {key}", "", r["about"] + f"; {r['steps']} steps, seeds {r['seeds']}.", "",
-                "| contender | median step (ms) | speed-up vs " + r["control"] + " | predicted step (ms) | bytes sent per "
+        out += [f"## {key}", "", r["about"] + f"; {r['steps']} steps, seeds {r['seeds']}.", ""]
+        out += probe_lines(r)
+        out += ["| contender | median step (ms) | speed-up vs " + r["control"] + " | predicted step (ms) | bytes sent per "
                 "step, rank 0 (MB) | final val loss (median) | vs " + r["control"] + " |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name, runs in r["runs"].items():
             step, loss = med(runs, "median_step_s"), med(runs, "final_val_loss")

@@ -9,7 +9,8 @@ pipeline whose slowest stage sits on a 0.25-core host was predicted 20-25% fast 
 
 ``host_speeds(cluster, ...)`` measures it: one process alone on this machine, then one in every host at
 once (lined up on a barrier, as training lines them up every step), each running the workload's step
-(:mod:`thinwire.measure.corun`'s copy: data, forward, backward, optimizer) for ``steps`` steps; a host's
+(:mod:`thinwire.measure.corun`'s copy: data, forward, backward, optimizer) for at least ``steps`` steps and
+half a second's work alone (several seconds on a slow host: a quota pauses every 10 ms); a host's
 speed is the median step alone over its median step there. The model uses these speeds in place of
 ``cpu`` and the co-run factor for the hosts of that cluster (:func:`thinwire.sim.inputs.measured_speeds`).
 """
@@ -17,8 +18,8 @@ speed is the median step alone over its median step there. The model uses these 
 from __future__ import annotations
 
 import json
+import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,14 +30,19 @@ from thinwire.errors import ThinwireError
 from thinwire.measure.corun import _run, collect, kill_all
 from thinwire.measure.file import HostSpeedRecord
 
+MIN_WORK_S = 0.5  # seconds of steps each host runs, at one process alone's pace
+
 
 def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch: int, threads: int = 1,
                 steps: int = 12, timeout: float = 300.0, hosts: list[str] | None = None) -> HostSpeedRecord:
     """Each of ``hosts`` (default: all the spec's) relative to one process alone here (module docstring)."""
     hosts = hosts or cluster.spec.host_names
-    argv = ["--workload", workload, "--model", json.dumps(model), "--batch", str(batch), "--threads", str(threads),
-            "--steps", str(steps)] + (["--data", data] if data else [])
-    alone = _run(1, argv, timeout)
+    argv = ["--workload", workload, "--model", json.dumps(model), "--batch", str(batch), "--threads", str(threads)] + \
+        (["--data", data] if data else [])
+    alone = _run(1, [*argv, "--steps", str(steps)], timeout)
+    # a quota's pauses come every 10 ms: half a second of work alone (a few seconds on a slow host) averages them
+    steps = max(steps, math.ceil(MIN_WORK_S / alone))
+    argv += ["--steps", str(steps)]
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory() as barrier:
         os.chmod(barrier, 0o777)
@@ -62,7 +68,3 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
 
 def describe(rec: HostSpeedRecord) -> str:
     return ", ".join(f"{h} {v:.2f}" for h, v in rec.speed.items())
-
-
-def median_speed(rec: HostSpeedRecord) -> float:
-    return statistics.median(rec.speed.values())
