@@ -172,7 +172,7 @@ class NetworkRecord:
     times_s: list[float] = dataclasses.field(default_factory=list)
     # a ring hop's wait for the hosts' CPU quotas while they compute (thinwire.cluster.bench.busy_latency)
     busy_hop_s: float | None = None
-    # one-way time of a small point-to-point message between two hosts (thinwire.cluster.bench.p2p_latency)
+    # one-way time of a small point-to-point message between two hosts (thinwire.measure.network)
     p2p_latency_s: float | None = None
 
     def __post_init__(self) -> None:

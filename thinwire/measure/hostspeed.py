@@ -3,9 +3,11 @@
 A host's ``cpu`` in a cluster spec is a CFS quota: the host runs at full speed for ``cpu x period`` and
 then waits out the rest of the period. The model's speed for it, ``cpu`` over one core's, holds for a
 long loop of one kernel, but a training step's working set is refilled after every pause while other
-hosts used the core: on this 2-core VM the same transformer layer's forward and backward took 15% more
-CPU at a 0.5-core quota than alone, and 17-42% more at 0.25 (``benchmarks/results/host_speed.md``). A
-pipeline whose slowest stage sits on a 0.25-core host was predicted 20-25% fast for that reason.
+hosts used the core: on this 2-core VM a transformer layer's forward and backward in a loop took up to
+15% more CPU at a 0.5-core quota than alone, and 17-42% more at 0.25 (measured 2026-12-03, 4 hosts
+computing at once). A pipeline whose slowest stage sits on a 0.25-core host was predicted 20-25% fast for
+that reason (``benchmarks/results/archive/pipeline_v1.md``); this probe finds such a host at 0.17-0.19 of
+a core (``benchmarks/results/pipeline.md``).
 
 ``host_speeds(cluster, ...)`` measures it: one process alone on this machine, then one in every host at
 once (lined up on a barrier, as training lines them up every step), each running the workload's step

@@ -73,6 +73,7 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
         has left it."""
         egress[s] = max(egress[s], at) + seconds
         return egress[s]
+
     moved = True
     while moved:
         moved = False

@@ -67,13 +67,6 @@ def stage_speeds(profile: Profile, hosts: list[HostSpec], *, replicas: int = 1, 
         cores, profile_threads=profile.threads, threads=threads, profile=profile, colocated_cores=colocated_cores)
 
 
-def stage_seconds(profile: Profile, runs: list[list[int]], speeds: list[float], micro: int,
-                  recompute: bool = False) -> list[float]:
-    """Each stage's forward and backward per micro-batch (and the forward again when activations are recomputed)."""
-    per = [l.seconds + (l.forward_s if recompute else 0.0) for l in profile.layers]
-    return [sum(per[i] for i in run) * micro / speed for run, speed in zip(runs, speeds)]
-
-
 def cut_bytes(profile: Profile, run: list[int], codec: str, micro: int) -> float:
     """Bytes of a micro-batch's output of ``run``'s last layer (and of its gradient) in ``codec``."""
     last = profile.layers[run[-1]]
