@@ -17,7 +17,10 @@ seed before the next seed, medians over seeds):
 
 Each run is ``thinwire train --cluster SPEC --pipeline ...`` as a user would start it; step times are the
 medians of each run's ``step_time_s`` after its first 5 steps (shape inference and warm-up), and the
-validation loss is the run's own at the last step. Writes ``benchmarks/results/pipeline.{json,md,png}``;
+validation loss is the run's own at the last step. After each seed's runs, ``thinwire profile --cluster``
+probes each of the scenario's clusters (per-layer costs, host speeds with all hosts computing, latencies)
+and the model prices that seed's runs from it: this VM's speed drifts 10-30% within an hour, so a
+prediction is compared with the runs measured beside its probe. Writes ``benchmarks/results/pipeline.{json,md,png}``;
 ``--merge`` keeps the other scenarios' rows. Needs root::
 
     sudo .venv/bin/python benchmarks/pipeline.py --scenarios thin-links --seeds 0,1,2
@@ -105,7 +108,7 @@ def run_one(sc: dict, name: str, out: Path, seed: int, spec: Path, files: dict |
             "median_activation_bytes": statistics.median(r.get("activation_bytes", 0) for r in steps[WARM:]),
             "val": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
             "final_val_loss": summary.get("val_loss"), "pipeline": summary.get("pipeline"),
-            "predicted_step_s": (summary.get("pipeline") or {}).get("predicted_step_s"),
+            "planned_step_s": (summary.get("pipeline") or {}).get("predicted_step_s"),
             "loss": [[r["step"], r["loss"]] for r in steps]}
 
 
@@ -122,6 +125,7 @@ def bench(key: str, seeds: list[int], work: Path) -> dict:
         specs.append(floor)
     files = make_plans(sc, shaped, work / key) if sc.get("plans") else {}
     runs: dict[str, list[dict]] = {name: [] for name in sc["contenders"]}
+    profiles: dict[str, str] = {}
     clusters = {s: EmulatedCluster(load_cluster_spec(s)) for s in specs}
     for c in clusters.values():
         c.up()
@@ -135,11 +139,20 @@ def bench(key: str, seeds: list[int], work: Path) -> dict:
                 runs[name].append(r)
                 print(f"    {r['median_step_s'] * 1e3:.0f} ms/step, val {r['final_val_loss']:.4f}" if "error" not in r
                       else f"    FAILED: {r['error'][-600:]}", flush=True)
+            for spec in specs:  # the model's inputs measured now, next to this seed's runs (the VM drifts)
+                rate = "100gbit" if spec != shaped else sc["rate"]
+                prof = probe(sc, spec, work / f"{key}-{rate}-s{seed}-profile.yaml")
+                profiles[f"{rate}, seed {seed}"] = prof.read_text()
+                for name in sc["contenders"]:
+                    if (name in sc.get("unshaped", [])) == (spec != shaped) and "error" not in runs[name][-1]:
+                        step, why = predict_step(sc, sc["contenders"][name], load_cluster_spec(spec), prof, files)
+                        runs[name][-1]["predicted_step_s"] = step
+                        print(f"    {name}: predicted {step * 1e3:.0f} ms ({why})", flush=True)
     finally:
         for c in clusters.values():
             c.down()
     return {"scenario": key, "about": sc["about"], "seeds": seeds, "control": sc["control"], "runs": runs,
-            "steps": sc["steps"], "batch": sc["batch"], "model": sc["model"],
+            "steps": sc["steps"], "batch": sc["batch"], "model": sc["model"], "profiles": profiles,
             "plans": {k: Path(v).read_text() for k, v in files.items() if k in ("plan", "even")}}
 
 
@@ -184,6 +197,7 @@ FIT = {  # does not fit, then trains
              "0.45 core, 1 Gbit/s",
     "model": {"layers": 8, "width": 512, "heads": 8, "context": 64}, "batch": 8, "steps": 40, "evals": 4,
     "memory": "640MiB", "cpu": 0.45, "rate": "1gbit", "subnet": "10.241.0.0/24", "one_subnet": "10.242.0.0/24",
+    "probe_subnet": "10.243.0.0/24", "hosts": 4,
 }
 
 
@@ -216,7 +230,13 @@ def bench_fit(seeds: list[int], work: Path) -> dict:
         raise SystemExit(f"plan on 4 hosts failed: {p4.stderr[-2000:]}")
     result["plan"] = plan4.read_text()
     result["plan_stdout"] = p4.stdout[-4000:]
-    clusters = [EmulatedCluster(load_cluster_spec(s)) for s in (four, one)]
+    # the model's inputs come from `profile --cluster` on the same four hosts without their memory limit: its
+    # host-speed probe runs the whole model's step on every host, which is what does not fit them
+    probe_spec = work / "fit4-probe.yaml"
+    probe_spec.write_text(spec_text("pipe-fit4p", [{"name": f"h{i}"} for i in range(4)], FIT["rate"], FIT["cpu"],
+                                    FIT["probe_subnet"]))
+    result["profiles"] = {}
+    clusters = [EmulatedCluster(load_cluster_spec(s)) for s in (four, one, probe_spec)]
     for c in clusters:
         c.up()
     try:
@@ -233,6 +253,12 @@ def bench_fit(seeds: list[int], work: Path) -> dict:
             r = run_one({**sc, "contenders": {"p": ["--plan", str(plan4)]}}, "p", work / f"fit-pipe-s{seed}", seed, four)
             result["runs"]["pipeline, 4 hosts (plan)"].append(r)
             print(f"    {r.get('median_step_s', float('nan')) * 1e3:.0f} ms/step, val {r.get('final_val_loss')}", flush=True)
+            prof = probe(FIT, probe_spec, work / f"fit-s{seed}-profile.yaml")
+            result["profiles"][f"1gbit without the memory limit, seed {seed}"] = prof.read_text()
+            if "error" not in r:
+                r["predicted_step_s"], why = predict_step(FIT, ["--plan", "{plan}"], load_cluster_spec(four), prof,
+                                                          {"plan": str(plan4)})
+                print(f"    predicted {r['predicted_step_s'] * 1e3:.0f} ms ({why})", flush=True)
             ref = work / f"fit-ref-s{seed}"
             argv = [a for a in train_argv(sc, [], ref, seed, one) if a not in ("--cluster", str(one))]
             subprocess.run(argv + ["--nproc", "1"], check=True, env=env, capture_output=True, text=True, timeout=3600)
@@ -254,78 +280,92 @@ def fit_markdown(r: dict) -> list[str]:
            f"{r['one_host_plan']['stderr'].splitlines()[-1] if r['one_host_plan']['stderr'] else ''}",
            f"- `thinwire train` on one such host: exit {r['one_host_train']['exit']} after "
            f"{r['one_host_train']['elapsed_s']:.0f} s: {(r['one_host_train']['stderr'].splitlines() or [''])[-1][:400]}",
-           "", "| seed | pipeline median step (ms) | pipeline val losses | reference val losses | largest difference |",
-           "|---:|---:|---|---|---:|"]
+           "", *probe_lines(r),
+           "| seed | pipeline median step (ms) | predicted (ms) | pipeline val losses | reference val losses | "
+           "largest difference |", "|---:|---:|---:|---|---|---:|"]
     for p, q in zip(pipe, ref):
         if "error" in p:
-            out.append(f"| {p.get('seed', '?')} | failed: {p['error'][-200:]} | | | |")
+            out.append(f"| {p.get('seed', '?')} | failed: {p['error'][-200:]} | | | | |")
             continue
         a, b = [v for _, v in p["val"]], [v for _, v in q["val"]]
         diff = max(abs(x / y - 1) for x, y in zip(a, b))
-        out.append(f"| {p['seed']} | {p['median_step_s'] * 1e3:.0f} | {', '.join(f'{x:.4f}' for x in a)} | "
+        pred = p.get("predicted_step_s")
+        pred = f"{pred * 1e3:.0f} ({(pred / p['median_step_s'] - 1) * 100:+.0f}%)" if pred else "-"
+        out.append(f"| {p['seed']} | {p['median_step_s'] * 1e3:.0f} | {pred} | {', '.join(f'{x:.4f}' for x in a)} | "
                    f"{', '.join(f'{x:.4f}' for x in b)} | {diff * 100:.3f}% |")
     return out + [""]
 
 
-def add_predictions(result: dict, key: str, work: Path) -> None:
-    """The model's step for every contender (a plan's runs keep what their plan said as ``planned_step_s``),
-    from ``thinwire profile --cluster SPEC`` run now on each of the scenario's clusters, as a user would
-    price a pipeline there: the model's per-layer costs at the micro-batch size, the hosts' speeds with all
-    of them computing at once, and the network's latencies."""
-    from thinwire.cluster.spec import load_cluster_spec as load
-    from thinwire.measure.file import load_profile
-    from thinwire.pipeline.layout import default_microbatches, layout
-    from thinwire.pipespec import parse_pipeline_spec
-    from thinwire.sim.pipeline import predict_pipeline
+def probe(sc: dict, spec: Path, out: Path) -> Path:
+    """``thinwire profile --cluster SPEC`` on the (running) cluster, as a user would price a pipeline there: the
+    model's per-layer costs at the micro-batch size, the hosts' speeds with all of them computing at once, the
+    network's latencies."""
+    from thinwire.pipeline.layout import default_microbatches
 
-    sc = SCENARIOS[key]
     micro = sc["batch"] // default_microbatches(sc["batch"], sc["hosts"])
     model = [a for k, v in sc["model"].items() for a in ("--set", f"model.{k}={v}")]
+    subprocess.run([sys.executable, "-m", "thinwire", "profile", "--workload", "charlm", *model, "--batch-sizes",
+                    str(micro), "--codecs", "none", "--guard-steps", "0", "--cluster", str(spec), "--out", str(out)],
+                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    return out
+
+
+def predict_step(sc: dict, args: list[str], spec, profile_path: Path, plans: dict) -> tuple[float, str]:
+    """The model's step for a contender run with ``args`` (a pipeline spec, or a plan) from a probe's profile.
+    ``plans`` maps ``plan``/``even`` to a plan file or to its text."""
+    from thinwire.measure.file import load_profile
+    from thinwire.pipeline.layout import layout
+    from thinwire.pipespec import parse_pipeline_spec
+    from thinwire.plan.planfile import read_plan
+    from thinwire.sim.pipeline import predict_pipeline
+
+    profile = load_profile(profile_path)
+    if "--plan" in args:
+        which = args[args.index("--plan") + 1].strip("{}")
+        source = plans[which]
+        if not Path(source).is_file():
+            path = profile_path.with_name(f"{profile_path.stem}-stored-{which}.yaml")
+            path.write_text(source)
+            source = path
+        pipe = parse_pipeline_spec(read_plan(Path(source)).pipeline.spec_text())
+    else:
+        pipe = parse_pipeline_spec(args[args.index("--pipeline") + 1])
+    lay = layout(pipe, [l.name for l in profile.layers], [l.parameters for l in profile.layers], sc["hosts"],
+                 sc["batch"])
+    pred = predict_pipeline(spec, profile, list(spec.hosts), lay.runs, microbatches=lay.microbatches,
+                            replica_batch=lay.replica_batch, activations=lay.links, threads=1,
+                            colocated_cores=float(os.cpu_count() or 2), recompute=pipe.recompute,
+                            schedule=pipe.schedule)
+    return pred.step_s, pred.bottleneck
+
+
+def add_predictions(result: dict, key: str, work: Path) -> None:
+    """Re-price stored runs from probes measured now (``--predict-only``): every run of a contender gets the
+    same prediction; a fresh run predicts each seed from a probe taken right after that seed's runs."""
+    from thinwire.cluster.spec import load_cluster_spec as load
+
+    sc = SCENARIOS[key]
     hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
              for i in range(sc["hosts"])]
-    specs, profiles = {}, {}
+    result["profiles"] = {}
     for rate in dict.fromkeys("100gbit" if n in sc.get("unshaped", []) else sc["rate"] for n in sc["contenders"]):
         path = work / f"{key}-{rate}-predict.yaml"
         path.write_text(spec_text(f"pp-{rate}", hosts, rate, sc["cpu"],
                                   sc["floor_subnet"] if rate == "100gbit" and "floor_subnet" in sc else sc["subnet"]))
-        specs[rate], prof = load(path), work / f"{key}-{rate}-profile.yaml"
-        cluster = EmulatedCluster(specs[rate])
+        cluster = EmulatedCluster(load(path))
         cluster.up()
         try:
-            subprocess.run([sys.executable, "-m", "thinwire", "profile", "--workload", "charlm", *model,
-                            "--batch-sizes", str(micro), "--codecs", "none", "--guard-steps", "0", "--cluster",
-                            str(path), "--out", str(prof)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                           capture_output=True, text=True)
+            prof = probe(sc, path, work / f"{key}-{rate}-profile.yaml")
         finally:
             cluster.down()
-        profiles[rate] = load_profile(prof)
-        net, hs = profiles[rate].network, profiles[rate].host_speed
-        print(f"[{key}] {rate}: hand-off {net.p2p_latency_s * 1e3:.2f} ms, collective hop {net.alpha_s * 1e3:.2f} ms, "
-              f"host speeds {', '.join(f'{h} {v:.2f}' for h, v in hs.speed.items())}", flush=True)
-        result.setdefault("profiles", {})[rate] = prof.read_text()
-    result.pop("profile", None)  # the profile before the cluster probes (results of 2026-12-02)
-    for name, args in sc["contenders"].items():
-        rate = "100gbit" if name in sc.get("unshaped", []) else sc["rate"]
-        spec, profile = specs[rate], profiles[rate]
-        if "--plan" in args:  # the plan the runs executed (stored with them)
-            from thinwire.plan.planfile import read_plan
-
-            stored = work / f"{key}-stored-plan.yaml"
-            stored.write_text(result["plans"][args[args.index("--plan") + 1].strip("{}")])
-            pipe = parse_pipeline_spec(read_plan(stored).pipeline.spec_text())
-        else:
-            pipe = parse_pipeline_spec(args[args.index("--pipeline") + 1])
-        lay = layout(pipe, [l.name for l in profile.layers], [l.parameters for l in profile.layers], sc["hosts"],
-                     sc["batch"])
-        pred = predict_pipeline(spec, profile, list(spec.hosts), lay.runs, microbatches=lay.microbatches,
-                                replica_batch=lay.replica_batch, activations=lay.links, threads=1,
-                                colocated_cores=float(os.cpu_count() or 2), recompute=pipe.recompute,
-                                schedule=pipe.schedule)
-        for run in result["runs"][name]:
-            if "--plan" in args:
-                run.setdefault("planned_step_s", run.get("predicted_step_s"))  # what the plan said when made
-            run["predicted_step_s"] = pred.step_s
-        print(f"[{key}] {name}: predicted {pred.step_s * 1e3:.0f} ms ({pred.bottleneck})", flush=True)
+        result["profiles"][f"{rate}, re-probed"] = prof.read_text()
+        for name in sc["contenders"]:
+            if ("100gbit" if name in sc.get("unshaped", []) else sc["rate"]) != rate:
+                continue
+            step, why = predict_step(sc, sc["contenders"][name], load(path), prof, result["plans"])
+            for run in result["runs"][name]:
+                run["predicted_step_s"] = step
+            print(f"[{key}] {name}: predicted {step * 1e3:.0f} ms ({why})", flush=True)
 
 
 def probe_lines(r: dict) -> list[str]:
@@ -333,10 +373,10 @@ def probe_lines(r: dict) -> list[str]:
     import yaml
 
     out = []
-    for rate, text in (r.get("profiles") or {}).items():
+    for label, text in (r.get("profiles") or {}).items():
         prof = yaml.safe_load(text)
         net, hs = prof.get("network") or {}, (prof.get("host_speed") or {}).get("speed", {})
-        out.append(f"- Predicted from `thinwire profile --cluster` on the {rate} cluster, run after the contenders: "
+        out.append(f"- `thinwire profile --cluster` ({label}): "
                    f"hand-off latency {net.get('p2p_latency_s', 0) * 1e3:.2f} ms, collective latency per hop "
                    f"{net.get('alpha_s', 0) * 1e3:.2f} ms, host speeds (one process alone here = 1) "
                    + ", ".join(f"{h} {v:.2f}" for h, v in hs.items()) + ".")
@@ -362,7 +402,7 @@ def markdown(results: dict) -> str:
         ctl_step, ctl_loss = med(ctl, "median_step_s"), med(ctl, "final_val_loss")
         out += [f"## {key}", "", r["about"] + f"; {r['steps']} steps, seeds {r['seeds']}.", ""]
         out += probe_lines(r)
-        out += ["| contender | median step (ms) | speed-up vs " + r["control"] + " | predicted step (ms) | bytes sent per "
+        out += ["| contender | median step (ms) | speed-up vs " + r["control"] + " | predicted step (ms), median of seeds | bytes sent per "
                 "step, rank 0 (MB) | final val loss (median) | vs " + r["control"] + " |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name, runs in r["runs"].items():
             step, loss = med(runs, "median_step_s"), med(runs, "final_val_loss")
@@ -370,7 +410,9 @@ def markdown(results: dict) -> str:
                 out.append(f"| {name} | failed | | | | | |")
                 continue
             pred = med(runs, "predicted_step_s")
-            pred = f"{pred * 1e3:.0f} ({(pred / step - 1) * 100:+.0f}%)" if pred else "-"
+            seeds = ", ".join(f"{(x['predicted_step_s'] / x['median_step_s'] - 1) * 100:+.0f}" for x in runs
+                              if "error" not in x and x.get("predicted_step_s"))
+            pred = f"{pred * 1e3:.0f} ({(pred / step - 1) * 100:+.0f}%; by seed {seeds}%)" if pred else "-"
             out.append(f"| {name} | {step * 1e3:.0f} | {ctl_step / step:.2f}x | {pred} | "
                        f"{med(runs, 'median_activation_bytes') / 1e6:.2f} | {loss:.4f} | {(loss / ctl_loss - 1) * 100:+.2f}% |")
         out.append("")
@@ -438,8 +480,6 @@ def main() -> int:
         return 0
     for key in keys:
         results[key] = bench_fit(seeds, work) if key == "does-not-fit" else bench(key, seeds, work)
-        if key != "does-not-fit":  # the model's prediction from a profile taken now, beside the runs just made
-            add_predictions(results[key], key, work)
         path.write_text(json.dumps(results, indent=1))  # each scenario's rows as soon as they exist
         (RESULTS / f"{a.name}.md").write_text(markdown(results))
     plot(results, RESULTS / f"{a.name}.png")

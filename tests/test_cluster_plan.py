@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -69,3 +70,23 @@ def test_profile_cluster_probes_measure_each_hosts_speed_and_the_hand_off_latenc
     assert 0 < rec.speed["fifth"] < rec.speed["half"] <= 0.6  # a quota is a ceiling; co-running takes more
     assert rec.speed["fifth"] <= 0.25
     assert len(one_way) == 9 and all(0 < t < 0.05 for t in one_way)
+
+
+def test_host_speed_probe_on_a_host_too_small_for_the_step_names_its_memory_at_once(tmp_path):
+    """The probe runs the whole model's step on every host; one killed by its memory limit stops the probe at
+    once (the others would wait on the barrier) with an error that names the host, its limit and the fix."""
+    from thinwire.errors import ThinwireError
+    from thinwire.measure.hostspeed import host_speeds
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: hm{os.getpid()}\ndefaults: {{bandwidth: 1gbit, cpu: 0.5}}\nhosts:\n"
+                    "  - {name: big}\n  - {name: small, memory: 96MiB}\n")
+    c = EmulatedCluster(load_cluster_spec(spec))
+    c.up()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ThinwireError, match=r"memory limit killed the step on small's 96 MiB.*--no-host-speed"):
+            host_speeds(c, workload="digits", model={"hidden": 32}, data=None, batch=16, steps=8)
+    finally:
+        c.down()
+    assert time.monotonic() - t0 < 120

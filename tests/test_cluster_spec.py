@@ -250,12 +250,3 @@ def test_cgroup_v2_controller_thinwire_enabled_is_turned_off_with_the_last_clust
     assert (root / "cgroup.subtree_control").read_text() == "-cpu"
     assert (other / "cgroup.subtree_control").read_text() == "cpu memory"
     assert not cgroup.ENABLED_FILE.exists()
-
-
-def test_token_bucket_is_a_quarter_millisecond_below_gso_size_and_two_above():
-    from thinwire.cluster.netns import GSO_BYTES, tbf_bucket_bytes
-    assert tbf_bucket_bytes(5e6) == 3 * 1024  # two frames at least
-    assert tbf_bucket_bytes(100e6) == 3125  # 0.25 ms: a 32 KiB message pays its time on the wire
-    assert tbf_bucket_bytes(200e6) == 6250
-    assert tbf_bucket_bytes(1e9) == 250_000  # 2 ms, GSO packets pass whole
-    assert tbf_bucket_bytes(GSO_BYTES * 8 / 0.002) == GSO_BYTES

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth, and run the "
                    "step on every host at once for their speeds (root)")
+    p.add_argument("--no-host-speed", dest="host_speed", action="store_false",
+                   help="with --cluster: probe the network only, not each host's speed (the model then takes a "
+                        "host's cpu from the spec)")
     p.add_argument("--no-corun", dest="corun", action="store_false",
                    help="skip measuring the step with every core busy (needed to simulate an emulated cluster) "
                         "and the host CPU of an all-reduce")
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                             network=network, corun=args.corun,
                             guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
-    if network_spec is not None:  # each host's step speed there, all at once (quota and co-running included)
+    if network_spec is not None and args.host_speed:  # each host's step speed there, all at once (quota and co-running included)
         import dataclasses
 
         from thinwire.cluster.emulator import EmulatedCluster

@@ -56,7 +56,7 @@ AGGREGATOR = "switch"          # the aggregator's name in logs and process title
 AGGREGATOR_GROUP = "switch.agg"  # its cgroup: a '.' no host name has
 STATE_DIR = Path("/run/thinwire")
 log = logging.getLogger(__name__)
-LAYOUT_VERSION = 2  # bump when the topology built by `up` changes, so old clusters get rebuilt
+LAYOUT_VERSION = 1  # bump when the topology built by `up` changes, so old clusters get rebuilt
 
 
 def cluster_tag(name: str) -> str:

@@ -122,31 +122,19 @@ def link_info(ns: str, dev: str) -> dict:
     return json.loads(run("ip", "-j", "-n", ns, "link", "show", "dev", dev))[0]
 
 
-GSO_BYTES = 64 * 1024  # the largest packet the kernel hands a qdisc before segmenting (GSO/TSO)
-SMALL_BUCKET_S, LARGE_BUCKET_S = 0.00025, 0.002
-
-
-def tbf_bucket_bytes(rate_bps: float) -> int:
-    """The token bucket for a link of ``rate_bps``: how much may leave at once after an idle gap.
-
-    A real link has no such burst: every byte is serialized at the rate. A bucket that holds a whole
-    message sends it at memory speed: at 100 Mbit/s a 32 KiB bucket passed a 32 KiB message in 0.2-0.5
-    ms, not the 2.6 ms a real link takes. Where holding 2 ms of traffic would still be smaller than a
-    GSO packet (below 262 Mbit/s) the bucket is 0.25 ms of traffic (at least 3 KiB, two frames): tbf
-    then cuts GSO packets into frames, and at these rates that costs nothing measurable (the
-    2-core VM under load: 95 Mbit/s at 100, 277 at 300, a 32 KiB message 2.5 ms at 100 Mbit/s).
-    Faster links keep 2 ms (at least a GSO packet): cutting 1 Gbit/s into frames cost the loaded
-    VM 25% of the rate (684 Mbit/s), and the timer needs slack there.
-    """
-    large = rate_bps / 8 * LARGE_BUCKET_S
-    if large >= GSO_BYTES:
-        return int(large)
-    return max(3 * 1024, int(rate_bps / 8 * SMALL_BUCKET_S))
-
-
 def tbf_args(rate_bps: float) -> list[str]:
-    """tbf parameters for ``rate_bps``: the bucket of :func:`tbf_bucket_bytes`, a queue of ``QUEUE_SECONDS``."""
-    burst = tbf_bucket_bytes(rate_bps)
+    """tbf parameters for ``rate_bps``: a bucket of 2 ms of traffic (>= 32 KiB so GSO packets pass).
+
+    The bucket is not a real link's: after an idle gap up to 32 KiB leaves at once (at 100 Mbit/s a
+    32 KiB message arrived in 0.2-0.5 ms, not 2.6). A smaller one was tried (2026-12-03): 0.25 ms of
+    traffic below 262 Mbit/s, tbf then cutting GSO packets into frames. A lone message then took its
+    time on the wire, but the 4-stage pipeline of ``benchmarks/pipeline.py`` at 100 Mbit/s went from
+    290 to 440 ms per step (2 stages on 2 hosts at 0.9 core: 201 to 242 ms) while a 64 KiB exchange
+    between two hosts took 5.7 ms (5.2 at the rate), idle or busy alike: forty times as many packets
+    through the bridge and both tbfs, work a real switch and NIC do in hardware, took the emulated
+    hosts' 2 cores. The 32 KiB bucket distorts less.
+    """
+    burst = max(32 * 1024, int(rate_bps / 8 * 0.002))
     return ["rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", f"{int(QUEUE_SECONDS * 1000)}ms"]
 
 
@@ -165,9 +153,7 @@ def shape_classes(ns: str, dev: str, classes: list[tuple[float, list[str], list[
     run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "0")
     for k, (rate, addresses, netem_args) in enumerate(classes):
         classid = f"1:{k + 10}"
-        # htb lets a whole GSO packet through on credit, so a smaller bucket would not make small
-        # messages slower here; group links keep the 2 ms bucket.
-        burst = str(max(32 * 1024, int(rate / 8 * LARGE_BUCKET_S)))
+        burst = str(max(32 * 1024, int(rate / 8 * 0.002)))
         run("tc", "-n", ns, "class", "replace", "dev", dev, "parent", "1:", "classid", classid, "htb",
             "rate", f"{int(rate)}bit", "ceil", f"{int(rate)}bit", "burst", burst, "cburst", burst,
             "quantum", "60000")

@@ -50,19 +50,34 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
         os.chmod(barrier, 0o777)
         cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(len(hosts)), "--barrier", barrier]
         procs = []
+        oom_before = {h: cluster.oom_kills(h) for h in hosts}
         try:
             procs += [cluster.host(h).spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                       for h in hosts]
-            outs = collect(procs, time.monotonic() + timeout)
+            deadline = time.monotonic() + timeout
+            # a copy that dies leaves the others waiting on the barrier: stop at the first failure
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                if time.monotonic() > deadline:
+                    raise ThinwireError(f"host speed probe: the hosts did not finish {steps} steps in {timeout:.0f} s")
+                time.sleep(0.05)
+            failed = [(h, p.returncode) for h, p in zip(hosts, procs) if p.poll()]
+            outs = [""] * len(procs) if failed else collect(procs, deadline)
         except subprocess.TimeoutExpired:
             raise ThinwireError(f"host speed probe: the hosts did not finish {steps} steps in {timeout:.0f} s") from None
         finally:
             kill_all(procs)
+    killed = [h for h in hosts if cluster.oom_kills(h) > oom_before[h]]
+    if killed:
+        limits = ", ".join(f"{h}'s {cluster.spec.host(h).memory / 2**20:.0f} MiB" for h in killed)
+        raise ThinwireError(f"host speed probe: the memory limit killed the step on {limits}: the probe runs the "
+                            "whole model's step on every host. A host's speed does not depend on its memory: probe "
+                            "a copy of the spec without hosts[].memory, or skip the probe with --no-host-speed.")
     speed = {}
     for h, p, out in zip(hosts, procs, outs):
         lines = out.strip().splitlines()
-        if p.returncode != 0 or not lines:
-            raise ThinwireError(f"host speed probe on {h!r} failed (exit {p.returncode}); run `thinwire cluster "
+        if failed or p.returncode != 0 or not lines:
+            h, code = failed[0] if failed else (h, p.returncode)
+            raise ThinwireError(f"host speed probe on {h!r} failed (exit {code}); run `thinwire cluster "
                                 "status SPEC` and try again")
         speed[h] = alone / json.loads(lines[-1])["median_s"]
     return HostSpeedRecord(cluster=cluster.spec.name, threads=threads, batch=batch, speed=speed)
