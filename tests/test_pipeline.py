@@ -466,3 +466,43 @@ def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probe
     assert late.step_s - free.step_s >= 2 * 3 * 0.01 - 1e-9  # at least the first micro-batch's way there and back
     assert late.after_s == pytest.approx(free.after_s)
     assert hops.after_s - free.after_s == pytest.approx((2 * 3 + 2 * 3) * 0.01)  # 4 stages: norm and loss rings
+
+
+def test_pipeline_model_charges_each_stage_its_links_wire_formats():
+    """int8 links cost the stages their packing: the sender packs its output and unpacks the gradient that
+    comes back, the receiver unpacks its input and packs its gradient (stochastically), per micro-batch, at
+    the stage host's speed."""
+    import dataclasses as dc
+
+    from thinwire.measure.file import Cost, HostSpeedRecord
+    from thinwire.sim.pipeline import predict_pipeline
+
+    spec = _cluster()
+    half = HostSpeedRecord(cluster="pp", threads=1, batch=8, speed={f"h{i}": 0.5 for i in range(4)})
+    prof = dc.replace(_layered_profile(), host_speed=half)
+    runs = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    price = dict(microbatches=8, replica_batch=32, threads=1)
+    pack, unpack, pack_grad = 1e-9, 2e-9, 4e-9
+    costed = dc.replace(prof, kernels={**prof.kernels, "wire_int8_pack": Cost(fixed_s=0.0, per_byte_s=pack),
+                                       "wire_int8_unpack": Cost(fixed_s=0.0, per_byte_s=unpack),
+                                       "wire_int8_pack_grad": Cost(fixed_s=0.0, per_byte_s=pack_grad)})
+    plain = predict_pipeline(spec, prof, list(spec.hosts), runs, activations=["int8"] * 3, **price)
+    int8 = predict_pipeline(spec, costed, list(spec.hosts), runs, activations=["int8"] * 3, **price)
+    cut = [prof.layers[r[-1]].output_bytes * 32 // 8 for r in runs]  # a micro-batch's output of each stage
+    sender, receiver = pack + unpack, unpack + pack_grad
+    expected = [cut[0] * sender, cut[0] * receiver + cut[1] * sender, cut[1] * receiver + cut[2] * sender,
+                cut[2] * receiver]
+    assert [a - b for a, b in zip(int8.stage_s, plain.stage_s)] == pytest.approx([e / 0.5 for e in expected])
+    assert int8.step_s > plain.step_s
+    # fp32 links pack nothing; a profile without these kernels (older) charges nothing
+    fp32 = dict(activations=["fp32"] * 3, **price)
+    assert predict_pipeline(spec, costed, list(spec.hosts), runs, **fp32).stage_s == \
+        predict_pipeline(spec, prof, list(spec.hosts), runs, **fp32).stage_s
+
+
+def test_wire_formats_are_measured_per_byte_for_the_pipeline_model():
+    from thinwire.measure.codec_costs import measure_wire
+
+    costs = measure_wire(64, 4096, 3)
+    assert set(costs) == {f"wire_{c}_{k}" for c in ("bf16", "int8") for k in ("pack", "pack_grad", "unpack")}
+    assert all(c.per_byte_s > 0 and c.fixed_s >= 0 for c in costs.values())

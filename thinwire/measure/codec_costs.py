@@ -7,6 +7,12 @@ by least squares. Two kernels every compressed bucket pays are measured the same
 
 * ``add``: summing decoded tensors (``total += decoded``, per rank received);
 * ``feedback``: error feedback's ``corrected = grad + residual`` and ``residual = corrected - sent``.
+
+Where the workload has a layer list (a pipeline may cut it), the wire formats of a pipeline's links
+(:mod:`thinwire.pipeline.wire`) are measured the same way on rows of the layers' output width, per byte
+of fp32 activation: ``wire_<codec>_pack`` (the sender's forward), ``wire_<codec>_unpack`` (the receiver's
+forward, and the sender's backward on the returned gradient), ``wire_<codec>_pack_grad`` (the receiver's
+backward: int8 rounds gradients stochastically).
 """
 
 from __future__ import annotations
@@ -65,6 +71,27 @@ def measure_kernels(sizes: list[int], reps: int) -> dict[str, Cost]:
         add.append((4 * n, median_s(lambda: a.add_(b), reps)))
         feedback.append((4 * n, median_s(lambda: (r + a) - b, reps)))
     return {"add": fit_line(add), "feedback": fit_line(feedback)}
+
+
+def measure_wire(width: int, numel: int, reps: int) -> dict[str, Cost]:
+    """``wire_<codec>_{pack,pack_grad,unpack}`` for the pipeline link formats bf16 and int8 (module
+    docstring), on ``numel`` and 8 x ``numel`` values in rows of ``width``."""
+    from thinwire.pipeline.wire import pack_int8, unpack_int8
+
+    fns = {"bf16": (lambda x: x.to(torch.bfloat16), lambda x: x.to(torch.bfloat16), lambda p: p.float()),
+           "int8": (pack_int8, lambda x: pack_int8(x, stochastic=True), unpack_int8)}
+    out = {}
+    rows = max(1, numel // width)
+    for codec, (pack, pack_grad, unpack) in fns.items():
+        points: dict[str, list] = {"pack": [], "pack_grad": [], "unpack": []}
+        for r in (rows, 8 * rows):
+            x = torch.randn(r, width, generator=torch.Generator().manual_seed(r))
+            packed = pack(x)
+            points["pack"].append((4 * x.numel(), median_s(lambda: pack(x), reps)))
+            points["pack_grad"].append((4 * x.numel(), median_s(lambda: pack_grad(x), reps)))
+            points["unpack"].append((4 * x.numel(), median_s(lambda: unpack(packed), reps)))
+        out.update({f"wire_{codec}_{k}": fit_line(v) for k, v in points.items()})
+    return out
 
 
 def measure_codecs(specs: list[str], bucket_numels: list[int], reps: int = 5) -> dict[str, CodecCost]:

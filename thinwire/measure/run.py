@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from thinwire.config import check, check_range
-from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, sizes_for
+from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, measure_wire, sizes_for
 from thinwire.measure.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
 from thinwire.measure.convergence import GUARD_EVERY, GUARD_STEPS, GUARD_WORLD, measure_convergence
 from thinwire.measure.file import ComputePoint, Profile
@@ -111,13 +111,17 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         pipe_overhead = pipeline_overhead()["per_microbatch_s"]
     numels = [bk.numel for bk in buckets]
     sizes = sizes_for(numels)
+    kernels = measure_kernels(sizes, reps)
+    if layer_costs:  # the pipeline links' formats, at a cut's size of this batch
+        cut = max(l.output_bytes for l in layer_costs) / 4 * b0
+        kernels.update(measure_wire(max(l.width for l in layer_costs), int(cut), max(3, reps // 2)))
     return Profile(
         workload=workload, model=dict(model or {}), data=data, threads=threads, bucket_mb=bucket_mb,
         parameters=sum(p.numel() for p in wl.model.parameters()), machine=machine_info(threads),
         compute=points, flops_per_sample=flops,
         achieved_flops=flops * b0 / (points[0].forward_s + points[0].backward_s),
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
-        collective_cpu_s_per_byte=collective_cpu, kernels=measure_kernels(sizes, reps),
+        collective_cpu_s_per_byte=collective_cpu, kernels=kernels,
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
         network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0, runtime_bytes=runtime,

@@ -92,9 +92,11 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
     fwd = [cut_bytes(profile, runs[s], activations[s], micro) for s in range(S - 1)]  # link s: stage s -> s+1
     moved = [2 * ((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) for s in range(S)]  # in and out
     extra = [(profile.pipeline_overhead_s + profile.collective_cpu_s_per_byte * m) / v / 2 for m, v in zip(moved, speeds)]
-    forward = [sum(profile.layers[i].forward_s for i in run) * micro / v + e for run, v, e in zip(runs, speeds, extra)]
+    wire_f, wire_b = _wire_s(profile, runs, activations, micro)
+    forward = [sum(profile.layers[i].forward_s for i in run) * micro / v + e + w / v
+               for run, v, e, w in zip(runs, speeds, extra, wire_f)]
     backward = [sum(profile.layers[i].backward_s + (profile.layers[i].forward_s if recompute else 0.0) for i in run)
-                * micro / v + e for run, v, e in zip(runs, speeds, extra)]
+                * micro / v + e + w / v for run, v, e, w in zip(runs, speeds, extra, wire_b)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
     send_f = [fwd[s] / rate[s] if s < S - 1 else 0.0 for s in range(S)]
     send_b = [fwd[s - 1] / rate[s] if s > 0 else 0.0 for s in range(S)]
@@ -105,6 +107,26 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
                              microbatches=microbatches, schedule=schedule, alpha=hand_off) + after
     return PipelinePrediction(step_s=step, stage_s=[f + b for f, b in zip(forward, backward)], egress_s=egress,
                               link_s=links, after_s=after, microbatches=microbatches)
+
+
+def _wire_s(profile: Profile, runs: list[list[int]], activations: list[str], micro: int) -> tuple[list, list]:
+    """Each stage's seconds per micro-batch (at the profile's speed) in the links' formats
+    (:mod:`thinwire.pipeline.wire`), forward and backward: a stage packs its output and unpacks its input
+    going forward, packs its input's gradient and unpacks its output's going back. Zero for fp32 links, and
+    where the profile predates these kernels (``wire_*`` in ``kernels``, measure.codec_costs.measure_wire)."""
+    def cost(codec: str, kind: str, run: list[int]) -> float:
+        k = profile.kernels.get(f"wire_{codec}_{kind}")
+        return 0.0 if k is None else k.fixed_s + k.per_byte_s * profile.layers[run[-1]].output_bytes * micro
+
+    S = len(runs)
+    forward, backward = [0.0] * S, [0.0] * S
+    for s in range(S - 1):  # link s: stage s -> s + 1, in activations[s]
+        codec = activations[s]
+        forward[s] += cost(codec, "pack", runs[s])
+        forward[s + 1] += cost(codec, "unpack", runs[s])
+        backward[s + 1] += cost(codec, "pack_grad", runs[s])
+        backward[s] += cost(codec, "unpack", runs[s])
+    return forward, backward
 
 
 def _after_s(profile: Profile, runs, speeds, replicas: int, hosts: list[HostSpec], efficiency: float,
