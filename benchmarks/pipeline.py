@@ -293,6 +293,9 @@ def fit_markdown(r: dict) -> list[str]:
         pred = f"{pred * 1e3:.0f} ({(pred / p['median_step_s'] - 1) * 100:+.0f}%)" if pred else "-"
         out.append(f"| {p['seed']} | {p['median_step_s'] * 1e3:.0f} | {pred} | {', '.join(f'{x:.4f}' for x in a)} | "
                    f"{', '.join(f'{x:.4f}' for x in b)} | {diff * 100:.3f}% |")
+    step, pred = med(pipe, "median_step_s"), med(pipe, "predicted_step_s")
+    if step and pred:
+        out.append(f"| median | {step * 1e3:.0f} | {pred * 1e3:.0f} ({(pred / step - 1) * 100:+.0f}%) | | | |")
     return out + [""]
 
 
