@@ -19,7 +19,8 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     corun_speed: {"2": 0.83, "3": 0.8, "4": 0.78}  # n copies at once: each one's speed over its fair
                                  # share min(1, cores/n) of one copy alone (n > cores: time-sharing)
     collective_cpu_s_per_byte: 1.1e-9  # host CPU of a gloo all-reduce per byte a rank sends (2 local ranks)
-    kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}}
+    kernels: {add: {fixed_s: 0, per_byte_s: 1e-10}, feedback: {...}, wire_int8_pack: {...}, ...}  # wire_*:
+                                 # a pipeline link's formats, per fp32 byte (with a layer list only)
     codecs: {bf16: {encode: {fixed_s: ..., per_byte_s: ...}, decode: {...}, ef_error: 0.002,
              convergence: {factor: 1.0, loss: 2.31, reference_loss: 2.31, steps: 60, world: 4,
                                           gap: 0.002, orders: 3}}, ...}
