@@ -505,4 +505,8 @@ def test_wire_formats_are_measured_per_byte_for_the_pipeline_model():
 
     costs = measure_wire(64, 4096, 3)
     assert set(costs) == {f"wire_{c}_{k}" for c in ("bf16", "int8") for k in ("pack", "pack_grad", "unpack")}
-    assert all(c.per_byte_s > 0 and c.fixed_s >= 0 for c in costs.values())
+    big = 4 * 16 * 16_384  # bytes of fp32 activation at the larger size measured
+    assert all(c.per_byte_s >= 0 and c.fixed_s >= 0 and c.fixed_s + c.per_byte_s * big > 0 for c in costs.values())
+    # int8's stochastic gradient packing draws a random number per value: never cheaper than bf16's cast
+    assert costs["wire_int8_pack_grad"].per_byte_s * big + costs["wire_int8_pack_grad"].fixed_s > \
+        costs["wire_bf16_pack_grad"].per_byte_s * big + costs["wire_bf16_pack_grad"].fixed_s

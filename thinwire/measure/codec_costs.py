@@ -75,16 +75,17 @@ def measure_kernels(sizes: list[int], reps: int) -> dict[str, Cost]:
 
 def measure_wire(width: int, numel: int, reps: int) -> dict[str, Cost]:
     """``wire_<codec>_{pack,pack_grad,unpack}`` for the pipeline link formats bf16 and int8 (module
-    docstring), on ``numel`` and 8 x ``numel`` values in rows of ``width``."""
+    docstring), on ``numel`` (at least ``SMALL_NUMEL``) and 16 x as many values in rows of ``width``: sizes
+    far enough apart that a busy machine's noise does not flatten the line."""
     from thinwire.pipeline.wire import pack_int8, unpack_int8
 
     fns = {"bf16": (lambda x: x.to(torch.bfloat16), lambda x: x.to(torch.bfloat16), lambda p: p.float()),
            "int8": (pack_int8, lambda x: pack_int8(x, stochastic=True), unpack_int8)}
     out = {}
-    rows = max(1, numel // width)
+    rows, reps = max(1, max(numel, SMALL_NUMEL) // width), max(5, reps)
     for codec, (pack, pack_grad, unpack) in fns.items():
         points: dict[str, list] = {"pack": [], "pack_grad": [], "unpack": []}
-        for r in (rows, 8 * rows):
+        for r in (rows, 16 * rows):
             x = torch.randn(r, width, generator=torch.Generator().manual_seed(r))
             packed = pack(x)
             points["pack"].append((4 * x.numel(), median_s(lambda: pack(x), reps)))
