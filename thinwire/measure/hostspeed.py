@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from thinwire.errors import ThinwireError
-from thinwire.measure.corun import _run, collect, kill_all
+from thinwire.measure.corun import _run, kill_all
 from thinwire.measure.file import HostSpeedRecord
 
 MIN_WORK_S = 0.5  # seconds of steps each host runs, at one process alone's pace
@@ -51,9 +51,11 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
         cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(len(hosts)), "--barrier", barrier]
         procs = []
         oom_before = {h: cluster.oom_kills(h) for h in hosts}
+        # output to files: the copies run unread until all end or one fails, so a pipe could fill
+        logs = [tempfile.TemporaryFile("w+") for _ in hosts]
         try:
-            procs += [cluster.host(h).spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                      for h in hosts]
+            procs += [cluster.host(h).spawn(cmd, env=env, stdout=log, stderr=subprocess.DEVNULL, text=True)
+                      for h, log in zip(hosts, logs)]
             deadline = time.monotonic() + timeout
             # a copy that dies leaves the others waiting on the barrier: stop at the first failure
             while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
@@ -61,11 +63,13 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
                     raise ThinwireError(f"host speed probe: the hosts did not finish {steps} steps in {timeout:.0f} s")
                 time.sleep(0.05)
             failed = [(h, p.returncode) for h, p in zip(hosts, procs) if p.poll()]
-            outs = [""] * len(procs) if failed else collect(procs, deadline)
-        except subprocess.TimeoutExpired:
-            raise ThinwireError(f"host speed probe: the hosts did not finish {steps} steps in {timeout:.0f} s") from None
         finally:
             kill_all(procs)
+            outs = []
+            for log in logs:
+                log.seek(0)
+                outs.append(log.read())
+                log.close()
     killed = [h for h in hosts if cluster.oom_kills(h) > oom_before[h]]
     if killed:
         limits = ", ".join(f"{h}'s {cluster.spec.host(h).memory / 2**20:.0f} MiB" for h in killed)
