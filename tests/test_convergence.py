@@ -143,8 +143,9 @@ def test_profile_refuses_a_guard_too_short_to_measure(tmp_path):
 
 
 def test_delayed_sync_mode_is_guarded_too():
-    """One step stale costs samples: on the GRU workload the guard finds it short of fp32 (measured: 1.36x)."""
+    """One step stale costs samples: on the GRU workload the guard finds it short of fp32 even with delayed's
+    weight prediction (measured: gap +1.7%, factor 1.01; plain staleness: factor 1.36)."""
     out = measure_convergence(_sequences(), ["int8"], world=4, batch=32, steps=60, delayed=True)
     d = out["delayed"]
     assert d.loss != d.reference_loss and d.reference_loss == out["int8"].reference_loss
-    assert not d.reaches and (d.factor is None or d.factor > 1.1), d
+    assert not d.reaches and d.gap > 0.01, d

@@ -63,18 +63,64 @@ def _sgd(w: dict, g: dict, lr: float = LR) -> dict:
     return {k: w[k] - lr * g[k] for k in w}
 
 
-def test_delayed_equals_one_step_stale_sgd():
-    """Step t applies the average of step t-1's gradients (taken at step t-1's parameters); step 0 applies nothing."""
-    out = run_ranks(_train, 2, "delayed", "none")
-    w, previous = _net().state_dict(), None
+@pytest.mark.parametrize("predict", [0, 1])
+def test_delayed_equals_one_step_stale_sgd(predict):
+    """Step t applies the average of step t-1's gradients; step 0 applies nothing. Those gradients are taken
+    at step t-1's parameters (``predict=0``), or there moved by their last update (``predict=1``, default)."""
+    out = run_ranks(_train, 2, "delayed" if predict else "delayed:predict=0", "none")
+    w, before, previous = _net().state_dict(), None, None
     for step in range(STEPS):
-        g = _grads(w, step, 2)
+        at = {k: w[k] + (w[k] - before[k]) for k in w} if predict and before is not None else w
+        g = _grads(at, step, 2)
+        before = w
         w = _sgd(w, previous) if previous is not None else w
         previous = g
     for r in out:
         for k in w:
             torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
     assert all(s > 0 for s in out[0]["sent"])  # every step's gradient went on the wire
+
+
+def _predicting(rank: int, world: int) -> dict:
+    """delayed's weight prediction seen from a user's loop: where the parameters are at each point."""
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, "delayed", codec="none")
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    w = lambda: [p.detach().clone() for p in ddp.parameters()]  # noqa: E731
+    seen = {"eval": [], "forward": [], "before": [], "true": []}
+    for step in range(4):
+        x, y = _data(step, rank)
+        seen["true"].append(w())
+        ddp.eval()
+        with torch.no_grad():
+            ddp(x)  # a forward in eval mode: no prediction
+        ddp.train()
+        seen["eval"].append(w())
+        loss = _loss(ddp, x, y)  # the forward outside no_sync, as accelerate's loop has it
+        seen["forward"].append(w())
+        with sync.no_sync():
+            loss.backward()
+        sync.before_step()
+        seen["before"].append(w())
+        opt.step()
+        sync.after_step()
+        opt.zero_grad(set_to_none=True)
+    sync.close()
+    return seen
+
+
+def test_delayed_predicts_only_in_training_forward_and_restores_the_true_weights_exactly():
+    seen = run_ranks(_predicting, 2)[0]
+    for step in range(4):
+        true = seen["true"][step]
+        assert all(torch.equal(a, b) for a, b in zip(seen["eval"][step], true))    # eval forward: untouched
+        assert all(torch.equal(a, b) for a, b in zip(seen["before"][step], true))  # back bit for bit
+        if step >= 2:  # step 0 applies nothing, so step 1's last update is zero too
+            moved = [f - t for f, t in zip(seen["forward"][step], true)]
+            last = [t - b for t, b in zip(true, seen["true"][step - 1])]
+            assert any(m.abs().max() > 0 for m in moved)
+            for m, u in zip(moved, last):
+                torch.testing.assert_close(m, u, rtol=1e-5, atol=1e-7)
 
 
 def test_delayed_works_with_a_lossy_codec_and_keeps_ranks_identical():
@@ -225,7 +271,8 @@ def test_spec_defaults_and_text():
     ("diloco:period=16,fragments=4,delay=4", r"sync\.delay: must be a whole number in \[0, 3\] \(fewer than "
                                               r"period/fragments = 4 steps\), got 4"),
     ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
-    ("delayed:period=2", r"sync: must be delayed with no parameters"),
+    ("delayed:period=2", r"sync: must be delayed with keys predict"),
+    ("delayed:predict=2", r"sync\.predict: must be 0 or 1, got 2\. 1 \(default\) computes each gradient"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
     ("push", r"sync: must be one of allreduce, delayed, local, diloco, gossip, dynamic, auto, got 'push'"),
     ("", r"sync: must be one of"),
@@ -493,16 +540,19 @@ def _train_auto(rank: int, world: int, forced: str | None, mode: str = "auto:tri
 
 @pytest.mark.parametrize("forced", ["allreduce", "delayed"])
 def test_auto_times_allreduce_then_delayed_then_keeps_its_choice(forced):
-    """Steps 0-6 all-reduce (2 warm-up + 5 timed), 7-11 delayed (its fill at 7), then the choice; switching
-    back to all-reduce drops the one stale average in flight. Equal to SGD written out by hand."""
+    """Steps 0-6 all-reduce (2 warm-up + 5 timed), 7-11 delayed (its fill at 7, its weight prediction from 8),
+    then the choice; switching back to all-reduce drops the one stale average in flight. Equal to SGD
+    written out by hand."""
     out = run_ranks(_train_auto, 2, forced)
-    w, previous = _net().state_dict(), None
+    w, previous, before = _net().state_dict(), None, None
     for step in range(AUTO_STEPS):
-        g = _grads(w, step, 2)
         mode = "allreduce" if step < 7 else "delayed" if step < 12 else forced
+        at = {k: w[k] + (w[k] - before[k]) for k in w} if mode == "delayed" and before is not None else w
+        g = _grads(at, step, 2)  # delayed's weight prediction: from its second step on
         if mode == "allreduce":
             w, previous = _sgd(w, g), None
         else:
+            before = w
             w = _sgd(w, previous) if previous is not None else w
             previous = g
     for r in out:

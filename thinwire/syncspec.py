@@ -5,9 +5,12 @@ in a config, or the string given to :func:`thinwire.sync`) into one typed :class
 form                                           what runs (:mod:`thinwire.compress.sync`)
 =============================================  =====================================================
 ``allreduce``                                  today's DDP hook: gradients averaged in backward
-``delayed``                                    step t's gradient averaged while step t+1 computes and
+``delayed[:predict=1]``                        step t's gradient averaged while step t+1 computes and
                                                applied at step t+1 (staleness 1; Pipe-SGD, Li et al.
-                                               2018); the first step applies nothing
+                                               2018); the first step applies nothing; ``predict=1``
+                                               (default): each step computes its gradient at the
+                                               weights it will be applied to, predicted by repeating
+                                               the last update; 0: plain staleness
 ``local:period=H[,warmup=W]``                  post-local SGD (Lin et al. 2020; PyTorch's
                                                ``PostLocalSGDState`` + ``PeriodicModelAverager``):
                                                W synchronous steps, then local steps and parameters
@@ -71,7 +74,7 @@ MAX_PERIOD = 10**9
 _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
 # per mode: key -> (kind, default); None: required
 _KEYS: dict[str, dict[str, tuple[type, object]]] = {
-    "allreduce": {}, "delayed": {},
+    "allreduce": {}, "delayed": {"predict": (int, 1)},
     "local": {"period": (int, None), "warmup": (int, 100)},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
@@ -100,6 +103,7 @@ class SyncSpec:
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
     guard: str = ""             # auto: a profile whose convergence guard says whether delayed reaches fp32's loss
     try_delayed: bool = True    # auto: False when the guard says delayed does not (resolved by commspec)
+    predict: int = 1            # delayed (and auto's delayed): weight prediction on (1) or off (0)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
@@ -107,6 +111,8 @@ class SyncSpec:
                "a relative drift in (0, 10)", "0.01 averages once parameters moved 1% of their norm.")
         _check(5 <= self.trial <= 10**6, "trial", self.trial, "an integer in [5, 1000000]",
                "Steps each of allreduce and delayed is timed before auto chooses; 20 by default.")
+        _check(self.predict in (0, 1), "predict", self.predict, "0 or 1",
+               "1 (default) computes each gradient at the predicted weights it is applied to; 0: plain staleness.")
         _check(1 <= self.check_every <= MAX_PERIOD, "check_every", self.check_every, f"an integer in [1, {MAX_PERIOD}]")
         _check((self.mode == "gossip") == (self.topology in TOPOLOGIES), "topology", self.topology,
                "one of " + ", ".join(TOPOLOGIES) + " (gossip only)", "exp2, the one-peer exponential graph, scales best.")
@@ -142,7 +148,7 @@ class SyncSpec:
     @property
     def text(self) -> str:
         keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
-                and (k != "guard" or self.guard)]
+                and (k != "guard" or self.guard) and (k != "predict" or not self.predict)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 

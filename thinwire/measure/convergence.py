@@ -171,7 +171,8 @@ def sample_factor(reference: list[tuple[int, float]], loss: float) -> float | No
 def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: int, seed: int, start: dict,
            evals: list[int], stale: bool = False) -> list[tuple[int, float]]:
     """Held-out loss every ``every`` steps of one short run (fp32 with ``codec`` None; ``stale``: each
-    step applies the previous step's average, the first step nothing, as ``--sync delayed``)."""
+    step applies the previous step's average, the first step nothing, its gradients computed at the
+    weights predicted by repeating the last update, as ``--sync delayed``)."""
     model = wl.model
     model.load_state_dict(start)
     torch.manual_seed(seed)
@@ -181,11 +182,17 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     sampler = GlobalSampler(len(wl.train), batch, seed)
     feedback = ShardFeedback(codec, world, [tuple(p.shape) for p in params]) if codec is not None else None
-    curve = []
+    curve, held = [], None  # held (stale): the weights before the last update
     for step in range(steps):
         model.train()
         x, y = collate(wl.train, sampler.global_indices(step))
+        if stale:
+            held = _predict(params, held)
         grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        if stale:
+            with torch.no_grad():
+                for p, h in zip(params, held):
+                    p.copy_(h)
         avg = feedback.average(grads, step) if feedback is not None else torch.stack(grads).mean(0)
         if stale:
             avg, previous = previous if step else None, avg
@@ -201,6 +208,19 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
         if (step + 1) % every == 0:
             curve.append((step + 1, _held_out(wl, evals, batch)))
     return curve
+
+
+@torch.no_grad()
+def _predict(params: list, held: list | None) -> list:
+    """``--sync delayed``'s weight prediction (:mod:`thinwire.compress.sync.delayed`): the parameters move
+    by the last update (``params - held``); the true weights are returned, to be put back after backward."""
+    if held is None:
+        return [p.detach().clone() for p in params]
+    for p, h in zip(params, held):
+        update = p - h
+        h.copy_(p)
+        p.add_(update)
+    return held
 
 
 def _flat_grad(wl: Workload, params: list, x: Tensor, y: Tensor) -> Tensor:

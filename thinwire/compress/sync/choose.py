@@ -48,6 +48,7 @@ class ChooseSync(SyncMode):
         super().__init__(model, comm, spec)
         self.delayed = Delayed(model, comm, spec, bucket_mb=bucket_mb)
         self.delayed.key_offset = KEY_OFFSET
+        self.delayed.active = False  # its weight prediction only while delayed runs
         self.warmup, self.trial = spec.warmup, spec.trial
         self.steps = 0
         self.times: dict[str, list[float]] = {"allreduce": [], "delayed": []}
@@ -97,6 +98,7 @@ class ChooseSync(SyncMode):
             self.choice = decide({"allreduce": [self.agreed[0]], "delayed": [self.agreed[1]]})
             if self.choice == "allreduce":  # the last stale average: waited for, not applied
                 self.delayed.pending, self.delayed.started = [], False
+        self.delayed.active = self.current == "delayed"  # its weight prediction only while it runs
 
     def flush(self) -> None:
         self.delayed.flush()
@@ -119,7 +121,8 @@ class ChooseSync(SyncMode):
         if self.choice is None:  # resumed before the choice: measure again from here
             self.warmup, self._last = self.steps + self.spec.warmup, None
             self.times = {"allreduce": [], "delayed": []}
-            self.delayed.pending, self.delayed.started = [], False
+            self.delayed.pending, self.delayed.started, self.delayed.held = [], False, None
+        self.delayed.active = self.current == "delayed"
 
 
 def decide(times: dict[str, list[float]]) -> str:
