@@ -75,6 +75,7 @@ from torch import Tensor
 from thinwire.compress.codecs import Meta
 from thinwire.compress.codecs.powersgd import local_approx
 from thinwire.compress.spec import parse_codec_spec, spec_string
+from thinwire.compress.sync.delayed import predict_weights
 from thinwire.config import check
 from thinwire.measure.file import ConvergenceRecord
 from thinwire.workloads.base import GlobalSampler, Workload, collate, eval_subset
@@ -187,7 +188,7 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
         model.train()
         x, y = collate(wl.train, sampler.global_indices(step))
         if stale:
-            held = _predict(params, held)
+            held = predict_weights(params, held)
         grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
         if stale:
             with torch.no_grad():
@@ -208,19 +209,6 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
         if (step + 1) % every == 0:
             curve.append((step + 1, _held_out(wl, evals, batch)))
     return curve
-
-
-@torch.no_grad()
-def _predict(params: list, held: list | None) -> list:
-    """``--sync delayed``'s weight prediction (:mod:`thinwire.compress.sync.delayed`): the parameters move
-    by the last update (``params - held``); the true weights are returned, to be put back after backward."""
-    if held is None:
-        return [p.detach().clone() for p in params]
-    for p, h in zip(params, held):
-        update = p - h
-        h.copy_(p)
-        p.add_(update)
-    return held
 
 
 def _flat_grad(wl: Workload, params: list, x: Tensor, y: Tensor) -> Tensor:

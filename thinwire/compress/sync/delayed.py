@@ -19,7 +19,7 @@ So each step's forward and backward run at the weights the gradient will be appl
 ``w_t + (w_t - w_{t-1})``: the last update repeated (the weight prediction of SpecTrain, Chen et al.
 2018, https://arxiv.org/abs/1809.02839, and PipeMare, Yang et al. 2021, for pipeline staleness; an
 adaptive optimizer's consecutive updates are close, since its momentum averages ~10 gradients). Measured
-(``benchmarks/results/delayed_predict.md``): charlm +48% -> +34%, a GRU language model +1.3% -> +0.1%.
+(``benchmarks/results/delayed_predict.md``): charlm +48% -> +34%, a GRU language model +1.3% -> +0.03%.
 The parameters move to the predicted point on the first training forward of a step (a forward
 pre-hook on the model: a forward in ``eval()`` mode or under ``no_grad`` leaves them) and are put back
 bit for bit in ``before_step``, so evaluation, checkpoints and the optimizer see the true weights. Cost:
@@ -37,6 +37,20 @@ from torch import Tensor
 
 from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
 from thinwire.perf.sync import delayed_step_s
+
+
+@torch.no_grad()
+def predict_weights(params: list[Tensor], held: list[Tensor] | None) -> list[Tensor]:
+    """The weight prediction (module docstring): ``params`` (``w_t``) move by their last update
+    (``w_t - held``); returns ``held`` now holding ``w_t``, to be copied back after backward. Without
+    ``held`` (no last update yet): copies of ``params``, which stay where they are."""
+    if held is None:
+        return [p.detach().clone() for p in params]
+    for p, h in zip(params, held):
+        update = p - h
+        h.copy_(p)
+        p.add_(update)
+    return held
 
 
 class Delayed(SyncMode):
@@ -67,15 +81,9 @@ class Delayed(SyncMode):
         be applied, ``w_t + (w_t - w_{t-1})`` (module docstring); ``held`` keeps ``w_t``."""
         if self.shifted or not self.active or not module.training or not torch.is_grad_enabled():
             return
-        with torch.no_grad():
-            if self.held is None:  # the first step (or one after switching to delayed): no last update yet
-                self.held = [p.detach().clone() for p in self.buckets.params]
-                return
-            for p, h in zip(self.buckets.params, self.held):
-                update = p - h
-                h.copy_(p)
-                p.add_(update)
-        self.shifted = True
+        first = self.held is None  # the first step (or one after switching to delayed): no last update yet
+        self.held = predict_weights(self.buckets.params, self.held)
+        self.shifted = not first
 
     def _restore(self) -> None:
         """The true weights back (bit for bit) before the optimizer steps from them."""
