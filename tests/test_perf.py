@@ -544,7 +544,7 @@ def _auto_run(rank, world, slow_link_bps):
     if slow_link_bps:  # every rank "measures" the same slow link
         policy.link.estimate = lambda p: (1e-4, 8 / slow_link_bps)
     g = torch.Generator().manual_seed(rank)
-    for _ in range(7):
+    for _ in range(8):
         nn.functional.cross_entropy(model(torch.randn(16, 64, generator=g)), torch.randint(0, 10, (16,), generator=g)).backward()
         model.zero_grad()
     state.close()
@@ -557,10 +557,11 @@ def test_auto_decides_identically_on_every_rank_and_logs_why():
     results = run_ranks(_auto_run, 2, 1e6)
     (decisions, described), (other, described_other) = results
     assert decisions == other and described == described_other
-    assert decisions[0]["step"] == 3 and decisions[0]["reason"] == "warm-up done"  # warm-up 2 + baseline 1
+    # warm-up 2 + baseline 1: checked at step 3, its agreement concluded (and acted on) at step 4
+    assert decisions[0]["step"] == 4 and decisions[0]["reason"] == "warm-up done"
     assert set(decisions[0]["choices"].values()) & {"topk:ratio=0.01", "powersgd:rank=4"} and decisions[0]["trial"]
-    # the next check is the trial's verdict: the clock, not the (faked) link, decides whether it stays
-    assert decisions[1]["step"] == 6 and decisions[1]["reason"].split(":")[0] in ("kept", "reverted")
+    # the next check (6) is the trial's verdict: the clock, not the (faked) link, decides whether it stays
+    assert decisions[1]["step"] == 7 and decisions[1]["reason"].split(":")[0] in ("kept", "reverted")
     assert described.startswith("auto[")
 
 
@@ -707,9 +708,18 @@ def test_auto_keeps_its_heavy_steps_on_the_communication_thread():
     policy = AutoPolicy(AutoConfig(warmup_steps=2, check_every=3))
     assert policy.busy(0, 0) and policy.busy(1, 1)           # warm-up: shadow runs
     policy._last_step = 1
-    assert policy.busy(0, 2)                                 # the check at the step's first bucket
+    assert policy.busy(0, 2)                                 # the first check times the codecs
     policy._last_step = 2
     assert not policy.busy(1, 2) and not policy.busy(0, 3)   # in between: nothing heavy
+    policy.costs, policy._last_step = {}, 6
+    assert not policy.busy(0, 7)                             # a later check only issues its agreement
+    policy._pending, policy._last_step = (lambda: None), 7
+    assert policy.busy(0, 8)                                 # the step after it: the first decision
+    policy.decided_bps = 1e9
+    assert not policy.busy(0, 8)                             # a check that finds nothing moved: light
+    policy.trial = object()
+    assert policy.busy(0, 8)                                 # a trial's verdict may re-plan
+    policy._pending, policy.trial = None, None
     policy.choices, policy.shadows.since = {1: "powersgd:rank=8"}, {1: ("powersgd:rank=8", 2)}
     assert policy.busy(1, 3) and not policy.busy(1, 6)       # PowerSGD's first window keeps its shadow
 
@@ -728,6 +738,31 @@ def test_shadow_guard_keeps_out_codecs_that_leave_most_of_the_gradient_behind():
     policy.observe(0, torch.randn(100_000, generator=g), 4)  # after the warm-up: no more shadow work
     policy.shadows.keep_needed(policy.choices, 4)  # a decision (here: none everywhere) drops what no bucket uses
     assert policy.shadows.residuals == {} and policy.shadows.errors[0] == errs
+
+
+def test_auto_times_codecs_in_the_warm_up_shadows_and_measures_only_the_rest(monkeypatch):
+    """The warm-up's shadows encode and decode every lossy candidate on the real buckets: their times
+    are the codec costs the model prices with; only what did not run in shadow as itself (a low-rank
+    codec, run as a per-matrix approximation) is timed at the first check."""
+    import torch
+
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto import decide
+
+    policy = AutoPolicy(AutoConfig(warmup_steps=2, candidates=("none", "bf16", "int8", "powersgd:rank=4")))
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        policy.observe(0, torch.randn(100_000, generator=g), step, [(100, 1000)])
+        policy.observe(1, torch.randn(20_000, generator=g), step, [(20_000,)])
+    costs = policy.shadows.costs()
+    assert set(costs) == {"bf16", "int8"} and all(e > 0 and d > 0 for e, d in costs.values())
+    asked = []
+    monkeypatch.setattr(decide, "codec_costs", lambda specs, numel: asked.append((specs, numel)) or {
+        s: (1e-9, 1e-9) for s in specs if s != "none"})
+    policy.numels = {0: 100_000, 1: 20_000}
+    policy._check(2)  # the warm-up's end: the baseline window starts, the codecs are priced
+    assert asked == [(("none", "powersgd:rank=4"), 100_000)]
+    assert policy.costs == {**costs, "powersgd:rank=4": (1e-9, 1e-9)}
 
 
 def test_error_meter_reports_the_share_left_behind_with_error_feedback():
@@ -827,9 +862,10 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
         seen = iter(windows)
-        policy._agree = lambda: next(seen)
+        policy._agree = lambda: lambda: next(seen)
         for step in range(1, 1 + len(windows)):
             policy._check(step)
+            policy._conclude(step + 1)
         return policy
 
     # a slow link: the model switches to top-k; the clock says the step went from 400 to 100 ms: kept
@@ -902,10 +938,11 @@ def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use(
         assert policy.codec_for(0, 400_000, 0).name == ("bf16" if policy.config.start == "bf16" else "none")
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "int8": (1e-9, 1e-10)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
-        policy._agree = lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
+        policy._agree = lambda: lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
                                  "step_s": 0.1, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "int8": 0.008}},
                                  "window": [0.1] * 5})
         policy._check(1)
+        policy._conclude(2)
         return policy
 
     assert AutoConfig().start == "bf16" and AutoConfig(candidates=("none", "int8")).start == "none"
@@ -960,10 +997,11 @@ def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behin
         policy = AutoPolicy(config)
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
-        policy._agree = lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04,
+        policy._agree = lambda: lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04,
                                  "step_s": 0.4, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}},
                                  "window": []})
         policy._check(1)
+        policy._conclude(2)
         return policy.choices
 
     candidates = ("none", "bf16", "topk:ratio=0.01")

@@ -13,6 +13,7 @@ Why each step and each default is what it is, with the runs that showed it: ``do
 2. **Agree** (:mod:`.agree`). After ``warmup_steps``, then ``baseline_steps`` more steps sent as at
    the start, and every ``check_every`` steps from then on, one all-reduce merges the ranks'
    measurements into one :class:`~thinwire.auto.agree.Measurements` record, the same on every rank.
+   It is issued without waiting, ahead of the step's gradient, and acted on at the next step.
 3. **Decide** (:mod:`.decide`) with the performance model and the planner's per-bucket search: the
    candidate that minimizes the predicted step, per bucket. It decides after the baseline window,
    again when the measured link rate moves by more than ``rebalance_change`` (30%) from the rate of
@@ -35,9 +36,9 @@ Why each step and each default is what it is, with the runs that showed it: ``do
    Mann-Whitney U test at ``keep_p`` (0.05); else the plan is reverted, or, faster by the median but
    not surely, the two plans are timed in alternating windows for up to ``trial_windows`` (3).
 
-Costs: one all-reduce of a few hundred float64 values per check; encode and decode of every lossy
-candidate per bucket in the warm-up, and one fp32 residual per candidate and bucket while its shadow
-runs; timing each codec once (a few milliseconds). Every decision is logged (``thinwire.plan``
+Costs: one all-reduce of a few hundred float64 values per check, off the step's critical path;
+encode and decode of every lossy candidate per bucket in the warm-up (which also times them), and
+one fp32 residual per candidate and bucket while its shadow runs; timing a low-rank codec once. Every decision is logged (``thinwire.plan``
 logger) with its reason and kept in ``decisions``.
 
 Example::

@@ -9,11 +9,12 @@ import dataclasses
 import logging
 import statistics
 import time
+from typing import Callable
 
 import torch
 
 from thinwire.auto import decide as deciding
-from thinwire.auto.agree import Measurements, agree
+from thinwire.auto.agree import Measurements, agree_async
 from thinwire.auto.meters import ComputeMeter, ErrorMeter, LinkMeter
 from thinwire.auto.shadow import ShadowRuns
 from thinwire.auto.spec import AutoConfig, parse_auto_spec
@@ -54,6 +55,7 @@ class AutoPolicy(Policy):
         self.decided_bps: float | None = None
         self.step_times: list[float] = []  # first bucket to first bucket of the next step, less auto's own work
         self._last_step, self._state, self._step_t0, self._aside = -1, None, None, 0.0
+        self._pending = None  # the agreement issued at the last check, concluded at the next step
         self.link, self.compute, self.errors = LinkMeter(), ComputeMeter(), ErrorMeter()
         self.shadows = ShadowRuns(self.codecs, window=self.config.check_every)
 
@@ -73,17 +75,23 @@ class AutoPolicy(Policy):
             if step == self._last_step + 1 and self._step_t0 is not None:  # one whole step since the last
                 self.step_times.append(now - self._step_t0 - self._aside)
             self._last_step, self._step_t0, self._aside = step, now, 0.0
-            if self._state is not None and self._due(step):
-                self._check(step)
+            if self._state is not None and (self._pending is not None or self._due(step)):
+                if self._pending is not None:
+                    self._conclude(step)
+                if self._due(step):
+                    self._check(step)
                 self.shadows.keep_needed(self.choices, step)
                 self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
         self.numels[bucket] = numel
         return self.codecs[self._plan(bucket)]
 
     def busy(self, bucket: int, step: int) -> bool:
-        """Shadow runs (the warm-up, a low-rank codec's first window) and checks (the step's first
-        bucket) are heavy: the hook runs them on its communication thread, off the backward pass."""
-        if step < self.config.warmup_steps or (step != self._last_step and self._due(step)):
+        """Shadow runs (the warm-up, a low-rank codec's first window), timing the codecs (the first
+        check) and deciding (the step after a check) are heavy: the hook runs them on its
+        communication thread, off the backward pass. A check itself only issues its agreement."""
+        if step < self.config.warmup_steps:
+            return True
+        if step != self._last_step and ((self.costs is None and self._due(step)) or self._deciding()):
             return True
         return self.shadows.in_first_window(bucket, self._plan(bucket), step)
 
@@ -117,12 +125,32 @@ class AutoPolicy(Policy):
         return (c.baseline_steps > 0 and step == c.warmup_steps) or (step >= first and (step - first) % c.check_every == 0)
 
     def _check(self, step: int) -> None:
-        if self.costs is None:
-            self.costs = deciding.codec_costs(self.config.candidates, max(self.numels.values(), default=1 << 16))
+        """Measure the window that ends here and issue its agreement; :meth:`_conclude` acts on it."""
+        if self.costs is None:  # timed in the warm-up's shadows; the rest (low-rank, unshadowed) here
+            timed = self.shadows.costs()
+            rest = tuple(c for c in self.config.candidates if c not in timed)
+            self.costs = {**deciding.codec_costs(rest, max(self.numels.values(), default=1 << 16)), **timed}
         if self.config.baseline_steps > 0 and step == self.config.warmup_steps:
             self.step_times = []  # the warm-up's steps (start-up, shadow runs) are no baseline
             return
-        shared = self._agree()
+        self._pending = self._agree()
+
+    def _deciding(self) -> bool:
+        """Whether the next conclusion may run the planner's search (the first decision, a trial's
+        verdict or a re-decision): every rank answers the same, from agreed state alone."""
+        return self._pending is not None and (self.decided_bps is None or self.trial is not None)
+
+    def _conclude(self, step: int) -> None:
+        """The agreement of the last check has arrived (every rank the same record): guard, judge a
+        trial, or re-decide. A changed plan applies from this step; its window starts here."""
+        shared, self._pending = self._pending(), None
+        self.costs = shared.costs
+        before = dict(self.choices)
+        self._act(step, shared)
+        if self.choices != before:
+            self.step_times = []  # the step that just ended ran the old plan
+
+    def _act(self, step: int, shared: Measurements) -> None:
         bps = 8 / shared.beta
         guard = self._guard(shared)
         if guard:  # accuracy first: no trial, no clock
@@ -191,12 +219,11 @@ class AutoPolicy(Policy):
                                               trial=self.trial is not None, shadow=self.last_shadow))
 
     # -- agreement across ranks ---------------------------------------------------------------------
-    def _agree(self) -> Measurements:
-        """This rank's measurements over the window, merged with every rank's (:mod:`thinwire.auto.agree`)."""
-        shared = agree(self._measured(), window=self.config.check_every, group=self._state.wire.group,
-                       world=self._state.wire.world)
-        self.costs = shared.costs
-        return shared
+    def _agree(self) -> Callable[[], Measurements]:
+        """This rank's measurements over the window, their merge with every rank's issued
+        (:func:`thinwire.auto.agree.agree_async`): call the result for the merged record."""
+        return agree_async(self._measured(), window=self.config.check_every, group=self._state.wire.group,
+                           world=self._state.wire.world)
 
     def _measured(self) -> Measurements:
         alpha, beta = self.link.estimate(self._state.wire.world)

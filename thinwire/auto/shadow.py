@@ -15,6 +15,9 @@ left behind. :class:`ShadowRuns` measures it where the hook's own error feedback
    as much as the codec itself); PowerSGD's error with a warm start falls as training settles, so
    the first window is the one that decides.
 
+The warm-up's shadows also time each codec's encode and decode on the real buckets
+(:meth:`ShadowRuns.costs`), so ``auto`` need not time them again on made-up data.
+
 A low-rank codec runs per matrix with a warm-started ``Q``, as it is sent
 (:func:`~thinwire.compress.codecs.powersgd.local_approx`); the flat near-square view would
 overstate its error. Cost: one encode and decode per candidate and bucket per warm-up step, and a
@@ -31,6 +34,7 @@ residual (fp32, the bucket's size) per candidate and bucket while it runs.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -54,6 +58,7 @@ class ShadowRuns:
         self.shapes: dict[int, list[tuple]] = {}             # bucket -> its parameters' shapes
         self.lowrank_errors: dict[int, list[float]] = {}     # in-use low-rank codec's error, this window
         self.since: dict[int, tuple[str, int]] = {}          # bucket -> (low-rank spec, step it was chosen)
+        self.timings: dict[str, list[tuple[float, float, int]]] = {}  # spec -> (encode s, decode s, bytes) per run
 
     def wanted(self, bucket: int, step: int, current: str, warm: bool) -> bool:
         """Whether this bucket runs in shadow at ``step`` (sent with ``current``): in the warm-up, and
@@ -78,6 +83,17 @@ class ShadowRuns:
             self.errors[bucket] = errors
         else:
             self.lowrank_errors.setdefault(bucket, []).append(errors[current])
+
+    def costs(self) -> dict[str, tuple[float, float]]:
+        """Candidate -> (encode, decode) seconds per fp32 byte, timed in the warm-up's shadows: the
+        median over the runs on the largest bucket (the size the model prices best). Low-rank
+        candidates, which run in shadow as a local approximation, are not timed here."""
+        out = {}
+        for spec, runs in self.timings.items():
+            big = max(n for _, _, n in runs)
+            on_big = [(e / n, d / n) for e, d, n in runs if n == big]
+            out[spec] = (statistics.median(e for e, _ in on_big), statistics.median(d for _, d in on_big))
+        return out
 
     def in_first_window(self, bucket: int, current: str, step: int) -> bool:
         """Whether ``bucket``, sent with low-rank ``current``, is in the window its shadow runs."""
@@ -113,10 +129,28 @@ class ShadowRuns:
         previous = self.residuals.get(key)
         shapes = self.shapes.get(bucket)
         if not codec.lowrank or shapes is None:
-            self.residuals[key], error, _ = shadow_step(codec, x, previous)
+            timed = _Timed(codec)
+            self.residuals[key], error, _ = shadow_step(timed, x, previous)
+            if not codec.lowrank:
+                self.timings.setdefault(spec, []).append((timed.encode_s, timed.decode_s, 4 * x.numel()))
             return error
         corrected = x + previous if previous is not None and previous.numel() == x.numel() else x.clone()
         residual = corrected - local_approx(corrected, shapes, codec.config, self.qs.setdefault(key, {}))
         self.residuals[key] = residual
         norm = float(corrected.norm())
         return float(residual.norm()) / norm if norm > 0 else 0.0
+
+
+class _Timed:
+    """``codec``'s round trip (what :func:`~thinwire.compress.feedback.shadow_step` calls), timed."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec, self.encode_s, self.decode_s = codec, 0.0, 0.0
+
+    def roundtrip(self, x: torch.Tensor, meta) -> torch.Tensor:
+        t0 = time.perf_counter()
+        payload = self.codec.compress(x, meta)
+        t1 = time.perf_counter()
+        out = self.codec.decompress(payload, meta)
+        self.encode_s, self.decode_s = t1 - t0, time.perf_counter() - t1
+        return out

@@ -36,7 +36,7 @@ class AutoConfig:
     """
 
     candidates: tuple[str, ...] = dataclasses.field(default_factory=default_candidates)
-    warmup_steps: int = 6
+    warmup_steps: int = 3
     baseline_steps: int = 5
     check_every: int = 10
     rebalance_change: float = 0.3
