@@ -765,6 +765,20 @@ def test_auto_times_codecs_in_the_warm_up_shadows_and_measures_only_the_rest(mon
     assert policy.costs == {**costs, "powersgd:rank=4": (1e-9, 1e-9)}
 
 
+def test_auto_agrees_on_the_device_its_group_reduces_on(monkeypatch):
+    """NCCL reduces CUDA tensors only: the agreement's tensor goes where the group's collectives go."""
+    import torch
+    import torch.distributed as dist
+
+    from thinwire.auto.agree import _device
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert _device(None) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _device(None) == torch.device("cuda", 3)
+
+
 def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     import torch
 

@@ -57,7 +57,8 @@ def agree_async(local: Measurements, *, window: int, group, world: int) -> Calla
     nothing on the step's critical path (a blocking check cost ~12 ms per check on CPU-capped hosts)."""
     specs, keys = list(local.costs), sorted(local.errors)
     lossy = list(next(iter(local.shadow.values()), {}))
-    t = torch.tensor(_pack(local, specs, keys, lossy, window), dtype=torch.float64)
+    t = torch.tensor(_pack(local, specs, keys, lossy, window), dtype=torch.float64,
+                     device=_device(group) if world > 1 else None)
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True) if world > 1 else None
 
     def merged() -> Measurements:
@@ -65,6 +66,13 @@ def agree_async(local: Measurements, *, window: int, group, world: int) -> Calla
             work.wait()
         return _unpack(t.tolist(), specs, keys, lossy, window)
     return merged
+
+
+def _device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: NCCL reduces CUDA tensors only, gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _pack(m: Measurements, specs: list[str], keys: list[int], lossy: list[str], window: int) -> list[float]:

@@ -283,7 +283,7 @@ class Trainer:
         model.eval()
         slot, slots, per = self._eval_slot()
         mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[slot::slots]
-        totals = torch.zeros(3, dtype=torch.float64)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         said = time.perf_counter()
         for i in range(0, len(mine), per):
             if time.perf_counter() - said > VALIDATION_NOTE_S:  # a long validation says how far it is
@@ -294,7 +294,8 @@ class Trainer:
             out = self._eval_forward(x, y)
             if out is None:  # a pipeline stage before the last
                 continue
-            totals += torch.tensor([float(self.wl.loss(out, y)) * len(y), self._correct(out, y), len(y)], dtype=torch.float64)
+            totals += torch.tensor([float(self.wl.loss(out, y)) * len(y), self._correct(out, y), len(y)], dtype=torch.float64,
+                                   device=totals.device)
         model.train()
         dist.all_reduce(totals)
         self.last_val = self._val_record(*totals.tolist())
@@ -465,7 +466,7 @@ class Trainer:
         return {}
 
     def _finish(self) -> dict:
-        totals = torch.tensor([float(self._bytes_sent())], dtype=torch.float64)
+        totals = torch.tensor([float(self._bytes_sent())], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
         summary = {
             "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,

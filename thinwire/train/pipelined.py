@@ -165,7 +165,7 @@ class PipelineTrainer(Trainer):
 
     def _mean_loss(self, loss: torch.Tensor | None) -> float:
         """The replicas' mean training loss, on every rank (only last stages have a loss)."""
-        t = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float64)
+        t = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t[0]) / self.layout.replicas
 
