@@ -779,6 +779,35 @@ def test_auto_agrees_on_the_device_its_group_reduces_on(monkeypatch):
     assert _device(None) == torch.device("cuda", 3)
 
 
+def test_compute_meter_keeps_two_hooks_after_the_first_backward():
+    """The first backward notes the order gradients arrive in; then only its first and last
+    parameter are hooked, and the phases are still timed from forward start to the last gradient."""
+    import torch
+    from torch import nn
+
+    from thinwire.auto.meters import ComputeMeter
+
+    class Counting(ComputeMeter):
+        calls = 0
+
+        def _on_grad(self, param):
+            Counting.calls += 1
+            super()._on_grad(param)
+
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    meter = Counting()
+    meter.attach(net)
+    per_step = []
+    for _ in range(4):
+        before = Counting.calls
+        net(torch.randn(4, 8)).sum().backward()
+        per_step.append(Counting.calls - before)
+    assert per_step == [6, 2, 2, 2]  # 6 parameters hooked in the first backward, then the two ends
+    net(torch.randn(4, 8))  # the next forward closes the last step
+    pre, backward = meter.estimate()
+    assert len(meter.backward) == 4 and pre > 0 and backward > 0
+
+
 def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     import torch
 
