@@ -38,8 +38,8 @@ Why each step and each default is what it is, with the runs that showed it: ``do
 
 Costs: one all-reduce of a few hundred float64 values per check, off the step's critical path;
 encode and decode of every lossy candidate per bucket in the warm-up (which also times them), and
-one fp32 residual per candidate and bucket while its shadow runs; timing a low-rank codec once. Every decision is logged (``thinwire.plan``
-logger) with its reason and kept in ``decisions``.
+one fp32 residual per candidate and bucket while its shadow runs; timing a low-rank codec once.
+Every decision is logged (``thinwire.plan`` logger) with its reason and kept in ``decisions``.
 
 Example::
 
