@@ -2,7 +2,7 @@
 
 Each rank measures its own link, compute, codec costs, errors and step times (:mod:`.meters`,
 :mod:`.shadow`). At a check, on the communication thread at the first bucket of the step (all ranks
-reach it in the same place of the same collective sequence), :func:`agree` packs a rank's
+reach it in the same place of the same collective sequence), :func:`agree_async` packs a rank's
 :class:`Measurements` into one float64 tensor and all-reduces it with MAX: the slowest rank's
 compute, codec costs, errors and step times, and the fastest rank's transfer time per byte (its
 entry is negated, so MAX gives the MIN: the others' include waiting for late peers). From then on
@@ -16,7 +16,7 @@ Cost: one all-reduce of ``5 + 2 c + b (1 + l) + w`` float64 values (``c`` compre
 
     >>> m = Measurements(alpha=1e-4, beta=8e-9, pre_s=0.02, backward_s=0.04, step_s=0.1, errors={0: 0.01},
     ...                  shadow={0: {"int8": 0.008}}, window=[0.1, 0.11], costs={"int8": (1e-9, 1e-9)})
-    >>> agree(m, window=3, group=None, world=1) == m
+    >>> agree_async(m, window=3, group=None, world=1)() == m
     True
 """
 
@@ -44,15 +44,10 @@ class Measurements:
     costs: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)  # spec -> encode, decode s/byte
 
 
-def agree(local: Measurements, *, window: int, group, world: int) -> Measurements:
-    """Every rank's ``local`` merged with one MAX all-reduce (see the module docstring); ``window``:
-    how many step times each rank contributes (the last ones, padded)."""
-    return agree_async(local, window=window, group=group, world=world)()
-
-
 def agree_async(local: Measurements, *, window: int, group, world: int) -> Callable[[], Measurements]:
-    """:func:`agree` with its all-reduce issued now, asynchronously: returns the function that waits
-    for it and gives the merged record. Issued at the step's first bucket, the all-reduce travels
+    """Every rank's ``local`` merged with one MAX all-reduce (see the module docstring), issued now,
+    asynchronously: returns the function that waits for it and gives the merged record. ``window``:
+    how many step times each rank contributes (the last ones, padded). Issued at the step's first bucket, the all-reduce travels
     ahead of that bucket's own collectives, so it has arrived by the next step: waiting then costs
     nothing on the step's critical path (a blocking check cost ~12 ms per check on CPU-capped hosts)."""
     specs, keys = list(local.costs), sorted(local.errors)
