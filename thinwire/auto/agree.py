@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 @dataclasses.dataclass(frozen=True)
 class Measurements:
-    """One rank's measurements over a window, or (after :func:`agree`) every rank's merged."""
+    """One rank's measurements over a window, or (after :func:`agree_async`) every rank's merged."""
 
     alpha: float                          # seconds per message
     beta: float                           # seconds per byte
