@@ -67,7 +67,9 @@ def test_profile_cluster_probes_measure_each_hosts_speed_and_the_hand_off_latenc
     finally:
         c.down()
     assert rec.cluster == f"hs{os.getpid()}" and set(rec.speed) == {"half", "fifth"}
-    assert 0 < rec.speed["fifth"] < rec.speed["half"] <= 0.6  # a quota is a ceiling; co-running takes more
+    # a quota is a ceiling (without one each host runs at ~1.0 here); the full-core reference is timed on
+    # the same busy VM, so a half-core host has read up to 0.61 of it (CI, 2026-12-04)
+    assert 0 < rec.speed["fifth"] < rec.speed["half"] <= 0.7
     assert rec.speed["fifth"] <= 0.25
     assert len(one_way) == 9 and all(0 < t < 0.05 for t in one_way)
 
