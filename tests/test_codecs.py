@@ -150,6 +150,22 @@ def test_cast_clamps_infinities_and_keeps_nan(codec):
 
 
 @each_codec
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), 1e38], ids=str)
+def test_compress_checked_gives_compress_and_whether_the_input_is_finite(codec, bad):
+    """A cast tells finiteness from its payload, with one exception it must catch: a finite value past
+    fp16's range rounds to an infinity (clamped; the input was finite)."""
+    x = randn(3000, seed=2)
+    if bad is not None:
+        x[1234] = bad
+    payload, finite = codec.compress_checked(x, meta_of(x, 5))
+    expected = codec.compress(x, meta_of(x, 5))
+    assert finite == bool(torch.isfinite(x).all())
+    assert len(payload) == len(expected)
+    for a, b in zip(payload, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@each_codec
 def test_same_meta_same_payload(codec):
     x = randn(5000, seed=1)
     a, b = codec.compress(x, meta_of(x, 11, 2)), codec.compress(x, meta_of(x, 11, 2))

@@ -78,6 +78,14 @@ class Codec(ABC):
     def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Exact bytes of ``compress``'s output for a tensor of ``numel`` elements of ``dtype``."""
 
+    def compress_checked(self, x: Tensor, meta: Meta) -> tuple[list[Tensor], bool]:
+        """``compress(x, meta)`` and whether every element of ``x`` is finite. A codec whose encoding
+        pass already tells (a cast: a NaN or an infinity survives it) overrides it to save a pass."""
+        from thinwire.compress.codecs.common import all_finite  # common imports this module
+
+        finite = all_finite(x)
+        return self.compress(x, meta), finite
+
     def decompress_into(self, payload: list[Tensor], meta: Meta, out: Tensor) -> Tensor:
         """``out.copy_(self.decompress(payload, meta))``; codecs that can decode without the
         temporary override it."""

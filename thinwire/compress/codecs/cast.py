@@ -59,17 +59,28 @@ class _CastCodec(Codec):
     summable = True
 
     def compress(self, x: Tensor, meta: Meta) -> list[Tensor]:
-        check_input(x, meta)
         if self.wire_dtype == torch.float32:  # a copy: the collective may all-reduce in place
+            check_input(x, meta)
             return [torch.empty(meta.numel, dtype=torch.float32, device=x.device).copy_(x)]
+        return self.compress_checked(x, meta)[0]  # the check is the one the clamp needs anyway
+
+    def compress_checked(self, x: Tensor, meta: Meta) -> tuple[list[Tensor], bool]:
+        """The payload, and whether ``x`` is all finite, told by the payload: a NaN or an infinity
+        survives the cast, so one pass over the (smaller) payload answers for the input. Only when it
+        finds one does the input get a pass of its own (a finite value past the wire dtype's range
+        rounds to an infinity: clamped, and the input counts as finite)."""
+        if self.wire_dtype == torch.float32:
+            (out,) = self.compress(x, meta)
+            return [out], all_finite(out)
+        check_input(x, meta)
         # One rounding to the wire dtype, then overflow (inf) back to the largest finite value:
         # same result as clamping first, without an fp32 temporary. NaN stays NaN.
-        # The clamp pass runs only when the payload holds a NaN or an infinity (one reduction finds out).
-        limit = torch.finfo(self.wire_dtype).max
         out = x.reshape(-1).to(self.wire_dtype, copy=True)  # copy: fp16 input must not alias
-        if not all_finite(out):
-            out.nan_to_num_(nan=math.nan, posinf=limit, neginf=-limit)
-        return [out]
+        if all_finite(out):
+            return [out], True
+        limit = torch.finfo(self.wire_dtype).max
+        out.nan_to_num_(nan=math.nan, posinf=limit, neginf=-limit)
+        return [out], all_finite(x)
 
     def decompress(self, payload: list[Tensor], meta: Meta) -> Tensor:
         return to_dtype(payload[0], meta.dtype)

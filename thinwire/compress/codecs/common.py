@@ -55,7 +55,7 @@ def all_finite(t: Tensor) -> bool:
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())  # Python floats: no 0-d tensor ops
 
 
 def flat_fp32(x: Tensor) -> Tensor:

@@ -120,6 +120,14 @@ def encode(job: BucketJob, x: Tensor, m: Meta) -> list[Tensor]:
     return payload
 
 
+def encode_checked(job: BucketJob, x: Tensor, m: Meta) -> tuple[list[Tensor], bool]:
+    """:func:`encode`, and whether ``x`` is all finite (from the encoding pass where the codec can tell)."""
+    t0 = time.perf_counter()
+    payload, finite = job.codec.compress_checked(x, m)
+    job.state.compress_s += time.perf_counter() - t0
+    return payload, finite
+
+
 def decode(job: BucketJob, payload: list[Tensor], m: Meta) -> Tensor:
     t0 = time.perf_counter()
     out = job.codec.decompress(payload, m).to(torch.float32)

@@ -10,7 +10,7 @@ from torch import Tensor
 from thinwire.compress.codecs.base import Codec, Meta
 from thinwire.compress.codecs.common import all_finite
 from thinwire.compress.schemes.base import (
-    BucketJob, Pending, Scheme, Traffic, corrected, decode, encode, feedback_half, meta, remember,
+    BucketJob, Pending, Scheme, Traffic, corrected, decode, encode_checked, feedback_half, meta, remember,
 )
 
 
@@ -95,8 +95,7 @@ def _summable(job: BucketJob) -> Pending:
     flush = fb is not None and not feed and fb.holds(job.key, job.layout)
     x = corrected(job, job.key, job.buf) if feed or flush else job.buf
     m = meta(job, n)
-    finite_here = all_finite(x)
-    payload = encode(job, x, m)
+    payload, finite_here = encode_checked(job, x, m)
     sent = decode(job, payload, m) if feed else None
     if sent is not None and any(_shares_memory(sent, t) for t in payload):
         sent = sent.clone()  # the all-reduce writes into the payload
