@@ -917,14 +917,19 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     assert kept.choices == {0: "topk:ratio=0.01"} and kept.decided_bps == 10e6
     # the same prediction, but the step did not get 5% faster: reverted, and top-k is not tried again
     # at this link rate; a link that moves by more than 30% clears that, and the model decides again
-    back = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=5e6), window(0.1, 5e6)])
+    back = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=5e6), window(0.4, 5e6),
+                          window(0.1, 5e6)])
     reasons = [d["reason"].split(":")[0] for d in back.decisions]
     assert reasons == ["warm-up done", "reverted", "link moved 50%", "kept"], reasons
     assert back.decisions[1]["choices"] == {0: "bf16"} and back.choices == {0: "topk:ratio=0.01"}  # bf16: the start
     # a link that gets faster makes the rejected top-k pay less still: re-decided, but not tried again
-    faster = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=20e6)])
+    faster = policy_seeing([window(0.4), window(0.39), window(0.4), window(0.4, rate_bps=20e6), window(0.4, 20e6)])
     assert [d["reason"].split(":")[0] for d in faster.decisions] == ["warm-up done", "reverted", "link moved 100%"]
     assert faster.choices == {0: "bf16"} and faster.trial is None and faster.tried == {0: {"topk:ratio=0.01": 10e6}}
+    # one window's reading moved (a busy host), the next did not, or moved the other way: no re-decision
+    for blip in ([window(0.4, 20e6), window(0.4)], [window(0.4, 20e6), window(0.4, 5e6)]):
+        steady = policy_seeing([window(0.4), window(0.39), window(0.4), *blip])
+        assert [d["reason"].split(":")[0] for d in steady.decisions] == ["warm-up done", "reverted"]
     # a noisy host: the trial's median is 7% lower, but half its steps are slower than most before it
     # (p ~ 0.24): not sure yet, so the old plan is timed again for a window, then the new one; after
     # trial_windows (3) windows the medians of all the steps decide

@@ -16,8 +16,9 @@ Why each step and each default is what it is, with the runs that showed it: ``do
    It is issued without waiting, ahead of the step's gradient, and acted on at the next step.
 3. **Decide** (:mod:`.decide`) with the performance model and the planner's per-bucket search: the
    candidate that minimizes the predicted step, per bucket. It decides after the baseline window,
-   again when the measured link rate moves by more than ``rebalance_change`` (30%) from the rate of
-   the last decision, and when the accuracy guard bans a codec from a bucket.
+   again when the measured link rate has moved by more than ``rebalance_change`` (30%) from the rate
+   of the last decision at two checks in a row (one window's reading on a busy host can jump and come
+   back), and when the accuracy guard bans a codec from a bucket.
 4. **Guard accuracy**, before and after. The guarded quantity is the relative compression error
    with error feedback, ``||r|| / ||g + r_prev||``, capped at ``max_error``
    (:data:`~thinwire.plan.choose.MAX_EF_ERROR`, 0.1, the planner's cap too). Before any codec is

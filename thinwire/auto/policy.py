@@ -56,6 +56,7 @@ class AutoPolicy(Policy):
         self.step_times: list[float] = []  # first bucket to first bucket of the next step, less auto's own work
         self._last_step, self._state, self._step_t0, self._aside = -1, None, None, 0.0
         self._pending = None  # the agreement issued at the last check, concluded at the next step
+        self._moved: bool | None = None  # the last check saw the link moved past rebalance_change: faster?
         self.link, self.compute, self.errors = LinkMeter(), ComputeMeter(), ErrorMeter()
         self.shadows = ShadowRuns(self.codecs, window=self.config.check_every)
 
@@ -170,13 +171,19 @@ class AutoPolicy(Policy):
         return None
 
     def _reason(self, bps: float) -> str | None:
+        """Why to decide again, or None. A move of the link rate counts once two checks in a row see
+        it, the same way: on a CPU-bound host one window's reading can move 30-45% and back (a window
+        of collectives that waited for a busy core), and each re-decision may cost a trial."""
         if self.decided_bps is None:
             return "warm-up done"
         change = abs(bps - self.decided_bps) / self.decided_bps
-        if change > self.config.rebalance_change:
-            self._forget_rejections(bps)  # what the clock rejected may pay on this link
-            return f"link moved {change:.0%}: {self.decided_bps / 1e6:.1f} -> {bps / 1e6:.1f} Mbit/s"
-        return None
+        moved = None if change <= self.config.rebalance_change else bps > self.decided_bps
+        seen, self._moved = self._moved, moved
+        if moved is None or seen != moved:
+            return None
+        self._moved = None
+        self._forget_rejections(bps)  # what the clock rejected may pay on this link
+        return f"link moved {change:.0%}: {self.decided_bps / 1e6:.1f} -> {bps / 1e6:.1f} Mbit/s"
 
     def _forget_rejections(self, bps: float) -> None:
         forget_rejections(self.tried, bps, self.config.rebalance_change, plan=self._plan,
@@ -210,7 +217,7 @@ class AutoPolicy(Policy):
             numels=self.numels, shapes=self.shadows.shapes, plan={i: self._plan(i) for i in self.numels},
             candidates=self.config.candidates, costs=self.costs or {}, shared=shared, guards=guards,
             world=self._state.wire.world, min_gain=self.config.min_gain)
-        self.decided_bps = bps
+        self.decided_bps, self._moved = bps, None
         start = self.config.start
         if trial and any(old.get(i, start) != c for i, c in self.choices.items()):
             self.trial = Trial(old={i: old.get(i, start) for i in self.choices}, new=dict(self.choices),

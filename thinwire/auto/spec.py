@@ -23,7 +23,8 @@ class AutoConfig:
     ``candidates``: codec specs, light to strong, ``none`` included (default: the planner's,
     :func:`~thinwire.compress.spec.default_candidates`). ``warmup_steps``: steps of shadow runs
     before the ``baseline_steps`` that time the plan in use; then a check every ``check_every``
-    steps. ``rebalance_change``: the relative move of the measured link rate that re-decides.
+    steps. ``rebalance_change``: the relative move of the measured link rate that re-decides
+    (seen at two checks in a row).
     ``max_error``: the accuracy cap (:data:`~thinwire.plan.choose.MAX_EF_ERROR`). ``min_gain``: how
     much faster the model must predict a new plan. ``keep_gain``, ``keep_p``, ``trial_windows``: a
     trial keeps a new plan if its steps are ``keep_gain`` faster at significance ``keep_p``, or by
