@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -950,6 +951,51 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
     clear = [t / 3 for t in before]
     sure = policy_seeing([w(before), w(clear)])
     assert [d["reason"].split(":")[0] for d in sure.decisions] == ["warm-up done", "kept"]
+
+
+def test_auto_reverts_a_trial_early_when_its_first_steps_are_surely_slower():
+    """A trial gets a look after its first EARLY_STEPS steps: every one slower than the steps before
+    it reverts at once; mixed steps leave the trial to its regular window."""
+    from types import SimpleNamespace
+
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto.agree import Measurements
+    from thinwire.auto.policy import EARLY_STEPS
+
+    before = [0.40, 0.42, 0.39, 0.41, 0.40, 0.43, 0.38, 0.41, 0.40, 0.42]
+
+    def run(trial_steps):
+        policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=10, max_error=0.5,
+                                       candidates=("none", "bf16", "topk:ratio=0.01")))
+        policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
+        policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
+        windows, checks = itertools.chain([before, *trial_steps], itertools.repeat(before)), []
+
+        def agree():
+            steps = next(windows)
+            m = Measurements(alpha=1e-4, beta=8 / 10e6, pre_s=0.02, backward_s=0.04, step_s=statistics.median(steps),
+                             errors={0: 0.0}, shadow={0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}, window=list(steps))
+            return lambda: m
+        policy._agree = agree
+        for step in range(1, 22):
+            if policy._pending is not None:
+                policy._conclude(step)
+            if policy._due(step):
+                checks.append(step)
+                policy._check(step)
+        return policy, checks
+
+    slow, checks = run([[0.55, 0.60, 0.52, 0.58]])  # then steps as before: no other change
+    assert checks[:2] == [1, 2 + EARLY_STEPS]  # decided at step 2 (the step after the check), looked at 4 steps later
+    reasons = [d["reason"].split(":")[0] for d in slow.decisions]
+    assert reasons == ["warm-up done", "reverted early"] and slow.decisions[1]["step"] == 3 + EARLY_STEPS
+    assert slow.choices == {0: "bf16"} and slow.trial is None and slow.tried == {0: {"topk:ratio=0.01": 10e6}}
+    assert checks[2] == 11  # the regular checks go on
+    # mixed first steps: no verdict yet; the regular check judges all of the trial's steps
+    mixed, checks = run([[0.30, 0.45, 0.31, 0.44], [0.30, 0.29, 0.31, 0.30, 0.32]])
+    assert checks[:3] == [1, 2 + EARLY_STEPS, 11]
+    assert [d["reason"].split(":")[0] for d in mixed.decisions] == ["warm-up done", "kept"]
+    assert mixed.choices == {0: "topk:ratio=0.01"} and "over" not in mixed.decisions[1]["reason"]  # at once, p <= 0.05
 
 
 def test_auto_times_its_first_trial_against_a_baseline_window_not_the_warm_up():

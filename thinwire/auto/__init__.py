@@ -36,6 +36,7 @@ Why each step and each default is what it is, with the runs that showed it: ``do
    ``auto``'s own work) must be ``keep_gain`` (5%) faster, and its steps faster by a one-sided
    Mann-Whitney U test at ``keep_p`` (0.05); else the plan is reverted, or, faster by the median but
    not surely, the two plans are timed in alternating windows for up to ``trial_windows`` (3).
+   The trial's first ``EARLY_STEPS`` (4) steps get an early look: surely slower, it is reverted then.
 
 Costs: one all-reduce of a few hundred float64 values per check, off the step's critical path;
 encode and decode of every lossy candidate per bucket in the warm-up (which also times them), and

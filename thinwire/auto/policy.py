@@ -25,6 +25,8 @@ from thinwire.compress.spec import parse_codec_spec
 
 log = logging.getLogger("thinwire.plan")
 
+EARLY_STEPS = 4  # a trial's first steps get an early look: reverted at once if surely slower (Trial.surely_slower)
+
 
 class AutoPolicy(Policy):
     """Per-bucket codec choice from measurements (see :mod:`thinwire.auto`)."""
@@ -57,6 +59,8 @@ class AutoPolicy(Policy):
         self._last_step, self._state, self._step_t0, self._aside = -1, None, None, 0.0
         self._pending = None  # the agreement issued at the last check, concluded at the next step
         self._moved: bool | None = None  # the last check saw the link moved past rebalance_change: faster?
+        self._early_at: int | None = None  # the step of a trial's early look (EARLY_STEPS after it began)
+        self._early = False                # the agreement in flight is that early look's
         self.link, self.compute, self.errors = LinkMeter(), ComputeMeter(), ErrorMeter()
         self.shadows = ShadowRuns(self.codecs, window=self.config.check_every)
 
@@ -120,7 +124,10 @@ class AutoPolicy(Policy):
 
     def _due(self, step: int) -> bool:
         """The warm-up's end (the baseline window starts), then every ``check_every`` steps from the
-        end of the baseline window; the same steps on every rank."""
+        end of the baseline window, and a trial's early look; the same steps on every rank."""
+        return self._regular(step) or (self.trial is not None and step == self._early_at)
+
+    def _regular(self, step: int) -> bool:
         c = self.config
         first = c.warmup_steps + c.baseline_steps
         return (c.baseline_steps > 0 and step == c.warmup_steps) or (step >= first and (step - first) % c.check_every == 0)
@@ -134,6 +141,7 @@ class AutoPolicy(Policy):
         if self.config.baseline_steps > 0 and step == self.config.warmup_steps:
             self.step_times = []  # the warm-up's steps (start-up, shadow runs) are no baseline
             return
+        self._early = step == self._early_at
         self._pending = self._agree()
 
     def _deciding(self) -> bool:
@@ -148,6 +156,7 @@ class AutoPolicy(Policy):
         self.costs = shared.costs
         before = dict(self.choices)
         self._act(step, shared)
+        self._early = False
         if self.choices != before:
             self.step_times = []  # the step that just ended ran the old plan
 
@@ -192,8 +201,13 @@ class AutoPolicy(Policy):
     def _verify(self, step: int, shared: Measurements, bps: float) -> None:
         """A window of the trial has ended: keep, revert, or time the other plan again."""
         cfg = self.config
-        verdict = self.trial.judge(shared.window or [shared.step_s], keep_gain=cfg.keep_gain, keep_p=cfg.keep_p,
-                                   trial_windows=cfg.trial_windows)
+        window = shared.window or [shared.step_s]
+        if self._early:  # the trial's first steps: reverted now if surely slower, else its window goes on
+            verdict = self.trial.surely_slower(window, keep_p=cfg.keep_p)
+            if verdict is None:
+                return
+        else:
+            verdict = self.trial.judge(window, keep_gain=cfg.keep_gain, keep_p=cfg.keep_p, trial_windows=cfg.trial_windows)
         if verdict.outcome == "keep":
             self.decided_bps = bps
         elif verdict.outcome == "revert":
@@ -222,6 +236,9 @@ class AutoPolicy(Policy):
         if trial and any(old.get(i, start) != c for i, c in self.choices.items()):
             self.trial = Trial(old={i: old.get(i, start) for i in self.choices}, new=dict(self.choices),
                                steps={"old": list(shared.window or [shared.step_s]), "new": []})
+            # its first steps get an early look, unless a regular check comes as soon
+            early = step + EARLY_STEPS
+            self._early_at = None if any(self._regular(s) for s in range(step + 1, early + 1)) else early
         self.decisions.append(deciding.record(step, reason, old=old, choices=self.choices, bps=bps, decision=decision,
                                               trial=self.trial is not None, shadow=self.last_shadow))
 

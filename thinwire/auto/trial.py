@@ -6,7 +6,8 @@ its link, the transfer time per byte measured under one codec does not carry ove
 
 1. **Kept** when the new median step is at least ``keep_gain`` below the old one *and* the steps are
    faster by a one-sided Mann-Whitney U test at ``keep_p`` (:func:`p_faster`).
-2. **Reverted** when the median is not ``keep_gain`` faster; the codecs it tried are left out of
+2. **Reverted** when the median is not ``keep_gain`` faster (or, at an early look after the new
+   plan's first few steps, when those are surely slower: :meth:`Trial.surely_slower`); the codecs it tried are left out of
    those buckets until the link moves their way (:func:`forget_rejections`): a codec that sends
    fewer bytes than the plan in use until the link is ``rebalance_change`` slower than when it was
    rejected, one that sends more until it is that much faster.
@@ -70,6 +71,21 @@ class Trial:
         reason = (f"trial: {measured}, not surely faster yet (p = {p_value:.2f} > {keep_p}): "
                   f"timing the {self.arm} plan again")
         return Verdict("again", reason, dict(self.new if self.arm == "new" else self.old), now, before)
+
+    def surely_slower(self, window: list[float], *, keep_p: float) -> Verdict | None:
+        """An early look at the new plan's first steps (``window``, which count toward its window):
+        reverted at once when they are slower than the old plan's steps at significance ``keep_p``
+        (one-sided Mann-Whitney U, at least 3 steps each); else None, and the window goes on. A
+        model that mispredicts a codec on a CPU-bound host (every step of the trial 20-40% slower)
+        then costs a few steps, not a whole window."""
+        self.steps["new"] += window
+        new, old = self.steps["new"], self.steps["old"]
+        if len(new) < 3 or len(old) < 3 or (p_value := p_faster(old, new)) > keep_p:
+            return None
+        now, before = statistics.median(new), statistics.median(old)
+        reason = (f"reverted early: measured step {now * 1e3:.1f} ms vs {before * 1e3:.1f} ms before over the trial's "
+                  f"first {len(new)} steps, surely slower (p = {p_value:.3f})")
+        return Verdict("revert", reason, dict(self.old), now, before)
 
     def changed(self) -> dict[int, str]:
         """The buckets whose codec the trial changed, with the codec it tried."""
