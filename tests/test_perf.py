@@ -906,9 +906,11 @@ def test_auto_keeps_a_switch_only_if_the_measured_step_got_faster():
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
         seen = iter(windows)
-        policy._agree = lambda: lambda: next(seen)
+        policy._measured = lambda: None  # _agree below stands in for every rank's merged record
+        policy._agree = lambda measured: lambda: next(seen)
         for step in range(1, 1 + len(windows)):
             policy._check(step)
+            policy.sent(0, step)  # the agreement goes out behind the step's first bucket
             policy._conclude(step + 1)
         return policy
 
@@ -971,11 +973,12 @@ def test_auto_reverts_a_trial_early_when_its_first_steps_are_surely_slower():
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
         windows, checks = itertools.chain([before, *trial_steps], itertools.repeat(before)), []
 
-        def agree():
+        def agree(measured):
             steps = next(windows)
             m = Measurements(alpha=1e-4, beta=8 / 10e6, pre_s=0.02, backward_s=0.04, step_s=statistics.median(steps),
                              errors={0: 0.0}, shadow={0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}}, window=list(steps))
             return lambda: m
+        policy._measured = lambda: None  # _agree below stands in for every rank's merged record
         policy._agree = agree
         for step in range(1, 22):
             if policy._pending is not None:
@@ -983,6 +986,7 @@ def test_auto_reverts_a_trial_early_when_its_first_steps_are_surely_slower():
             if policy._due(step):
                 checks.append(step)
                 policy._check(step)
+                policy.sent(0, step)
         return policy, checks
 
     slow, checks = run([[0.55, 0.60, 0.52, 0.58]])  # then steps as before: no other change
@@ -1032,10 +1036,12 @@ def test_auto_starts_in_bf16_and_a_change_of_plan_must_pay_over_the_plan_in_use(
         assert policy.codec_for(0, 400_000, 0).name == ("bf16" if policy.config.start == "bf16" else "none")
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "int8": (1e-9, 1e-10)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
-        policy._agree = lambda: lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
+        policy._measured = lambda: None  # _agree below stands in for every rank's merged record
+        policy._agree = lambda measured: lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / rate_bps, "pre_s": 0.02, "backward_s": 0.04,
                                  "step_s": 0.1, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "int8": 0.008}},
                                  "window": [0.1] * 5})
         policy._check(1)
+        policy.sent(0, 1)
         policy._conclude(2)
         return policy
 
@@ -1091,10 +1097,12 @@ def test_default_cap_keeps_out_a_codec_that_leaves_a_third_of_the_gradient_behin
         policy = AutoPolicy(config)
         policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "topk:ratio=0.01": (1e-9, 1e-11)}
         policy._state = SimpleNamespace(wire=SimpleNamespace(world=4))
-        policy._agree = lambda: lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04,
+        policy._measured = lambda: None  # _agree below stands in for every rank's merged record
+        policy._agree = lambda measured: lambda: Measurements(**{"alpha": 1e-4, "beta": 8 / 10e6, "pre_s": 0.02, "backward_s": 0.04,
                                  "step_s": 0.4, "errors": {0: 0.0}, "shadow": {0: {"bf16": 0.002, "topk:ratio=0.01": 0.3}},
                                  "window": []})
         policy._check(1)
+        policy.sent(0, 1)
         policy._conclude(2)
         return policy.choices
 

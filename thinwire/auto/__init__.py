@@ -13,7 +13,7 @@ Why each step and each default is what it is, with the runs that showed it: ``do
 2. **Agree** (:mod:`.agree`). After ``warmup_steps``, then ``baseline_steps`` more steps sent as at
    the start, and every ``check_every`` steps from then on, one all-reduce merges the ranks'
    measurements into one :class:`~thinwire.auto.agree.Measurements` record, the same on every rank.
-   It is issued without waiting, ahead of the step's gradient, and acted on at the next step.
+   It is issued without waiting, behind the step's first bucket, and acted on at the next step.
 3. **Decide** (:mod:`.decide`) with the performance model and the planner's per-bucket search: the
    candidate that minimizes the predicted step, per bucket. It decides after the baseline window,
    again when the measured link rate has moved by more than ``rebalance_change`` (30%) from the rate

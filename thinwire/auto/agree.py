@@ -1,15 +1,15 @@
 """The agreement of measurements across ranks: one all-reduce makes every input of a decision identical.
 
 Each rank measures its own link, compute, codec costs, errors and step times (:mod:`.meters`,
-:mod:`.shadow`). At a check, on the communication thread at the first bucket of the step (all ranks
-reach it in the same place of the same collective sequence), :func:`agree_async` packs a rank's
+:mod:`.shadow`). At a check, right after the step's first bucket has gone out, on the thread that sent
+it (all ranks reach it in the same place of the same collective sequence), :func:`agree_async` packs a rank's
 :class:`Measurements` into one float64 tensor and all-reduces it with MAX: the slowest rank's
 compute, codec costs, errors and step times, and the fastest rank's transfer time per byte (its
 entry is negated, so MAX gives the MIN: the others' include waiting for late peers). From then on
 every rank decides from the same record, so every rank decides the same.
 
-The all-reduce is issued asynchronously at a check's first bucket and waited for at the next step's
-(:func:`agree_async`), so every rank decides one step after it measured.
+The all-reduce is issued asynchronously behind a check's first bucket and waited for at the next
+step's (:func:`agree_async`), so every rank decides one step after it measured.
 
 Cost: one all-reduce of ``5 + 2 c + b (1 + l) + w`` float64 values (``c`` compressing candidates,
 ``b`` buckets, ``l`` lossy candidates, ``w`` steps of a window) per check.
@@ -47,9 +47,10 @@ class Measurements:
 def agree_async(local: Measurements, *, window: int, group, world: int) -> Callable[[], Measurements]:
     """Every rank's ``local`` merged with one MAX all-reduce (see the module docstring), issued now,
     asynchronously: returns the function that waits for it and gives the merged record. ``window``:
-    how many step times each rank contributes (the last ones, padded). Issued at the step's first bucket, the all-reduce travels
-    ahead of that bucket's own collectives, so it has arrived by the next step: waiting then costs
-    nothing on the step's critical path (a blocking check cost ~12 ms per check on CPU-capped hosts)."""
+    how many step times each rank contributes (the last ones, padded). Issued behind the step's first
+    bucket (:meth:`~thinwire.auto.policy.AutoPolicy.sent`), the all-reduce has arrived by the next step:
+    waiting then costs nothing on the step's critical path (a blocking check cost ~12 ms per check on
+    CPU-capped hosts; one issued ahead of the bucket, ~7 ms: the bucket waited for its round trip)."""
     specs, keys = list(local.costs), sorted(local.errors)
     lossy = list(next(iter(local.shadow.values()), {}))
     t = torch.tensor(_pack(local, specs, keys, lossy, window), dtype=torch.float64,

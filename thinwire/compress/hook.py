@@ -81,6 +81,11 @@ class Policy:
         """Whether ``observe`` or ``codec_for`` does heavy work for this bucket at this step."""
         return False
 
+    def sent(self, bucket: int, step: int) -> None:
+        """Called once bucket ``bucket``'s collectives at ``step`` are issued, on the thread that issued
+        them (the same place in the collective sequence on every rank): a policy may issue a collective
+        of its own here, behind the gradient's rather than ahead of it."""
+
 
 class StaticPolicy(Policy):
     """The same codec for every bucket."""
@@ -156,11 +161,14 @@ class CommState:
             return self._thread.submit(self._reduce, *args)
         job = self._prepare(*args)
         if job is None:
-            return self.wire.all_reduce_async(buf).then(lambda fut: fut.value()[0])
+            fut = self.wire.all_reduce_async(buf)
+            self.policy.sent(index, step)
+            return fut.then(lambda fut: fut.value()[0])
         pending = schemes.start(job)
         if pending is None:  # later collectives depend on earlier results: the thread runs the job
-            return self._thread.submit(self._run, job)
+            return self._thread.submit(self._run_and_tell, job)
         futures = [self.wire.all_reduce_async(t) for t in pending.tensors]
+        self.policy.sent(index, step)
         done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
         # The callback runs on the process group's worker thread, and the group may free it there
         # later: had it kept this state (so the group) alive, the group's destructor would run on
@@ -191,11 +199,18 @@ class CommState:
     def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> Tensor:
         job = self._prepare(buf, index, step, shapes, layout)
         if job is None:
-            return self.wire.all_reduce(buf)
-        return self._run(job)
+            out = self.wire.all_reduce(buf)
+            self.policy.sent(index, step)
+            return out
+        return self._run_and_tell(job)
 
     def _run(self, job: schemes.BucketJob) -> Tensor:
         return self._finish(job, *schemes.run(job))
+
+    def _run_and_tell(self, job: schemes.BucketJob) -> Tensor:
+        out = self._run(job)
+        self.policy.sent(int(job.key), job.step)
+        return out
 
     def _finish(self, job: schemes.BucketJob, out: Tensor, finite: bool) -> Tensor:
         return out if finite else self._on_nonfinite(job.buf, int(job.key), job.step)
