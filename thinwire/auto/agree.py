@@ -50,7 +50,7 @@ def agree_async(local: Measurements, *, window: int, group, world: int) -> Calla
     how many step times each rank contributes (the last ones, padded). Issued behind the step's first
     bucket (:meth:`~thinwire.auto.policy.AutoPolicy.sent`), the all-reduce has arrived by the next step:
     waiting then costs nothing on the step's critical path (a blocking check cost ~12 ms per check on
-    CPU-capped hosts; one issued ahead of the bucket, ~7 ms: the bucket waited for its round trip)."""
+    CPU-capped hosts). Issued ahead of the bucket, it delayed the bucket by its round trip."""
     specs, keys = list(local.costs), sorted(local.errors)
     lossy = list(next(iter(local.shadow.values()), {}))
     t = torch.tensor(_pack(local, specs, keys, lossy, window), dtype=torch.float64,

@@ -103,8 +103,8 @@ class AutoPolicy(Policy):
 
     def sent(self, bucket: int, step: int) -> None:
         """The step's first bucket is on its way: a check's agreement goes out now, behind it (ahead of
-        it, it held the gradient back by a small all-reduce's round trip, ~7 ms per check on 4 hosts
-        of half a core), and is waited for at the next step."""
+        it, it held the gradient back by a small all-reduce's round trip), and is waited for at the
+        next step."""
         if self._measurement is not None and self._measurement[0] == step:
             self._pending, self._measurement = self._agree(self._measurement[1]), None
 
