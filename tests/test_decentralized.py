@@ -212,7 +212,7 @@ def test_dynamic_never_averages_below_its_threshold_and_always_above_it():
 
 def test_dynamic_spec():
     spec = parse_sync_spec("dynamic")
-    assert (spec.threshold, spec.check_every, spec.warmup) == (0.01, 4, 0)
+    assert (spec.threshold, spec.check_every, spec.warmup) == (0.05, 4, 0)
     assert parse_sync_spec("dynamic:threshold=0.05,check_every=8").text == "dynamic:threshold=0.05,check_every=8,warmup=0"
     for bad, key in (("dynamic:threshold=0", "threshold"), ("dynamic:threshold=-1", "threshold"),
                      ("dynamic:check_every=0", "check_every")):

@@ -244,6 +244,48 @@ def test_local_warmup_averages_gradients_every_step():
     assert out[0]["sent"] == [4 * numel, 4 * numel, 0, 0, 0, 4 * numel]
 
 
+def _consensus(rank: int, world: int, mode: str) -> dict:
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, mode, codec="none")
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for step in range(2):  # local steps on each rank's own data: the ranks' parameters differ
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+    own = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    sent = sync.comm.wire.bytes_sent
+    with sync.consensus():
+        inside = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    after = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    out = {"own": own, "inside": inside, "after": after, "training_bytes": sync.comm.wire.bytes_sent - sent,
+           "consensus_bytes": sync.consensus_bytes}
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["local:period=5,warmup=0", "dynamic:threshold=9", "diloco:period=5"])
+def test_consensus_is_the_ranks_average_and_leaves_training_untouched(mode):
+    """Validation and the checkpoint's model see the ranks' average; each rank's own comes back exactly,
+    and the average's bytes are counted apart from training's."""
+    out = run_ranks(_consensus, 2, mode)
+    numel = 5 * 3 + 3
+    assert not torch.equal(out[0]["own"]["weight"], out[1]["own"]["weight"])  # the ranks diverged
+    for k in out[0]["own"]:
+        mean = (out[0]["own"][k] + out[1]["own"][k]) / 2
+        for r in (0, 1):
+            torch.testing.assert_close(out[r]["inside"][k], mean, rtol=0, atol=1e-7)
+            assert torch.equal(out[r]["after"][k], out[r]["own"][k]), k
+    assert [r["training_bytes"] for r in out] == [0, 0]
+    assert [r["consensus_bytes"] for r in out] == [4 * numel, 4 * numel]
+
+
+def test_consensus_sends_nothing_where_ranks_agree():
+    out = run_ranks(_consensus, 2, "delayed")
+    assert out[0]["consensus_bytes"] == 0 and torch.equal(out[0]["inside"]["weight"], out[0]["own"]["weight"])
+
+
 # -- the spec -----------------------------------------------------------------------------------------
 def test_spec_defaults_and_text():
     assert parse_sync_spec("allreduce") == SyncSpec()
@@ -319,6 +361,11 @@ def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     assert a["step"] == b["step"] == 10
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+    if "model" in a["ranks"][0]:  # ranks diverge: the checkpoint's model is their average (SyncMode.consensus)
+        for name, value in a["model"].items():
+            if value.is_floating_point():
+                mean = sum(r["model"][name] for r in a["ranks"]) / len(a["ranks"])
+                torch.testing.assert_close(value, mean, rtol=1e-6, atol=1e-7)
     for ra, rb in zip(a["ranks"], b["ranks"]):
         _assert_equal(ra["sync"], rb["sync"])
         _assert_equal(ra["comm"]["residuals"], rb["comm"]["residuals"])

@@ -24,7 +24,7 @@ form                                           what runs (:mod:`thinwire.compres
                                                steps, then mixed: ``lerp(global, local, alpha)``
 ``dynamic[:threshold=D,check_every=B]``        dynamic averaging (Kamp et al. 2018): local steps; every
                                                B steps a one-byte vote, and an average only when
-                                               some rank drifted ``||x - a|| / ||a|| > D`` (0.01)
+                                               some rank drifted ``||x - a|| / ||a|| > D`` (0.05)
 ``auto[:trial=N,warmup=W,guard=P]``             ``allreduce`` or ``delayed``, whichever steps faster on
                                                this run: W (10) steps, then each timed for N (20)
                                                steps; delayed only if >= 2% faster; with the profile
@@ -79,7 +79,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto")},
-    "dynamic": {"threshold": (float, 0.01), "check_every": (int, 4), "warmup": (int, 0)},
+    "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0)},
     "auto": {"trial": (int, 20), "warmup": (int, 10), "guard": (Path, "")},
 }
 
@@ -98,7 +98,7 @@ class SyncSpec:
     alpha: float = 0.0
     topology: str = ""
     gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
-    threshold: float = 0.01
+    threshold: float = 0.05
     check_every: int = 1
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
     guard: str = ""             # auto: a profile whose convergence guard says whether delayed reaches fp32's loss
@@ -108,7 +108,7 @@ class SyncSpec:
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
         _check(math.isfinite(self.threshold) and 0 < self.threshold < 10, "threshold", self.threshold,
-               "a relative drift in (0, 10)", "0.01 averages once parameters moved 1% of their norm.")
+               "a relative drift in (0, 10)", "0.05 (the default) averages once parameters moved 5% of their norm.")
         _check(5 <= self.trial <= 10**6, "trial", self.trial, "an integer in [5, 1000000]",
                "Steps each of allreduce and delayed is timed before auto chooses; 20 by default.")
         _check(self.predict in (0, 1), "predict", self.predict, "0 or 1",

@@ -108,6 +108,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.waits: list[float] = []
         self.last_val: dict = {}
+        self.consensus_state: tuple[int, dict | None] | None = None  # (step, the ranks' average model) of a validation
 
     def _offload(self) -> dict | None:
         """Where the communication work runs (``offload``): on a host with an offload engine (``nic:``; the
@@ -279,7 +280,14 @@ class Trainer:
     # -- validation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def _validate(self, bar: ProgressBar) -> None:
+        with self.sync.consensus():  # modes whose ranks diverge: their average is the run's model
+            self._validate_model(bar)
+
+    def _validate_model(self, bar: ProgressBar) -> None:
         model, val = self._module(), self._sets(self.step)[1]
+        if self.sync.diverges and self._checkpoints_now():  # the checkpoint's model, kept on rank 0
+            self.consensus_state = (self.step, {k: v.detach().clone() for k, v in model.state_dict().items()}
+                                    if self.env.is_main else None)
         model.eval()
         slot, slots, per = self._eval_slot()
         mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[slot::slots]
@@ -339,14 +347,30 @@ class Trainer:
     def _checkpoint(self) -> None:
         ranks = [None] * self.env.world if self.env.is_main else None
         dist.gather_object(self._rank_state(), ranks, dst=0)
+        consensus = self._consensus_model()
         if not self.env.is_main:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
-                 "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
+                 "model": self._model_state(ranks) if consensus is None else consensus, "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
                  "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks, **self._checkpoint_extra()}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
+
+    def _checkpoints_now(self) -> bool:
+        return self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps
+
+    def _consensus_model(self) -> dict | None:
+        """Where ranks diverge: the ranks' average model (:meth:`SyncMode.consensus`), which the checkpoint
+        holds as its ``model`` (what ``thinwire`` exports and a job of another size resumes from); each rank's
+        own is in its ``ranks`` entry, which an exact resume loads. None elsewhere. Called on every rank."""
+        if not self.sync.diverges:
+            return None
+        cached, self.consensus_state = self.consensus_state, None
+        if cached is not None and cached[0] == self.step:  # this step's validation computed it
+            return cached[1]
+        with self.sync.consensus():
+            return {k: v.detach().clone() for k, v in self._module().state_dict().items()} if self.env.is_main else None
 
     def _checkpoint_extra(self) -> dict:
         return {}
@@ -466,7 +490,8 @@ class Trainer:
         return {}
 
     def _finish(self) -> dict:
-        totals = torch.tensor([float(self._bytes_sent())], dtype=torch.float64, device=self.device)
+        totals = torch.tensor([float(self._bytes_sent()), float(self.sync.consensus_bytes)], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(totals)
         summary = {
             "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,
@@ -476,6 +501,7 @@ class Trainer:
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "median_comm_wait_s": statistics.median(self.waits) if self.waits else None,
             "bytes_sent_total": self._bytes_sent(), "bytes_sent_total_all_ranks": int(totals[0]),
+            **({"bytes_sent_consensus_all_ranks": int(totals[1])} if self.sync.diverges else {}),  # validation's
             "compression": self.comm.policy.describe(), "compression_stats": self._compression_stats(),
             "sync": {"mode": self.cfg.sync_spec.text, **self.sync.stats()},
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),

@@ -8,6 +8,8 @@ A training loop with any mode::
     with mode.no_sync():          # modes that average outside backward keep DDP from all-reducing
         loss_fn(ddp_model(x), y).backward()
     mode.step(optimizer)          # before_step, optimizer.step, after_step
+    with mode.consensus():        # modes whose ranks diverge: the ranks' average model, to evaluate or save
+        evaluate(ddp_model.module)
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from thinwire.compress.hook import CommState
+from thinwire.compress.wire import ring_allreduce_bytes
 
 
 class Buckets:
@@ -103,6 +108,7 @@ class SyncMode:
 
     def __init__(self, model, comm: CommState, spec=None) -> None:
         self.model, self.comm, self.spec = model, comm, spec
+        self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -132,6 +138,39 @@ class SyncMode:
 
     def flush(self) -> None:
         """Wait for averaging in flight (before the loop's own collectives or a checkpoint)."""
+
+    @contextlib.contextmanager
+    def consensus(self):
+        """Inside: the model holds the ranks' average of its parameters and floating-point buffers; after,
+        this rank's own again, untouched, so training goes on (and resumes) exactly as without it.
+
+        Where ranks diverge (local SGD, DiLoCo, gossip, dynamic averaging) each rank's model is trained on
+        its own data since the last average; the model the run stands for is their average (as federated
+        averaging evaluates its global model), and under skewed data a rank's own can score far worse.
+        The trainer validates and checkpoints it: one exact fp32 all-reduce over the mode's group, its
+        bytes counted in ``consensus_bytes``, apart from the training's. Nothing is sent where the ranks
+        hold the same parameters (``diverges`` False) or where there is one rank."""
+        wire = self.comm.wire
+        if not self.diverges or wire.world == 1:
+            yield
+            return
+        self.flush()  # averages in flight (streaming DiLoCo's) land first: one collective at a time on the group
+        module = getattr(self.model, "module", self.model)
+        tensors = [t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+        own = [t.detach().clone() for t in tensors]
+        flat = _flatten_dense_tensors([t.detach().float() for t in tensors])
+        self.consensus_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), wire.world)
+        dist.all_reduce(flat, group=getattr(wire, "group", None))
+        flat.div_(wire.world)
+        try:
+            with torch.no_grad():
+                for t, avg in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                    t.copy_(avg)
+            yield
+        finally:
+            with torch.no_grad():
+                for t, mine in zip(tensors, own):
+                    t.copy_(mine)
 
     def stats(self) -> dict:
         """What the run's summary reports of this mode (e.g. dynamic averaging's sync rate)."""
