@@ -103,6 +103,7 @@ class Trainer:
             self.shard = ShardSampler(own, cfg.seed, env.rank)
         self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
+        self.eval_s = 0.0  # seconds spent validating, this run (the checkpoint carries it)
         self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
         torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
         self.step_times: list[float] = []
@@ -280,10 +281,14 @@ class Trainer:
     # -- validation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def _validate(self, bar: ProgressBar) -> None:
+        t0 = time.perf_counter()
         with self.sync.consensus():  # modes whose ranks diverge: their average is the run's model
-            self._validate_model(bar)
+            self._validate_model(bar, t0)
+        self.eval_s += time.perf_counter() - t0
 
-    def _validate_model(self, bar: ProgressBar) -> None:
+    def _validate_model(self, bar: ProgressBar, t0: float) -> None:
+        """Validate this rank's model as it is (the ranks' average, inside :meth:`_validate`); the record's
+        ``eval_s`` is the run's validation time so far, this one included (``wall_s`` minus it: training's)."""
         model, val = self._module(), self._sets(self.step)[1]
         if self.sync.diverges and self._checkpoints_now():  # the checkpoint's model, kept on rank 0
             self.consensus_state = (self.step, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -307,7 +312,8 @@ class Trainer:
         model.train()
         dist.all_reduce(totals)
         self.last_val = self._val_record(*totals.tolist())
-        self.metrics.write({"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), **self.last_val})
+        self.metrics.write({"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
+                            "eval_s": self.eval_s + time.perf_counter() - t0, **self.last_val})
         bar.log(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_val.items()))
 
     def _module(self) -> torch.nn.Module:
@@ -350,7 +356,7 @@ class Trainer:
         consensus = self._consensus_model()
         if not self.env.is_main:
             return
-        state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
+        state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), "eval_s": self.eval_s,
                  "model": self._model_state(ranks) if consensus is None else consensus, "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
@@ -417,6 +423,7 @@ class Trainer:
         self._load_model(state)
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
+        self.eval_s = float(state.get("eval_s", 0.0))
         self._load_horizon(state)
         self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
         ranks = state["ranks"]
