@@ -263,7 +263,7 @@ def verdicts(data: dict) -> list[str]:
                              f"**{verdict}** (asked: dynamic no later).")
     if "slowlink" in data["scenarios"]:
         t = table(data, "slowlink")
-        others = {k: v for k, v in t.items() if not k.startswith("gossip")}
+        others = {k: v for k, v in t.items() if not k.startswith("gossip") and v["n"]}  # not those skipped
         for name in [k for k in t if k.startswith("gossip")]:
             g = t[name]
             if g["n"] and all(v["n"] for v in others.values()):
@@ -286,7 +286,8 @@ def render(data: dict, out: Path) -> None:
              "hooks: the same ring formula), and on the wire as the kernel counts every emulated host's interface "
              "(headers, rendezvous and validation included; the only count hivemind has). Validation of a mode whose ranks "
              "diverge evaluates the ranks' average model (`SyncMode.consensus`: one fp32 all-reduce of the parameters per "
-             "validation, its bytes in 'MB validation's averages', not in the payload). Medians over seeds. How each "
+             "validation, its bytes in 'MB validation's averages', not in the payload). Times to target are on the training "
+             "clock: wall-clock less validation (`eval_s`). Medians over seeds. How each "
              "scenario is set up: `benchmarks/decentral.py`'s docstring.", "", *verdicts(data)]
     for name, sc in SCENARIOS.items():
         if name not in data["scenarios"]:
@@ -295,6 +296,9 @@ def render(data: dict, out: Path) -> None:
         t = table(data, name)
         lines += ["", f"## {name}: {sc['cluster']}, partition {sc['partition']}, {sc['steps']} steps"
                   + (f", model {', '.join(f'{k}={v}' for k, v in sc['model'].items())}" if sc["model"] else ""), ""]
+        if name == "slowlink" and not t[HIVEMIND[0]]["n"]:
+            lines += ["hivemind was not run this time (`--skip hivemind`); its runs of 2026-12-02/03 are in "
+                      "[archive/decentral_v1.md](archive/decentral_v1.md): 525 s, never, never to the target.", ""]
         if name == "slowlink":
             lines += ["hivemind's averages / checks: the averaging rounds its rank 0 completed / the epochs it went "
                       "through; its payload is not counted (only the wire is).", ""]
