@@ -365,7 +365,8 @@ def plot(data: dict, path: Path) -> None:
         elif name == "drift":
             ax.axvline(SCENARIOS["drift"]["model"]["drift_step"], color="grey", ls=":", label="drift")
             ax.set_xlabel("step")
-            ax.set_ylabel("validation loss")
+            ax.set_ylabel("validation loss (log)")
+            ax.set_yscale("log")
         else:
             for k, v in s.get("targets", {}).items():
                 ax.axhline(v, color="grey", ls=":", lw=0.8, label="DDP fp32 targets" if k == "0" else None)
