@@ -19,7 +19,7 @@ check (D -> 0, which is periodic averaging every B steps): charlm on 4 workers w
 2.3x fewer bytes for +1.3% validation loss (one seed); digits on 8 workers with label-skewed shards,
 2.2x fewer bytes for +3% (the median of 3 seeds' gaps, -9% to +8%). D = 0.01 averaged at 90% of the
 checks on both, which saves almost nothing; larger D saves more and costs more (D = 0.1: 5x and +4%
-on charlm; the digits sweep is in ``benchmarks/results/decentral.md``). The rule is not always the
+on charlm: ``benchmarks/results/dynamic_threshold.md``; the digits sweep is in ``decentral.md``). The rule is not always the
 better schedule at equal bytes: on label-skewed digits D = 0.3 averaged 5-6 times, early (seed 0 at
 steps 20, 32, 44, 64, 100, 184 of 300; seed 1 last at 128), and ended 22% above averaging every 4 steps, while averaging every 40 steps (as many
 bytes) ended 2% below it; on charlm D = 0.1 ended 1.5% below averaging every 20 steps (as many bytes).
