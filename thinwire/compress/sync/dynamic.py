@@ -13,21 +13,21 @@ order of magnitude less communication than periodic averaging at almost the same
 The threshold is relative to the reference's norm, so one value means the same for a small and a
 large model: D averages once the parameters have moved D of their norm away from the last average.
 The drift of a step falls as the learning rate decays and as the model settles, so one D averages
-often early and rarely late (charlm, 200 steps: averages at steps 12, 20, 28, ... 112, 152 with
-D = 0.1). The default, D = 0.05, was chosen on two workloads with skewed data against averaging at every
+often early and rarely late (charlm, 200 steps: averages at steps 12, 20, 28, ... 112, 152 with D =
+0.1). The default, D = 0.05, was chosen on two workloads with skewed data against averaging at every
 check (D -> 0, which is periodic averaging every B steps): charlm on 4 workers with a file each,
 2.3x fewer bytes for +1.3% validation loss (one seed); digits on 8 workers with label-skewed shards,
 2.2x fewer bytes for +3% (the median of 3 seeds' gaps, -9% to +8%). D = 0.01 averaged at 90% of the
 checks on both, which saves almost nothing; larger D saves more and costs more (D = 0.1: 5x and +4%
-on charlm: ``benchmarks/results/dynamic_threshold.md``; the digits sweep is in ``decentral.md``). The rule is not always the
-better schedule at equal bytes: on label-skewed digits D = 0.3 averaged 5-6 times, early (seed 0 at
-steps 20, 32, 44, 64, 100, 184 of 300; seed 1 last at 128), and ended 22% above averaging every 4 steps, while averaging every 40 steps (as many
-bytes) ended 2% below it; on charlm D = 0.1 ended 1.5% below averaging every 20 steps (as many bytes).
-To pick D: a smaller D averages more; divide
-one step's relative change (early in training often 1e-3 to 1e-2, later far less) into D for the
-period the rule gives at that stage; ``syncs`` and ``checks`` (in the mode's state and the run's
-summary) show the rate a run got. Validation and the checkpoint's model are the ranks' average
-(:meth:`~.base.SyncMode.consensus`), as for every mode whose ranks diverge.
+on charlm: ``benchmarks/results/dynamic_threshold.md``; the digits sweep is in ``decentral.md``).
+The rule is not always the better schedule at equal bytes: on label-skewed digits D = 0.3 averaged
+5-6 times, early (seed 0 at steps 20, 32, 44, 64, 100, 184 of 300; seed 1 last at 128), and ended
+22% above averaging every 4 steps, while averaging every 40 steps (as many bytes) ended 2% below it;
+on charlm D = 0.1 ended 1.5% below averaging every 20 steps (as many bytes). To pick D: a smaller D
+averages more; divide one step's relative change (early in training often 1e-3 to 1e-2, later far
+less) into D for the period the rule gives at that stage; ``syncs`` and ``checks`` (in the mode's
+state and the run's summary) show the rate a run got. Validation and the checkpoint's model are the
+ranks' average (:meth:`~.base.SyncMode.consensus`), as for every mode whose ranks diverge.
 """
 
 from __future__ import annotations
