@@ -213,7 +213,7 @@ class Trainer:
                 self._log(rec, bar)
                 if self.step % self.cfg.eval_every == 0 or self.step == self.steps:
                     self._validate(bar)
-                if self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps:
+                if self._checkpoints_now():
                     self._checkpoint()
         finally:
             bar.close()
