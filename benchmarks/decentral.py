@@ -12,8 +12,8 @@
   loss (the last evaluation before the drift, 0.5% tolerance). Asked: dynamic no later than periodic.
 * ``slowlink``: 4 hosts at 100 Mbit/s, one of them behind 5 Mbit/s (``examples/clusters/edge-one-slow.yaml``),
   a small digits model (8 channels, 32 hidden: 10k parameters, an edge device's model), iid data: gossip
-  over the one-peer exponential graph (``gossip:topology=exp2``), compressed gossip (CHOCO-SGD with int8 on a
-  ring), DDP fp32 and PyTorch's post-local SGD as
+  over the one-peer exponential graph (``gossip:topology=exp2``), compressed gossip (CHOCO-SGD with int8 on
+  exp2, a public copy per edge, and on a ring), DDP fp32 and PyTorch's post-local SGD as
   its documentation shows it (period 4 after 100 synchronous steps). The target per seed is DDP fp32's
   final validation loss after N = 300 steps on 4 local workers; contenders train 1.5 N steps; time to
   target as in ``compare.py``, on the training clock (``wall_s`` less validation's ``eval_s``). Asked: gossip
@@ -61,6 +61,7 @@ SCENARIOS = {  # name: cluster spec, model options, partition, steps, global bat
     "slowlink": dict(cluster="edge-one-slow", model={"channels": 8, "hidden": 32}, partition="iid", steps=450,
                      target_steps=300, batch=64, eval_every=15,
                      contenders=[("gossip exp2", ["--compression", "none", "--sync", "gossip:topology=exp2"]),
+                                 ("gossip exp2 + int8 (CHOCO)", ["--compression", "int8", "--sync", "gossip:topology=exp2"]),
                                  ("gossip ring + int8 (CHOCO)", ["--compression", "int8", "--sync", "gossip:topology=ring"]),
                                  ("DDP fp32", ["--compression", "torch:none"]),
                                  ("post-local SGD (PyTorch, H=4 after 100)", ["--compression", "torch:localsgd:period=4"]),

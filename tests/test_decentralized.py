@@ -82,9 +82,10 @@ def test_spec_and_refusals():
         parse_sync_spec("gossip:topology=star")
     from thinwire.commspec import check_sync_pairing, parse_comm_spec
 
-    with pytest.raises(ConfigError, match="sync.topology.*ring or torus with --compression int8"):
-        check_sync_pairing(parse_sync_spec("gossip"), parse_comm_spec("int8"))   # exp2 changes every step
+    with pytest.raises(ConfigError, match="sync.topology.*ring, torus or exp2 with --compression int8"):
+        check_sync_pairing(parse_sync_spec("gossip:topology=random"), parse_comm_spec("int8"))   # any two ranks pair
     check_sync_pairing(parse_sync_spec("gossip:topology=ring"), parse_comm_spec("int8"))   # CHOCO, gamma auto 1
+    check_sync_pairing(parse_sync_spec("gossip"), parse_comm_spec("int8"))   # exp2: a public copy per edge
     with pytest.raises(ConfigError, match="sync.gamma.*explicit consensus step.*topk"):
         check_sync_pairing(parse_sync_spec("gossip:topology=ring"), parse_comm_spec("topk:ratio=0.01"))
     check_sync_pairing(parse_sync_spec("gossip:topology=ring,gamma=0.1"), parse_comm_spec("topk:ratio=0.01"))
@@ -103,7 +104,7 @@ def test_spec_and_refusals():
             check_topology("torus", world)
 
 
-def _train_choco_exact(rank: int, world: int) -> dict:
+def _train_choco_exact(rank: int, world: int, topology: str) -> dict:
     """CHOCO's code path with an exact codec (``none``): must be D-PSGD's average."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -111,7 +112,7 @@ def _train_choco_exact(rank: int, world: int) -> dict:
     from tests.test_sync import LR, _data, _loss
 
     ddp = DistributedDataParallel(_net())
-    sync = thinwire.sync(ddp, "gossip:topology=ring", codec="none")
+    sync = thinwire.sync(ddp, f"gossip:topology={topology}", codec="none")
     sync.choco = True
     sync.start_public()
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
@@ -125,10 +126,12 @@ def _train_choco_exact(rank: int, world: int) -> dict:
     return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}}
 
 
-def test_compressed_gossip_with_an_exact_codec_is_d_psgd():
-    choco = run_ranks(_train_choco_exact, 4)
-    plain = run_ranks(_train, 4, "gossip:topology=ring", "none")
-    for r in range(4):
+@pytest.mark.parametrize("topology,world", [("ring", 4), ("exp2", 4), ("exp2", 3)])   # exp2: a copy per edge
+def test_compressed_gossip_with_an_exact_codec_is_d_psgd(topology, world):
+    choco = run_ranks(_train_choco_exact, world, topology)
+    plain = run_ranks(_train, world, f"gossip:topology={topology}", "none")
+    assert len({tuple(choco[r]["params"]["weight"].flatten().tolist()) for r in range(world)}) > 1   # ranks differ
+    for r in range(world):
         for k in plain[r]["params"]:
             torch.testing.assert_close(choco[r]["params"][k], plain[r]["params"][k], rtol=1e-5, atol=1e-6)
 
@@ -157,7 +160,8 @@ def _consensus(rank: int, world: int, codec: str, spec: str, rounds: int) -> dic
             "state": state}
 
 
-@pytest.mark.parametrize("codec,spec", [("int8", "gossip:topology=ring"), ("topk:ratio=0.1", "gossip:topology=ring,gamma=0.3")])
+@pytest.mark.parametrize("codec,spec", [("int8", "gossip:topology=ring"), ("topk:ratio=0.1", "gossip:topology=ring,gamma=0.3"),
+                                        ("int8", "gossip:topology=exp2"), ("bfp", "gossip:topology=exp2")])
 def test_compressed_gossip_keeps_the_mean_and_reaches_consensus(codec, spec):
     out = run_ranks(_consensus, 4, codec, spec, 60)
     for k in out[0]["end"]:
@@ -171,8 +175,13 @@ def test_compressed_gossip_keeps_the_mean_and_reaches_consensus(codec, spec):
     from thinwire.compress.spec import parse_codec_spec
 
     payload = parse_codec_spec(codec).payload_bytes(numel)
-    assert out[0]["sent"] == [2 * payload] * 60 and payload < numel * 4 / 3   # two ring neighbours, compressed
-    assert set(out[0]["state"]["public"]) == {"0", "1", "3"}   # its own public copy and its neighbours'
+    assert payload < numel * 4 / 3   # compressed
+    if "exp2" in spec:   # one peer per step; a public copy per edge: to and from ranks 2^0 and 2^1 away
+        assert out[0]["sent"] == [payload] * 60
+        assert set(out[0]["state"]["public"]) == {"to:1", "to:2", "from:3", "from:2"}
+    else:   # two ring neighbours; its own public copy and its neighbours'
+        assert out[0]["sent"] == [2 * payload] * 60
+        assert set(out[0]["state"]["public"]) == {"0", "1", "3"}
 
 
 def test_priced_from_the_all_reduce():
@@ -186,9 +195,9 @@ def test_priced_from_the_all_reduce():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", ["none", "int8"])   # int8: CHOCO's public copies are checkpointed too
-def test_resume_is_bit_identical_through_the_trainer(tmp_path, codec):
-    common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", "gossip:topology=ring",
+@pytest.mark.parametrize("codec,topology", [("none", "ring"), ("int8", "ring"), ("int8", "exp2")])   # int8: CHOCO's
+def test_resume_is_bit_identical_through_the_trainer(tmp_path, codec, topology):          # public copies too
+    common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", f"gossip:topology={topology}",
               "--eval-every", "5"]
     a, b = _straight_and_resumed(common, tmp_path / "straight", tmp_path / "split")
     for ra, rb in zip(a["ranks"], b["ranks"]):

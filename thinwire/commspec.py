@@ -205,13 +205,14 @@ DENSE_QUANTIZERS = ("fp16", "bf16", "int8", "bfp")
 
 def check_compressed_gossip(sync: SyncSpec, codec) -> None:
     """Gossip with a lossy codec is CHOCO-SGD (:mod:`thinwire.compress.sync.gossip`): a fixed graph (each
-    rank keeps a public copy of each neighbour's parameters), a codec that encodes one tensor alone (not
-    PowerSGD's all-reduce rounds), and a consensus step that suits the codec."""
+    rank keeps public copies of its neighbours' parameters: on ring and torus one per neighbour, on exp2
+    one per edge of its log2 p peers), a codec that encodes one tensor alone (not PowerSGD's all-reduce
+    rounds), and a consensus step that suits the codec."""
     name = spec_string(codec)
-    if sync.topology not in ("ring", "torus"):
-        raise ConfigError("sync.topology", sync.topology, f"ring or torus with --compression {name}",
-                          "Compressed gossip (CHOCO-SGD) keeps a public copy of each neighbour's parameters, which a "
-                          "graph that changes every step (exp2, random) cannot; or use --compression none.")
+    if sync.topology not in ("ring", "torus", "exp2"):
+        raise ConfigError("sync.topology", sync.topology, f"ring, torus or exp2 with --compression {name}",
+                          "Compressed gossip (CHOCO-SGD) keeps a public copy of each peer's parameters; a random "
+                          "pairing may pair any two ranks (p - 1 copies each); or use --compression none.")
     if codec.lowrank:
         raise ConfigError("compression", name, "a codec other than powersgd with --sync gossip",
                           "PowerSGD's factors need all-reduce rounds; int8 or bfp send a quarter of the bytes.")

@@ -33,7 +33,7 @@ form                                           what runs (:mod:`thinwire.compres
 ``gossip[:topology=exp2|ring|torus|random]``   decentralized SGD (D-PSGD, Lian et al. 2017): after each
                                                step, parameters averaged with the neighbours only;
                                                ``exp2`` is SGP's one-peer exponential graph (default);
-                                               with a lossy codec CHOCO-SGD (ring or torus;
+                                               with a lossy codec CHOCO-SGD (ring, torus, exp2;
                                                ``gamma``: its consensus step, auto 1 for fp16,
                                                bf16, int8 and bfp)
 =============================================  =====================================================

@@ -31,10 +31,18 @@ sends ``q_i = Q(x_i - h_i)`` (the codec's round trip of the change since its pub
 neighbours, every holder adds the received ``q_j`` to ``h_j``, and the rank moves toward its
 neighbours' public copies: ``x_i <- x_i + gamma * w * sum_j (h_j - h_i)`` (``w`` the topology's uniform
 weight). What the codec drops stays in ``x_i - h_i`` and is sent later: the public copy is the error
-feedback. With an exact codec and ``gamma = 1`` this is D-PSGD's average. The neighbours must be fixed
-(``ring``, ``torus``), and ``gamma`` suit the codec: 1 (auto) for the dense quantizers fp16, bf16,
-int8 and bfp; a sparsifier or sign needs a smaller, explicit step (the paper tunes it per codec).
-Memory: ``1 + degree`` copies of the parameters in fp32.
+feedback. With an exact codec and ``gamma = 1`` this is D-PSGD's average. ``gamma`` must suit the codec:
+1 (auto) for the dense quantizers fp16, bf16, int8 and bfp; a sparsifier or sign needs a smaller,
+explicit step (the paper tunes it per codec). Memory: ``1 + degree`` copies of the parameters in fp32.
+
+The paper's graph is fixed (``ring``, ``torus``). On ``exp2``, whose peer changes every step, thinwire
+keeps one public copy per edge instead of one per rank: rank i holds ``h_{i->j}`` for each rank j it
+sends to and ``h_{k->i}`` for each rank k it hears from (``2 ceil(log2 p)`` copies), sends
+``Q(x_i - h_{i->j})`` on the step it talks to j, and moves ``x_i <- x_i + gamma / 2 (h_{k->i} - h_{i->j})``.
+Both ends of an edge update its copy alike, and each step's edges form a permutation, so the terms cancel
+over the ranks: the ranks' mean moves only by the optimizer, as with a fixed graph. An edge's error
+feedback waits ``log2 p`` steps for its next turn. With an exact codec and ``gamma = 1`` it is D-PSGD on
+exp2 exactly. ``random`` may pair any two ranks, and is refused with a lossy codec.
 """
 
 from __future__ import annotations
@@ -91,12 +99,12 @@ def check_topology(topology: str, world: int) -> None:
                           "would form a ring.")
 
 
-def check_static(topology: str) -> None:
-    """Compressed gossip needs fixed neighbours (their public copies persist)."""
-    if topology not in ("ring", "torus"):
-        raise ConfigError("sync.topology", topology, "ring or torus with a lossy codec",
-                          "Compressed gossip (CHOCO-SGD) keeps a public copy of each neighbour's parameters, which a "
-                          "graph that changes every step (exp2, random) cannot; or use --compression none.")
+def check_compressible(topology: str) -> None:
+    """Compressed gossip keeps a public copy per peer, which a random pairing (any two ranks) would not bound."""
+    if topology not in ("ring", "torus", "exp2"):
+        raise ConfigError("sync.topology", topology, "ring, torus or exp2 with a lossy codec",
+                          "Compressed gossip (CHOCO-SGD) keeps a public copy of each peer's parameters; a random "
+                          "pairing may pair any two ranks (p - 1 copies each); or use --compression none.")
 
 
 def degree(topology: str, world: int) -> int:
@@ -118,18 +126,33 @@ class Gossip(SyncMode):
                        for b in range(len(self.buckets.groups))]
         self.choco = any(not c.lossless for c in self.codecs)
         self.gamma = spec.gamma or 1.0
-        self.public: dict[int, list[Tensor]] = {}  # CHOCO: rank -> its public copy (flat buckets); self and neighbours
+        # CHOCO: public copies (flat buckets) by key, see public_keys: a rank's own and its neighbours' on a
+        # fixed graph, one per edge on exp2
+        self.public: dict[str, list[Tensor]] = {}
+        self.per_edge = self.topology == "exp2"
         if self.choco:
-            check_static(self.topology)
+            check_compressible(self.topology)
             self.start_public()
+
+    def public_keys(self, send_to: list[int], recv_from: list[int]) -> tuple[str, list[str]]:
+        """(the key of the copy this rank sends against, the keys of the copies it hears into): its own rank
+        and its neighbours' on a fixed graph; ``to:j`` and ``from:k`` per edge on exp2 (one peer each way)."""
+        if self.per_edge:
+            return f"to:{send_to[0]}", [f"from:{r}" for r in recv_from]
+        return str(self.comm.wire.rank), [str(r) for r in recv_from]
 
     def start_public(self) -> None:
         """CHOCO's public copies, zero as in the paper (consistent on every rank whatever the weights):
         the first rounds send the parameters themselves, quantized."""
         wire = self.comm.wire
-        send_to, recv_from = neighbours(self.topology, wire.rank, wire.world, 0)
+        rounds = max(1, math.ceil(math.log2(wire.world))) if self.per_edge else 1
+        keys = set()
+        for step in range(rounds):
+            send_to, recv_from = neighbours(self.topology, wire.rank, wire.world, step)
+            own, heard = self.public_keys(send_to, recv_from)
+            keys |= {own, *heard}
         zeros = self.buckets.flatten([None] * len(self.buckets.params))
-        self.public = {r: [t.clone() for t in zeros] for r in {wire.rank, *send_to, *recv_from}}
+        self.public = {k: [t.clone() for t in zeros] for k in sorted(keys)}
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -166,29 +189,31 @@ class Gossip(SyncMode):
     def _choco(self, send_to: list[int], recv_from: list[int]) -> None:
         """One CHOCO-SGD gossip round (module docstring): send Q(x - h_self), update public copies, move."""
         wire, me = self.comm.wire, self.comm.wire.rank
+        own, heard = self.public_keys(send_to, recv_from)
         flats = self.buckets.flatten(list(self.buckets.params))
         mixed = []
         for b, (flat, codec) in enumerate(zip(flats, self.codecs)):
             self.comm.bytes_raw += flat.numel() * flat.element_size()
             seed = self.steps * 1009 + b
-            payload = codec.compress(flat - self.public[me][b], Meta(numel=flat.numel(), seed=seed, rank=me))
+            payload = codec.compress(flat - self.public[own][b], Meta(numel=flat.numel(), seed=seed, rank=me))
             got = wire.exchange(pack(payload), send_to, recv_from)
-            self.public[me][b] += codec.decompress(payload, Meta(numel=flat.numel(), seed=seed, rank=me))
-            for r, buf in zip(recv_from, got):
-                self.public[r][b] += codec.decompress(unpack(buf, payload), Meta(numel=flat.numel(), seed=seed, rank=r))
+            self.public[own][b] += codec.decompress(payload, Meta(numel=flat.numel(), seed=seed, rank=me))
+            for r, key, buf in zip(recv_from, heard, got):
+                self.public[key][b] += codec.decompress(unpack(buf, payload),
+                                                        Meta(numel=flat.numel(), seed=seed, rank=r))
             w = 1.0 / (1 + len(recv_from))
-            pull = sum(self.public[r][b] for r in recv_from) - len(recv_from) * self.public[me][b]
+            pull = sum(self.public[k][b] for k in heard) - len(recv_from) * self.public[own][b]
             mixed.append(flat + self.gamma * w * pull)
         with torch.no_grad():
             for p, x in zip(self.buckets.params, self.buckets.unflatten(mixed)):
                 p.copy_(x)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, **({"public": {str(r): cpu_list(t) for r, t in self.public.items()}}
+        return {"steps": self.steps, **({"public": {k: cpu_list(t) for k, t in self.public.items()}}
                                          if self.choco else {})}
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps = int(sd.get("steps", 0))
         if self.choco and "public" in sd:
             like = self.buckets.flatten(list(self.buckets.params))
-            self.public = {int(r): on_device(t, like) for r, t in sd["public"].items()}
+            self.public = {str(k): on_device(t, like) for k, t in sd["public"].items()}
