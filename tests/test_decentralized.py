@@ -6,6 +6,7 @@ reaches is local SGD with the check period, and its resume is bit-identical too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -65,6 +66,27 @@ def test_four_ranks_equal_local_sgd_then_neighbour_averages(topology):
     assert out[0]["sent"] == [4 * numel * len(neighbours(topology, 0, 4, s)[0]) for s in range(STEPS)]
 
 
+@pytest.mark.parametrize("topology", ["ring", "exp2"])
+def test_overlapped_gossip_mixes_each_round_in_one_step_later(topology):
+    """``overlap=1`` (SGP's overlap): the round started after step t (the parameters then) is mixed into
+    step t+1's parameters as the correction ``w sum_j (x_j^t - x_i^t)``; the last round stays in flight."""
+    out = run_ranks(_train, 4, f"gossip:topology={topology},overlap=1", "none")
+    ws, sent = [_net().state_dict() for _ in range(4)], None
+    for step in range(STEPS):
+        ws = [_sgd(w, _grads_one(w, step, r)) for r, w in enumerate(ws)]
+        if sent is not None:
+            for i in range(4):
+                recv = neighbours(topology, i, 4, step - 1)[1]
+                ws[i] = {k: ws[i][k] + (sum(sent[j][k] for j in recv) - len(recv) * sent[i][k]) / (1 + len(recv))
+                         for k in ws[i]}
+        sent = [{k: v.clone() for k, v in w.items()} for w in ws]
+    for r in range(4):
+        for k in ws[r]:
+            torch.testing.assert_close(out[r]["params"][k], ws[r][k], rtol=1e-5, atol=1e-6)
+    numel = 5 * 3 + 3
+    assert out[0]["sent"] == [4 * numel * len(neighbours(topology, 0, 4, s)[0]) for s in range(STEPS)]
+
+
 def test_gossip_on_a_complete_graph_equals_all_reduce_averaging():
     """Two ranks are each other's only neighbour: every step ends with both at the exact average, as
     local SGD averaging after every step (an all-reduce)."""
@@ -95,6 +117,10 @@ def test_spec_and_refusals():
         with pytest.raises(ConfigError, match="sync"):
             parse_sync_spec(bad)
     assert parse_sync_spec("gossip:topology=ring,gamma=0.25").text == "gossip:topology=ring,gamma=0.25"
+    assert parse_sync_spec("gossip:overlap=1").text == "gossip:topology=exp2,overlap=1"
+    for bad in ("gossip:overlap=2", "local:period=4,overlap=1", "dynamic:overlap=1"):
+        with pytest.raises(ConfigError, match="sync"):
+            parse_sync_spec(bad)
     assert degree("ring", 8) == 2 and degree("exp2", 8) == 1 and degree("torus", 9) == 4 and degree("ring", 2) == 1
     from thinwire.compress.sync.gossip import check_topology
 
@@ -161,7 +187,8 @@ def _consensus(rank: int, world: int, codec: str, spec: str, rounds: int) -> dic
 
 
 @pytest.mark.parametrize("codec,spec", [("int8", "gossip:topology=ring"), ("topk:ratio=0.1", "gossip:topology=ring,gamma=0.3"),
-                                        ("int8", "gossip:topology=exp2"), ("bfp", "gossip:topology=exp2")])
+                                        ("int8", "gossip:topology=exp2"), ("bfp", "gossip:topology=exp2"),
+                                        ("int8", "gossip:topology=exp2,overlap=1")])
 def test_compressed_gossip_keeps_the_mean_and_reaches_consensus(codec, spec):
     out = run_ranks(_consensus, 4, codec, spec, 60)
     for k in out[0]["end"]:
@@ -191,11 +218,15 @@ def test_priced_from_the_all_reduce():
     parts = StepParts(allreduce_step_s=0.3, compute_s=0.1, comm_s=0.15, codec_s=0.0, hosts=4)
     # ring: 2 copies of the parameters out, an all-reduce sends 1.5: 0.1 + 0.15 * 2 / 1.5
     assert kind(spec).step_s(spec, parts) == pytest.approx(0.3)
+    overlapped = parse_sync_spec("gossip:topology=ring,overlap=1")   # the slower of compute and the copies
+    assert kind(spec).step_s(overlapped, parts) == pytest.approx(0.2)
+    assert kind(spec).step_s(overlapped, dataclasses.replace(parts, compute_s=0.25)) == pytest.approx(0.25)
     assert kind(spec).bytes_per_step(spec, 1500, hosts=4) == pytest.approx(2000)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec,topology", [("none", "ring"), ("int8", "ring"), ("int8", "exp2")])   # int8: CHOCO's
+@pytest.mark.parametrize("codec,topology", [("none", "ring"), ("int8", "ring"), ("int8", "exp2"),   # int8: CHOCO's
+                                            ("none", "exp2,overlap=1"), ("int8", "exp2,overlap=1")])   # a round in flight
 def test_resume_is_bit_identical_through_the_trainer(tmp_path, codec, topology):          # public copies too
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", f"gossip:topology={topology}",
               "--eval-every", "5"]

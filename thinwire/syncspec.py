@@ -35,7 +35,9 @@ form                                           what runs (:mod:`thinwire.compres
                                                ``exp2`` is SGP's one-peer exponential graph (default);
                                                with a lossy codec CHOCO-SGD (ring, torus, exp2;
                                                ``gamma``: its consensus step, auto 1 for fp16,
-                                               bf16, int8 and bfp)
+                                               bf16, int8 and bfp); ``overlap=1``: each round
+                                               travels during the next step and is mixed in after
+                                               it (SGP's overlap, one step stale)
 =============================================  =====================================================
 
 Defaults and their sources: ``local`` warm-up 100 steps and no default period (PyTorch's
@@ -78,7 +80,7 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "local": {"period": (int, None), "warmup": (int, 100)},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
-    "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto")},
+    "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto"), "overlap": (int, 0)},
     "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0)},
     "auto": {"trial": (int, 20), "warmup": (int, 10), "guard": (Path, "")},
 }
@@ -98,6 +100,7 @@ class SyncSpec:
     alpha: float = 0.0
     topology: str = ""
     gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
+    overlap: int = 0            # gossip: 1 sends each round during the next step's compute (SGP's overlap)
     threshold: float = 0.05
     check_every: int = 1
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
@@ -119,6 +122,8 @@ class SyncSpec:
         _check(math.isfinite(self.gamma) and 0 <= self.gamma <= 1 and (self.gamma == 0 or self.mode == "gossip"),
                "gamma", self.gamma, "a number in (0, 1] (gossip only)",
                "The consensus step of compressed gossip; auto is 1 for the dense quantizers fp16, bf16, int8, bfp.")
+        _check(self.overlap in (0, 1) and (self.overlap == 0 or self.mode == "gossip"), "overlap", self.overlap,
+               "0 or 1 (gossip only)", "1 mixes each round in one step later, its transfer hidden behind that step.")
         _check(1 <= self.period <= MAX_PERIOD, "period", self.period, f"an integer in [1, {MAX_PERIOD}]",
                "period=1 averages after every step; larger periods send less.")
         _check(0 <= self.warmup <= MAX_PERIOD, "warmup", self.warmup, f"an integer in [0, {MAX_PERIOD}]")
@@ -148,7 +153,7 @@ class SyncSpec:
     @property
     def text(self) -> str:
         keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
-                and (k != "guard" or self.guard) and (k != "predict" or not self.predict)]
+                and (k != "guard" or self.guard) and (k != "predict" or not self.predict) and (k != "overlap" or self.overlap)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 

@@ -15,6 +15,8 @@ so a bucket costs one collective, not one per payload tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -82,16 +84,24 @@ class Wire:
     def exchange(self, t: Tensor, send_to: list[int], recv_from: list[int]) -> list[Tensor]:
         """Point to point: ``t`` to each rank of ``send_to`` while a tensor like it arrives from each
         of ``recv_from`` (ranks of this wire's group), all in flight at once; the received tensors."""
+        return self.start_exchange(t, send_to, recv_from)()
+
+    def start_exchange(self, t: Tensor, send_to: list[int], recv_from: list[int]) -> Callable[[], list[Tensor]]:
+        """:meth:`exchange` started and not waited for: the returned call waits and gives the received
+        tensors. ``t`` must not change until then."""
         self.bytes_sent += t.numel() * t.element_size() * len(send_to)
         self.calls += 1
         t = t.contiguous()
         got = [torch.empty_like(t) for _ in recv_from]
         ops = [dist.P2POp(dist.isend, t, self._global(r), self.group) for r in send_to]
         ops += [dist.P2POp(dist.irecv, g, self._global(r), self.group) for r, g in zip(recv_from, got)]
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def wait() -> list[Tensor]:
+            for w in works:
                 w.wait()
-        return got
+            return got
+        return wait
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

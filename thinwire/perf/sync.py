@@ -70,14 +70,18 @@ def streaming_step_s(*, compute_s: float, comm_s: float, codec_s: float, period:
     return compute_s + exposed / every
 
 
-def gossip_step_s(*, compute_s: float, allreduce_comm_s: float, hosts: int, degree: int) -> float:
-    """One step of gossip: compute, then ``degree`` parameter copies out on this rank's link (see module).
+def gossip_step_s(*, compute_s: float, allreduce_comm_s: float, hosts: int, degree: int, overlap: bool = False) -> float:
+    """One step of gossip: compute, then ``degree`` parameter copies out on this rank's link (see module);
+    with ``overlap`` the copies travel during the next step's compute: the slower of the two.
 
     >>> round(gossip_step_s(compute_s=0.1, allreduce_comm_s=0.15, hosts=4, degree=1), 3)
     0.2
+    >>> round(gossip_step_s(compute_s=0.1, allreduce_comm_s=0.15, hosts=4, degree=1, overlap=True), 3)
+    0.1
     """
     p = max(2, hosts)
-    return compute_s + allreduce_comm_s * degree * p / (2 * (p - 1))
+    comm = allreduce_comm_s * degree * p / (2 * (p - 1))
+    return max(compute_s, comm) if overlap else compute_s + comm
 
 
 def dynamic_step_s(*, compute_s: float, average_s: float, check_every: int, sync_rate: float) -> float:

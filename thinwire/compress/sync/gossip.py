@@ -22,7 +22,13 @@ what plain SGD on the average would do, and every rank converges to it):
   the step); pairs average, an odd rank out keeps its parameters.
 
 Communication happens after the optimizer step and blocks (point-to-point through
-``torch.distributed``'s ``batch_isend_irecv``, in the mode's own process group).
+``torch.distributed``'s ``batch_isend_irecv``, in the mode's own process group). With ``overlap=1`` a
+round is started after step t and waited for after step t+1, its transfer hidden behind that step's
+compute, as Stochastic Gradient Push's overlap variant (OSGP, one step stale): step t+1's parameters
+get the round's correction ``x_i <- x_i + w sum_j (x_j^t - x_i^t)`` (CHOCO: its move toward the
+neighbours' public copies, updated with what arrived). The corrections cancel over the ranks, so the mean
+is the same as without overlap; a round in flight at a checkpoint is saved with it and mixed in after
+the resumed step, as it would have been.
 
 **Compressed gossip** (any lossy codec but PowerSGD): CHOCO-SGD (Koloskova, Stich and Jaggi, ICML 2019,
 https://arxiv.org/abs/1902.00340, Algorithm 1). Each rank keeps a public copy ``h_j`` of its own and
@@ -47,6 +53,7 @@ exp2 exactly. ``random`` may pair any two ranks, and is refused with a lossy cod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -130,6 +137,8 @@ class Gossip(SyncMode):
         # fixed graph, one per edge on exp2
         self.public: dict[str, list[Tensor]] = {}
         self.per_edge = self.topology == "exp2"
+        self.overlap = bool(getattr(spec, "overlap", 0))
+        self.pending: Round | None = None  # the round in flight (overlap: until the next step's after_step)
         if self.choco:
             check_compressible(self.topology)
             self.start_public()
@@ -157,7 +166,7 @@ class Gossip(SyncMode):
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
         return gossip_step_s(compute_s=parts.compute_s, allreduce_comm_s=parts.comm_s, hosts=parts.hosts,
-                             degree=degree(spec.topology, max(2, parts.hosts)))
+                             degree=degree(spec.topology, max(2, parts.hosts)), overlap=bool(spec.overlap))
 
     @classmethod
     def bytes_per_step(cls, spec, bytes_per_average: int, hosts: int = 2) -> float:
@@ -169,51 +178,107 @@ class Gossip(SyncMode):
         return self.model.no_sync()
 
     def after_step(self) -> None:
+        """One gossip round after the optimizer step. Blocking: send and mix now. ``overlap``: first mix
+        in what the previous step's round brought (it travelled during this step's compute), then start
+        this step's round."""
         wire = self.comm.wire
         send_to, recv_from = neighbours(self.topology, wire.rank, wire.world, self.steps)
         self.steps += 1
-        if not recv_from and not send_to:
-            return
-        if self.choco:
-            return self._choco(send_to, recv_from)
-        flats = self.buckets.flatten(list(self.buckets.params))
-        mixed = []
-        for flat in flats:
-            self.comm.bytes_raw += flat.numel() * flat.element_size()
-            got = wire.exchange(flat, send_to, recv_from)
-            mixed.append(torch.stack([flat, *got]).mean(0) if got else flat)
-        with torch.no_grad():
-            for p, x in zip(self.buckets.params, self.buckets.unflatten(mixed)):
-                p.copy_(x)
+        if self.overlap:
+            self._land()
+        if send_to or recv_from:
+            self.pending = self._send(send_to, recv_from)
+        if not self.overlap:
+            self._land()
 
-    def _choco(self, send_to: list[int], recv_from: list[int]) -> None:
-        """One CHOCO-SGD gossip round (module docstring): send Q(x - h_self), update public copies, move."""
-        wire, me = self.comm.wire, self.comm.wire.rank
-        own, heard = self.public_keys(send_to, recv_from)
-        flats = self.buckets.flatten(list(self.buckets.params))
-        mixed = []
-        for b, (flat, codec) in enumerate(zip(flats, self.codecs)):
+    def _send(self, send_to: list[int], recv_from: list[int]) -> Round:
+        """Start one round: the parameters (D-PSGD), or ``Q(x - h_own)`` (CHOCO, its own copy moved now)."""
+        me = self.comm.wire.rank
+        own, heard = self.public_keys(send_to, recv_from) if self.choco else ("", [])
+        parts = []
+        for b, (flat, codec) in enumerate(zip(self.buckets.flatten(list(self.buckets.params)), self.codecs)):
             self.comm.bytes_raw += flat.numel() * flat.element_size()
-            seed = self.steps * 1009 + b
-            payload = codec.compress(flat - self.public[own][b], Meta(numel=flat.numel(), seed=seed, rank=me))
-            got = wire.exchange(pack(payload), send_to, recv_from)
-            self.public[own][b] += codec.decompress(payload, Meta(numel=flat.numel(), seed=seed, rank=me))
-            for r, key, buf in zip(recv_from, heard, got):
-                self.public[key][b] += codec.decompress(unpack(buf, payload),
-                                                        Meta(numel=flat.numel(), seed=seed, rank=r))
-            w = 1.0 / (1 + len(recv_from))
-            pull = sum(self.public[k][b] for k in heard) - len(recv_from) * self.public[own][b]
-            mixed.append(flat + self.gamma * w * pull)
+            if not self.choco:
+                parts.append([flat, self.comm.wire.start_exchange(flat, send_to, recv_from)])
+                continue
+            meta = Meta(numel=flat.numel(), seed=self.steps * 1009 + b, rank=me)
+            payload = codec.compress(flat - self.public[own][b], meta)
+            wait = self.comm.wire.start_exchange(pack(payload), send_to, recv_from)
+            self.public[own][b] += codec.decompress(payload, meta)
+            parts.append([(payload, meta), wait])
+        return Round(recv_from, own, heard, parts)
+
+    def flush(self) -> None:
+        """Wait for a round in flight and decode what it brought, without mixing it in (that waits for
+        the step it belongs to, so a checkpoint or a validation does not change the training)."""
+        if self.pending is not None:
+            self._realize(self.pending)
+
+    def _realize(self, r: Round) -> None:
+        for b, part in enumerate(r.parts):
+            if not callable(part[1]):
+                continue
+            got = part[1]()
+            if self.choco:
+                (payload, meta), codec = part[0], self.codecs[b]
+                got = [codec.decompress(unpack(buf, payload), Meta(numel=meta.numel, seed=meta.seed, rank=src))
+                       for src, buf in zip(r.recv_from, got)]
+                part[0] = None
+            part[1] = got
+
+    def _land(self) -> None:
+        """Mix the round in flight into the parameters: D-PSGD's average with the neighbours' (with
+        ``overlap``, the average's correction ``w (x_j - x_i)`` of the sent parameters added to the ones
+        the step since has moved); CHOCO's move toward the neighbours' public copies."""
+        r, self.pending = self.pending, None
+        if r is None:
+            return
+        self._realize(r)
+        w, n = 1.0 / (1 + len(r.recv_from)), len(r.recv_from)
+        mixed = []
+        for b, (flat, (sent, got)) in enumerate(zip(self.buckets.flatten(list(self.buckets.params)), r.parts)):
+            if self.choco:
+                for key, delta in zip(r.heard, got):
+                    self.public[key][b] += delta
+                pull = sum(self.public[k][b] for k in r.heard) - n * self.public[r.own][b]
+                mixed.append(flat + self.gamma * w * pull)
+            elif self.overlap:
+                mixed.append(flat + w * (sum(got) - n * sent))
+            else:
+                mixed.append(torch.stack([sent, *got]).mean(0))
         with torch.no_grad():
             for p, x in zip(self.buckets.params, self.buckets.unflatten(mixed)):
                 p.copy_(x)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, **({"public": {k: cpu_list(t) for k, t in self.public.items()}}
-                                         if self.choco else {})}
+        self.flush()
+        r = self.pending
+        return {"steps": self.steps,
+                **({"public": {k: cpu_list(t) for k, t in self.public.items()}} if self.choco else {}),
+                **({"round": {"recv_from": r.recv_from, "own": r.own, "heard": r.heard,
+                              "sent": [cpu_list([s]) if s is not None else None for s, _ in r.parts],
+                              "got": [cpu_list(g) for _, g in r.parts]}} if r is not None else {})}
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps = int(sd.get("steps", 0))
+        like = self.buckets.flatten(list(self.buckets.params))
         if self.choco and "public" in sd:
-            like = self.buckets.flatten(list(self.buckets.params))
             self.public = {str(k): on_device(t, like) for k, t in sd["public"].items()}
+        self.pending = None
+        if sd.get("round") is not None:
+            r = sd["round"]
+            parts = [[on_device(s, [f])[0] if s is not None else None, on_device(g, [f] * len(g))]
+                     for s, g, f in zip(r["sent"], r["got"], like)]
+            self.pending = Round(list(r["recv_from"]), str(r["own"]), list(r["heard"]), parts)
+
+
+@dataclasses.dataclass
+class Round:
+    """A gossip round started: whom it hears from, CHOCO's copy keys, and per bucket ``[sent, received]``:
+    D-PSGD's sent parameters (CHOCO: its payload and meta until decoded, then None) and a call that waits
+    for the received tensors (after :meth:`Gossip.flush`, the tensors themselves, decoded for CHOCO)."""
+
+    recv_from: list[int]
+    own: str
+    heard: list[str]
+    parts: list[list]
