@@ -13,7 +13,8 @@
 * ``slowlink``: 4 hosts at 100 Mbit/s, one of them behind 5 Mbit/s (``examples/clusters/edge-one-slow.yaml``),
   a small digits model (8 channels, 32 hidden: 10k parameters, an edge device's model), iid data: gossip
   over the one-peer exponential graph (``gossip:topology=exp2``), compressed gossip (CHOCO-SGD with int8 on
-  exp2, a public copy per edge, and on a ring), DDP fp32 and PyTorch's post-local SGD as
+  exp2, a public copy per edge, blocking and overlapped with the next step, and on a ring), DDP fp32 and
+  PyTorch's post-local SGD as
   its documentation shows it (period 4 after 100 synchronous steps). The target per seed is DDP fp32's
   final validation loss after N = 300 steps on 4 local workers; contenders train 1.5 N steps; time to
   target as in ``compare.py``, on the training clock (``wall_s`` less validation's ``eval_s``). Asked: gossip
@@ -62,6 +63,8 @@ SCENARIOS = {  # name: cluster spec, model options, partition, steps, global bat
                      target_steps=300, batch=64, eval_every=15,
                      contenders=[("gossip exp2", ["--compression", "none", "--sync", "gossip:topology=exp2"]),
                                  ("gossip exp2 + int8 (CHOCO)", ["--compression", "int8", "--sync", "gossip:topology=exp2"]),
+                                 ("gossip exp2 + int8 (CHOCO), overlapped", ["--compression", "int8", "--sync",
+                                                                            "gossip:topology=exp2,overlap=1"]),
                                  ("gossip ring + int8 (CHOCO)", ["--compression", "int8", "--sync", "gossip:topology=ring"]),
                                  ("DDP fp32", ["--compression", "torch:none"]),
                                  ("post-local SGD (PyTorch, H=4 after 100)", ["--compression", "torch:localsgd:period=4"]),
@@ -280,7 +283,8 @@ def render(data: dict, out: Path) -> None:
         "never" if isinstance(v, float) and math.isinf(v) else f"{v:.{p}g}")
     lines = ["# Decentralized training on edge clusters: dynamic averaging, drift, gossip (issue 22)", "",
              f"Commands: {'; '.join(f'`{c}`' for c in data['commands'])}  ",
-             f"Runs {data['started']} to {data['ended']} UTC (commits {', '.join(data['commits'])}). Seeds "
+             "Runs " + ", ".join(f"{n} {sc['started']} to {sc['ended']}" for n, sc in data["scenarios"].items()
+                                 if "started" in sc) + f" UTC (commits {', '.join(data['commits'])}). Seeds "
              f"{', '.join(map(str, data['seeds']))}, seed by seed, contenders rotated per seed, every run on the "
              "emulated cluster. Workload digits (scikit-learn's 8x8 digits, a small CNN), global batch 64. "
              "Bytes: all ranks, whole run; payload as thinwire counts it where its collectives are issued (PyTorch's "
@@ -435,7 +439,9 @@ def main() -> int:
                     for label, flags in cons:
                         if f"{label}@{k}" in s["runs"] or any(label.startswith(x) for x in skip):
                             continue
+                        s.setdefault("started", time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
                         r = s["runs"][f"{label}@{k}"] = run(sc, label, flags, k, work, cluster)
+                        s["ended"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
                         print(f"{name} seed {k} {label}: " + (f"FAILED {r['error'][-400:]}" if "error" in r else
                               f"loss {r['final_val_loss']:.4f}, {r.get('bytes_all_ranks', 0) / 1e6:.1f} MB counted, "
                               f"{r['wire_bytes'] / 1e6:.1f} MB on the wire, "
