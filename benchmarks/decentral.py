@@ -99,7 +99,7 @@ def wire_bytes(cluster) -> int:
 
 
 def run(sc: dict, label: str, flags: list[str], seed: int, work: Path, cluster) -> dict:
-    out = work / sc["name"] / f"{label.split(' (')[0].replace(' ', '_').replace(',', '')}-s{seed}"
+    out = work / sc["name"] / f"{slug(label)}-s{seed}"
     before, t0 = wire_bytes(cluster), time.time()
     r = run_hivemind(sc, seed, out, cluster) if flags == ["hivemind"] else run_thinwire(sc, label, flags, seed, out)
     if "error" not in r:
@@ -203,6 +203,15 @@ def recovery_step(r: dict, drift_step: int) -> float:
         return math.inf
     pre = before[-1][1]
     return next((s for _, loss, s in r["val_curve"] if s >= drift_step and loss <= pre * (1 + TOLERANCE)), math.inf)
+
+
+def slug(label: str) -> str:
+    """A contender's folder name: its label's letters and digits, one per label.
+
+    >>> slug("gossip exp2 + int8 (CHOCO), overlapped")
+    'gossip_exp2_int8_CHOCO_overlapped'
+    """
+    return "_".join("".join(c if c.isalnum() else " " for c in label).split())
 
 
 def med(xs: list[float]) -> float:
