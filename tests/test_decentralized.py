@@ -250,8 +250,47 @@ def test_dynamic_never_averages_below_its_threshold_and_always_above_it():
     assert always[0]["sent"] == [0, 1 + 4 * numel] * 3
 
 
+def _spread(rank: int, world: int, same: bool) -> dict:
+    """Ranks move from a common anchor, each its own way (or all the same way): rule=spread's value
+    against the exact spread around the ranks' mean, and rule=drift's own drift."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import thinwire
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(100, 100))
+    sync = thinwire.sync(ddp, "dynamic:rule=spread", codec="none")
+    sync.before_step()   # the anchor: the common start
+    common = torch.Generator().manual_seed(1)
+    mine = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for p in ddp.module.parameters():
+            p.add_(torch.randn(p.shape, generator=common))   # all ranks alike: not a spread
+            if not same:
+                p.add_(0.3 * torch.randn(p.shape, generator=mine))
+    out = {"spread": sync.spread(), "drift": sync.drift(),
+           "x": torch.cat([p.detach().flatten() for p in ddp.module.parameters()]),
+           "a": torch.cat(sync.anchor)}
+    sync.close()
+    return out
+
+
+def test_dynamic_spread_is_the_ranks_spread_around_their_mean():
+    out = run_ranks(_spread, 4, False)
+    xs = torch.stack([o["x"] for o in out]).double()
+    exact = float((xs - xs.mean(0)).pow(2).sum(1).mean().sqrt() / out[0]["a"].double().norm())
+    assert len({o["spread"] for o in out}) == 1   # one value on every rank: one decision
+    assert out[0]["spread"] == pytest.approx(exact, rel=0.2)   # a 256-value sketch of 10,100 values
+    assert out[0]["drift"] > 3 * exact   # the drift rule also counts the ranks' common motion
+    alike = run_ranks(_spread, 4, True)
+    assert alike[0]["spread"] < 1e-6 and alike[0]["drift"] > 1   # moved together: nothing to average
+
+
 def test_dynamic_spec():
     spec = parse_sync_spec("dynamic")
+    assert parse_sync_spec("dynamic:rule=spread").text == "dynamic:threshold=0.05,check_every=4,warmup=0,rule=spread"
+    with pytest.raises(ConfigError, match="sync.rule"):
+        parse_sync_spec("dynamic:rule=norm")
     assert (spec.threshold, spec.check_every, spec.warmup) == (0.05, 4, 0)
     assert parse_sync_spec("dynamic:threshold=0.05,check_every=8").text == "dynamic:threshold=0.05,check_every=8,warmup=0"
     for bad, key in (("dynamic:threshold=0", "threshold"), ("dynamic:threshold=-1", "threshold"),
