@@ -149,10 +149,13 @@ class SyncMode:
         averaging evaluates its global model), and under skewed data a rank's own can score far worse.
         The trainer validates and checkpoints it: one exact fp32 all-reduce over the mode's group, its
         bytes counted in ``consensus_bytes``, apart from the training's. Nothing is sent where the ranks
-        hold the same parameters (``diverges`` False) or where there is one rank."""
+        hold the same parameters (``diverges`` False) or where there is one rank.
+
+        Yields ``{id(tensor): this rank's own value}`` for the tensors it replaced (empty where it replaced
+        none): what a checkpoint written inside saves as the rank's own state."""
         wire = self.comm.wire
         if not self.diverges or wire.world == 1:
-            yield
+            yield {}
             return
         self.flush()  # averages in flight (streaming DiLoCo's) land first: one collective at a time on the group
         module = getattr(self.model, "module", self.model)
@@ -166,7 +169,7 @@ class SyncMode:
             with torch.no_grad():
                 for t, avg in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                     t.copy_(avg)
-            yield
+            yield {id(t): mine for t, mine in zip(tensors, own)}
         finally:
             with torch.no_grad():
                 for t, mine in zip(tensors, own):

@@ -28,6 +28,18 @@ averages more; divide one step's relative change (early in training often 1e-3 t
 less) into D for the period the rule gives at that stage; ``syncs`` and ``checks`` (in the mode's
 state and the run's summary) show the rate a run got. Validation and the checkpoint's model are the
 ranks' average (:meth:`~.base.SyncMode.consensus`), as for every mode whose ranks diverge.
+
+``rule=spread`` tests what averaging removes instead: the ranks' spread around their mean,
+``sqrt(mean_i ||x_i - xbar||^2) / ||a|| > D`` (the paper's divergence, which its local conditions
+bound without communication). The drift rule also counts the ranks' common motion, which averaging
+leaves as it is: ranks that learn the same thing from similar data drift far from the last average
+and agree. Every rank sends a count sketch of ``x_i - a`` (256 values, the parameters hashed into
+buckets with random signs; linear, so the spread of the sketches is the sketch of the spread, within
+about 9%), its squared norm and ``||a||^2`` in one fp64 all-reduce (2 KiB) in place of the one-byte
+vote; every rank computes the same value from the same sum, so they decide alike. The sketch's hashes
+cost 2 bytes per parameter. Its thresholds mean less drift than the drift rule's (the spread excludes
+the common motion): ``benchmarks/results/dynamic_rules.md`` compares the two rules on the same two
+workloads.
 """
 
 from __future__ import annotations
