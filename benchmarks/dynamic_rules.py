@@ -1,6 +1,7 @@
-"""Dynamic averaging's two rules at equal samples (issue 22): ``rule=drift`` (each rank's distance from the
+"""Dynamic averaging's rules at equal samples (issue 22): ``rule=drift`` (each rank's distance from the
 last average, a one-byte vote) against ``rule=spread`` (the ranks' spread around their mean, from a
-256-value sketch per rank), each at several thresholds, against periodic averaging, on local workers:
+256-value sketch per rank) and the drift rule with ``by_lr=1`` (its threshold scaled by the learning rate
+over its peak), each at several thresholds, against periodic averaging, on local workers:
 
 * ``charlm``: 4 workers with a file each (``--partition by_file``), 200 steps, seed 0 (the workload the
   drift rule's default threshold was chosen on, ``dynamic_threshold.md``);
@@ -39,12 +40,14 @@ WORKLOADS = {
                          "--checkpoint-every", "200", "--nproc", "4"], seeds=[0],
                    syncs=[CONTROL, "local:period=20,warmup=0", "local:period=40,warmup=0",
                           *(f"dynamic:threshold={d}" for d in (0.05, 0.1, 0.3)),
-                          *(f"dynamic:threshold={d},rule=spread" for d in (0.02, 0.05, 0.1))]),
+                          *(f"dynamic:threshold={d},rule=spread" for d in (0.02, 0.05, 0.1)),
+                          *(f"dynamic:threshold={d},by_lr=1" for d in (0.1, 0.3, 0.6))]),
     "digits": dict(args=["--workload", "digits", "--partition", "label_skew:alpha=0.5", "--steps", "300",
                          "--batch-size", "64", "--eval-every", "15", "--checkpoint-every", "300", "--nproc", "8"],
                    seeds=[0, 1, 2],
                    syncs=[CONTROL, "local:period=40,warmup=0", "dynamic:threshold=0.1",
-                          *(f"dynamic:threshold={d},rule=spread" for d in (0.05, 0.1, 0.2, 0.3))]),
+                          *(f"dynamic:threshold={d},rule=spread" for d in (0.05, 0.1, 0.2, 0.3)),
+                          *(f"dynamic:threshold={d},by_lr=1" for d in (0.3, 0.6))]),
 }
 
 
@@ -64,7 +67,7 @@ def run(workload: str, sync: str, seed: int, work: Path) -> dict:
 
 
 def render(data: dict, out: Path) -> None:
-    lines = ["# Dynamic averaging: the drift rule against the spread rule (issue 22)", "",
+    lines = ["# Dynamic averaging: the drift rule, the spread rule and a threshold that follows the learning rate (issue 22)", "",
              "Command: `" + data["command"] + "`  ",
              f"Runs {data['started']} to {data['ended']} UTC (commits {', '.join(data['commits'])}), local workers; "
              "one run per (workload, `--sync`, seed), its command `thinwire train "

@@ -286,11 +286,49 @@ def test_dynamic_spread_is_the_ranks_spread_around_their_mean():
     assert alike[0]["spread"] < 1e-6 and alike[0]["drift"] > 1   # moved together: nothing to average
 
 
+def _by_lr(rank: int, world: int) -> dict:
+    """dynamic:threshold=9,by_lr=1: no drift reaches 9 at the peak learning rate; once the rate falls to a
+    billionth, the threshold does too, and the drift made at the peak rate crosses it (one average); the
+    drift made at the small rate is as much smaller as the threshold, and does not."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import thinwire
+    from tests.test_sync import LR, _data, _loss
+
+    ddp = DistributedDataParallel(_net())
+    mode = thinwire.sync(ddp, "dynamic:threshold=9,check_every=2,by_lr=1", codec="none")
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    syncs = []
+    for step in range(8):
+        if step == 4:
+            opt.param_groups[0]["lr"] = LR * 1e-9
+        x, y = _data(step, rank)
+        with mode.no_sync():
+            _loss(ddp, x, y).backward()
+        mode.step(opt)
+        opt.zero_grad(set_to_none=True)
+        syncs.append(mode.syncs)
+    state = mode.state_dict()
+    mode.close()
+    return {"syncs": syncs, "peak": state["lr_peak"]}
+
+
+def test_dynamic_by_lr_scales_the_threshold_by_the_learning_rate():
+    out = run_ranks(_by_lr, 2)
+    from tests.test_sync import LR
+
+    assert out[0]["syncs"] == [0, 0, 0, 0, 0, 1, 1, 1] and out[0]["peak"] == LR   # checks after steps 2, 4, 6, 8
+
+
 def test_dynamic_spec():
     spec = parse_sync_spec("dynamic")
     assert parse_sync_spec("dynamic:rule=spread").text == "dynamic:threshold=0.05,check_every=4,warmup=0,rule=spread"
     with pytest.raises(ConfigError, match="sync.rule"):
         parse_sync_spec("dynamic:rule=norm")
+    assert parse_sync_spec("dynamic:by_lr=1").text == "dynamic:threshold=0.05,check_every=4,warmup=0,by_lr=1"
+    for bad in ("dynamic:by_lr=2", "local:period=4,by_lr=1"):
+        with pytest.raises(ConfigError, match="sync"):
+            parse_sync_spec(bad)
     assert (spec.threshold, spec.check_every, spec.warmup) == (0.05, 4, 0)
     assert parse_sync_spec("dynamic:threshold=0.05,check_every=8").text == "dynamic:threshold=0.05,check_every=8,warmup=0"
     for bad, key in (("dynamic:threshold=0", "threshold"), ("dynamic:threshold=-1", "threshold"),

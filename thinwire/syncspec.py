@@ -85,7 +85,8 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto"), "overlap": (int, 0)},
-    "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0), "rule": (str, "drift")},
+    "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0), "rule": (str, "drift"),
+                "by_lr": (int, 0)},
     "auto": {"trial": (int, 20), "warmup": (int, 10), "guard": (Path, "")},
 }
 
@@ -107,6 +108,7 @@ class SyncSpec:
     overlap: int = 0            # gossip: 1 sends each round during the next step's compute (SGP's overlap)
     threshold: float = 0.05
     rule: str = ""              # dynamic: "drift" (each rank's from the last average) or "spread" (the ranks')
+    by_lr: int = 0              # dynamic: 1 scales the threshold by the learning rate over its peak so far
     check_every: int = 1
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
     guard: str = ""             # auto: a profile whose convergence guard says whether delayed reaches fp32's loss
@@ -124,6 +126,8 @@ class SyncSpec:
         _check((self.mode == "dynamic") == (self.rule in DYNAMIC_RULES), "rule", self.rule,
                "one of " + ", ".join(DYNAMIC_RULES) + " (dynamic only)",
                "drift tests each rank's distance from the last average; spread the ranks' distance from their mean.")
+        _check(self.by_lr in (0, 1) and (self.by_lr == 0 or self.mode == "dynamic"), "by_lr", self.by_lr,
+               "0 or 1 (dynamic only)", "1 scales the threshold by the learning rate over its peak so far.")
         _check(1 <= self.check_every <= MAX_PERIOD, "check_every", self.check_every, f"an integer in [1, {MAX_PERIOD}]")
         _check((self.mode == "gossip") == (self.topology in TOPOLOGIES), "topology", self.topology,
                "one of " + ", ".join(TOPOLOGIES) + " (gossip only)", "exp2, the one-peer exponential graph, scales best.")
@@ -162,7 +166,7 @@ class SyncSpec:
     def text(self) -> str:
         keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
                 and (k != "guard" or self.guard) and (k != "predict" or not self.predict) and (k != "overlap" or self.overlap)
-                and (k != "rule" or self.rule != "drift")]
+                and (k != "rule" or self.rule != "drift") and (k != "by_lr" or self.by_lr)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 

@@ -87,6 +87,7 @@ class ThinwireStrategy(DDPStrategy):
 
         with mode.no_sync():         # DDP's backward must not all-reduce: the mode averages itself
             out = super().optimizer_step(optimizer, forward_backward_then_set_gradients, model, **kwargs)
+        mode.optimizer = optimizer   # what the mode may read (dynamic:by_lr's learning rate)
         mode.after_step()            # e.g. the periodic parameter average
         return out
 

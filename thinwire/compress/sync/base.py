@@ -109,6 +109,7 @@ class SyncMode:
     def __init__(self, model, comm: CommState, spec=None) -> None:
         self.model, self.comm, self.spec = model, comm, spec
         self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
+        self.optimizer = None     # the step's optimizer (set by :meth:`step`, or by a trainer that steps itself)
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -132,6 +133,7 @@ class SyncMode:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop."""
+        self.optimizer = optimizer
         self.before_step()
         optimizer.step()
         self.after_step()

@@ -51,6 +51,7 @@ from torch import Tensor
 from thinwire.compress.sync.base import StepParts
 from thinwire.compress.sync.local import LocalSGD
 from thinwire.compress.wire import ring_allreduce_bytes
+from thinwire.errors import ThinwireError
 from thinwire.perf.sync import dynamic_step_s
 
 SKETCH = 256        # rule=spread: values per rank's sketch (2 KiB in fp64)
@@ -64,6 +65,7 @@ class Dynamic(LocalSGD):
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)
         self.threshold, self.check_every = spec.threshold, spec.check_every
         self.rule = spec.rule or "drift"
+        self.by_lr, self.lr_peak = bool(spec.by_lr), 0.0
         self.hashes: list[Tensor] | None = None  # rule=spread: the count sketch's buckets and signs
         self.checks = 0
         self.syncs = 0
@@ -84,10 +86,22 @@ class Dynamic(LocalSGD):
         if local <= 0 or local % self.check_every:
             return
         self.checks += 1
-        apart = self.spread() > self.threshold if self.rule == "spread" else self.vote(self.drift() > self.threshold)
+        threshold = self.threshold * self.lr_ratio()
+        apart = self.spread() > threshold if self.rule == "spread" else self.vote(self.drift() > threshold)
         if apart:
             self.syncs += 1
             self.average()
+
+    def lr_ratio(self) -> float:
+        """``by_lr=1``: the learning rate now over its peak so far (the same on every rank); else 1."""
+        if not self.by_lr:
+            return 1.0
+        if self.optimizer is None:
+            raise ThinwireError("sync dynamic:by_lr=1 follows the learning rate: step with mode.step(optimizer) "
+                                "(or set mode.optimizer) so it can read it.")
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.lr_peak = max(self.lr_peak, lr)
+        return lr / self.lr_peak if self.lr_peak > 0 else 1.0
 
     def spread(self) -> float:
         """The ranks' spread around their mean relative to the last average, ``sqrt(mean_i ||x_i - xbar||^2)
@@ -145,8 +159,9 @@ class Dynamic(LocalSGD):
         return {"checks": self.checks, "syncs": self.syncs, "sync_rate": self.syncs / self.checks if self.checks else None}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "checks": self.checks, "syncs": self.syncs}
+        return {**super().state_dict(), "checks": self.checks, "syncs": self.syncs, "lr_peak": self.lr_peak}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.checks, self.syncs = int(sd.get("checks", 0)), int(sd.get("syncs", 0))
+        self.lr_peak = float(sd.get("lr_peak", 0.0))
