@@ -7,7 +7,8 @@ over its peak), each at several thresholds, against periodic averaging, on local
   drift rule's default threshold was chosen on, ``dynamic_threshold.md``);
 * ``digits``: 8 workers with label-skewed shards (Dirichlet alpha 0.5), 300 steps, seeds 0, 1, 2: the
   data of ``decentral.md``'s skew scenario (its losses and bytes on the emulated cluster are those of
-  local workers: they do not depend on the links).
+  local workers: they do not depend on the links);
+* ``digits-iid``: the same with i.i.d. shards, seed 0: where the ranks agree, what each rule sends.
 
 Loss and bytes at equal samples do not depend on the machine's speed, so the runs are local and not
 interleaved. Every run is saved to ``dynamic_rules.json`` as it ends; a second call skips what is there.
@@ -48,6 +49,10 @@ WORKLOADS = {
                    syncs=[CONTROL, "local:period=40,warmup=0", "dynamic:threshold=0.1",
                           *(f"dynamic:threshold={d},rule=spread" for d in (0.05, 0.1, 0.2, 0.3)),
                           *(f"dynamic:threshold={d},by_lr=1" for d in (0.3, 0.6))]),
+    "digits-iid": dict(args=["--workload", "digits", "--partition", "iid", "--steps", "300", "--batch-size", "64",
+                             "--eval-every", "15", "--checkpoint-every", "300", "--nproc", "8"], seeds=[0],
+                       syncs=[CONTROL, "dynamic:threshold=0.05", "dynamic:threshold=0.1",
+                              *(f"dynamic:threshold={d},rule=spread" for d in (0.05, 0.1))]),
 }
 
 
@@ -72,7 +77,8 @@ def render(data: dict, out: Path) -> None:
              f"Runs {data['started']} to {data['ended']} UTC (commits {', '.join(data['commits'])}), local workers; "
              "one run per (workload, `--sync`, seed), its command `thinwire train "
              + " ".join(WORKLOADS["charlm"]["args"]) + " --threads 1 --seed S --compression none --sync SYNC` for "
-             "charlm and `" + " ".join(WORKLOADS["digits"]["args"]) + "` in its place for digits. Bytes: all ranks, "
+             "charlm and `" + " ".join(WORKLOADS["digits"]["args"]) + "` in its place for digits (`--partition iid` for "
+             "digits-iid). Bytes: all ranks, "
              "the whole run's training payload (validation's averages apart). Gap and fewer bytes: against "
              f"`{CONTROL}` (the rule both reduce to at threshold 0), medians over seeds.", ""]
     for w, spec in WORKLOADS.items():

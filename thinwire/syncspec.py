@@ -22,12 +22,13 @@ form                                           what runs (:mod:`thinwire.compres
                                                of the parameters, one synced every H/F steps (each
                                                every H), its average in flight for ``delay`` inner
                                                steps, then mixed: ``lerp(global, local, alpha)``
-``dynamic[:threshold=D,check_every=B,rule=R]``  dynamic averaging (Kamp et al. 2018): local steps; every
+``dynamic[:threshold=D,check_every=B,...]``    dynamic averaging (Kamp et al. 2018): local steps; every
                                                B steps a one-byte vote, and an average only when
                                                some rank drifted ``||x - a|| / ||a|| > D`` (0.05);
                                                ``rule=spread``: when the ranks' spread around their
                                                mean ``sqrt(mean ||x_i - mean x||^2) / ||a|| > D``,
-                                               from a 256-float sketch per rank instead of the vote
+                                               from a 256-float sketch per rank instead of the vote;
+                                               ``by_lr=1``: D times the learning rate over its peak
 ``auto[:trial=N,warmup=W,guard=P]``             ``allreduce`` or ``delayed``, whichever steps faster on
                                                this run: W (10) steps, then each timed for N (20)
                                                steps; delayed only if >= 2% faster; with the profile

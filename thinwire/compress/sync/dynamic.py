@@ -38,8 +38,15 @@ buckets with random signs; linear, so the spread of the sketches is the sketch o
 about 9%), its squared norm and ``||a||^2`` in one fp64 all-reduce (2 KiB) in place of the one-byte
 vote; every rank computes the same value from the same sum, so they decide alike. The sketch's hashes
 cost 2 bytes per parameter. Its thresholds mean less drift than the drift rule's (the spread excludes
-the common motion): ``benchmarks/results/dynamic_rules.md`` compares the two rules on the same two
-workloads.
+the common motion).
+
+``by_lr=1`` scales the threshold by the learning rate over its peak so far (read from the step's
+optimizer, the same on every rank). A step's drift is about the learning rate times the update's size,
+so under a decaying schedule a fixed threshold is crossed more and more rarely and the late, low-rate
+part of a run goes without averages, while the ranks' models still move apart; with ``by_lr`` a
+threshold means a number of peak-rate steps' worth of drift throughout (with Adam's near-constant
+update size, close to a fixed period that shortens where ranks disagree faster).
+``benchmarks/results/dynamic_rules.md`` compares the rules on the same two workloads.
 """
 
 from __future__ import annotations
