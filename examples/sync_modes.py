@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync local:period=8,warmup=20 --codec int8
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync diloco:period=16 --codec int8
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync diloco:period=16,fragments=2 --codec int8
+    torchrun --nproc-per-node 2 examples/sync_modes.py --sync gossip:topology=exp2,overlap=1 --codec int8
+    torchrun --nproc-per-node 2 examples/sync_modes.py --sync dynamic:threshold=0.05 --codec int8
 
 Three lines differ from the usual DDP recipe (marked <-).
 """
@@ -20,7 +22,7 @@ import thinwire
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sync", default="delayed", help="allreduce, delayed, local:period=H, diloco:period=H")
+    ap.add_argument("--sync", default="delayed", help="allreduce, delayed, local:period=H, diloco:period=H, gossip, dynamic")
     ap.add_argument("--codec", default="int8", help="thinwire codec spec, e.g. topk:ratio=0.01")
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
@@ -40,12 +42,12 @@ def main() -> None:
         with mode.no_sync():                                                # <- the mode averages, not DDP
             nn.functional.mse_loss(model(x), x @ w_true).backward()
         mode.step(opt)                                                      # <- instead of opt.step()
-    with torch.no_grad():
+    with mode.consensus(), torch.no_grad():                                 # <- the ranks' average (local, gossip, ...)
         x = torch.randn(256, 32, generator=torch.Generator().manual_seed(99))
         loss = nn.functional.mse_loss(model(x), x @ w_true)
     if rank == 0:
         s = mode.comm.stats()
-        print(f"{args.sync}: held-out loss {loss.item():.4f} on rank 0; {s['bytes_sent'] / 1e6:.2f} MB sent "
+        print(f"{args.sync}: held-out loss {loss.item():.4f} of the ranks' average; {s['bytes_sent'] / 1e6:.2f} MB sent "
               f"({args.codec}); world {world}")
     mode.close()
     dist.barrier()  # leave together: gloo torn down while a peer still talks can abort

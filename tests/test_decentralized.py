@@ -250,8 +250,85 @@ def test_dynamic_never_averages_below_its_threshold_and_always_above_it():
     assert always[0]["sent"] == [0, 1 + 4 * numel] * 3
 
 
+def _spread(rank: int, world: int, same: bool) -> dict:
+    """Ranks move from a common anchor, each its own way (or all the same way): rule=spread's value
+    against the exact spread around the ranks' mean, and rule=drift's own drift."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import thinwire
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(100, 100))
+    sync = thinwire.sync(ddp, "dynamic:rule=spread", codec="none")
+    sync.before_step()   # the anchor: the common start
+    common = torch.Generator().manual_seed(1)
+    mine = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for p in ddp.module.parameters():
+            p.add_(torch.randn(p.shape, generator=common))   # all ranks alike: not a spread
+            if not same:
+                p.add_(0.3 * torch.randn(p.shape, generator=mine))
+    out = {"spread": sync.spread(), "drift": sync.drift(),
+           "x": torch.cat([p.detach().flatten() for p in ddp.module.parameters()]),
+           "a": torch.cat(sync.anchor)}
+    sync.close()
+    return out
+
+
+def test_dynamic_spread_is_the_ranks_spread_around_their_mean():
+    out = run_ranks(_spread, 4, False)
+    xs = torch.stack([o["x"] for o in out]).double()
+    exact = float((xs - xs.mean(0)).pow(2).sum(1).mean().sqrt() / out[0]["a"].double().norm())
+    assert len({o["spread"] for o in out}) == 1   # one value on every rank: one decision
+    assert out[0]["spread"] == pytest.approx(exact, rel=0.2)   # a 256-value sketch of 10,100 values
+    assert out[0]["drift"] > 3 * exact   # the drift rule also counts the ranks' common motion
+    alike = run_ranks(_spread, 4, True)
+    assert alike[0]["spread"] < 1e-6 and alike[0]["drift"] > 1   # moved together: nothing to average
+
+
+def _by_lr(rank: int, world: int) -> dict:
+    """dynamic:threshold=9,by_lr=1: no drift reaches 9 at the peak learning rate; once the rate falls to a
+    billionth, the threshold does too, and the drift made at the peak rate crosses it (one average); the
+    drift made at the small rate is as much smaller as the threshold, and does not."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import thinwire
+    from tests.test_sync import LR, _data, _loss
+
+    ddp = DistributedDataParallel(_net())
+    mode = thinwire.sync(ddp, "dynamic:threshold=9,check_every=2,by_lr=1", codec="none")
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    syncs = []
+    for step in range(8):
+        if step == 4:
+            opt.param_groups[0]["lr"] = LR * 1e-9
+        x, y = _data(step, rank)
+        with mode.no_sync():
+            _loss(ddp, x, y).backward()
+        mode.step(opt)
+        opt.zero_grad(set_to_none=True)
+        syncs.append(mode.syncs)
+    state = mode.state_dict()
+    mode.close()
+    return {"syncs": syncs, "peak": state["lr_peak"]}
+
+
+def test_dynamic_by_lr_scales_the_threshold_by_the_learning_rate():
+    out = run_ranks(_by_lr, 2)
+    from tests.test_sync import LR
+
+    assert out[0]["syncs"] == [0, 0, 0, 0, 0, 1, 1, 1] and out[0]["peak"] == LR   # checks after steps 2, 4, 6, 8
+
+
 def test_dynamic_spec():
     spec = parse_sync_spec("dynamic")
+    assert parse_sync_spec("dynamic:rule=spread").text == "dynamic:threshold=0.05,check_every=4,warmup=0,rule=spread"
+    with pytest.raises(ConfigError, match="sync.rule"):
+        parse_sync_spec("dynamic:rule=norm")
+    assert parse_sync_spec("dynamic:by_lr=1").text == "dynamic:threshold=0.05,check_every=4,warmup=0,by_lr=1"
+    for bad in ("dynamic:by_lr=2", "local:period=4,by_lr=1"):
+        with pytest.raises(ConfigError, match="sync"):
+            parse_sync_spec(bad)
     assert (spec.threshold, spec.check_every, spec.warmup) == (0.05, 4, 0)
     assert parse_sync_spec("dynamic:threshold=0.05,check_every=8").text == "dynamic:threshold=0.05,check_every=8,warmup=0"
     for bad, key in (("dynamic:threshold=0", "threshold"), ("dynamic:threshold=-1", "threshold"),

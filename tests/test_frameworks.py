@@ -98,6 +98,29 @@ def test_lightning_sync_mode_resumes_exactly(tmp_path):
         assert got["stats"]["counts"].get("int8", 0) > 0
 
 
+def test_lightning_validates_the_ranks_average_and_trains_on_untouched(tmp_path):
+    """Local SGD averaging every 4 steps, validation every 3: at step 3 the ranks differ; validation sees
+    their average on both ranks, ModelCheckpoint's save at validation's end holds the average as
+    Lightning's state_dict and each rank's own under "thinwire", and training goes on as without it."""
+    plain, val = tmp_path / "plain", tmp_path / "val"
+    for d in (plain, val):
+        d.mkdir()
+    mode = ["--sync", "local:period=4,warmup=0", "--steps", "7"]
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(plain), *mode)
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(val), *mode, "--val")
+    own = [load(val / f"own_rank{r}_step3.pt") for r in range(2)]
+    assert any(not torch.equal(a, b) for a, b in zip(*own)), "the ranks should differ between averages"
+    mean = [(a + b) / 2 for a, b in zip(*own)]
+    for r in range(2):
+        torch.testing.assert_close(load(val / f"val_rank{r}_step3.pt"), mean, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(load(val / f"end_rank{r}.pt")["params"], load(plain / f"end_rank{r}.pt")["params"],
+                                   rtol=0, atol=0)
+    ckpt = load(next((val / "val_ckpt").glob("*step=3.ckpt")))
+    torch.testing.assert_close(list(ckpt["state_dict"].values()), mean, rtol=1e-6, atol=1e-7)
+    for r in range(2):
+        torch.testing.assert_close(list(ckpt["thinwire"]["ranks"][r]["model"].values()), own[r], rtol=0, atol=0)
+
+
 def test_accelerate_attach_averages_int8_and_save_state_restores_residuals(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()

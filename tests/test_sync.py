@@ -528,7 +528,8 @@ def test_trainer_runs_pytorch_post_local_sgd_and_resumes_mid_period(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["delayed", "local:period=8,warmup=20", "diloco:period=16",
-                                  "diloco:period=16,fragments=2"])
+                                  "diloco:period=16,fragments=2", "gossip:topology=exp2,overlap=1",
+                                  "dynamic:rule=spread"])
 def test_example_script_runs_every_mode(mode):
     """examples/sync_modes.py, as its docstring launches it (torchrun, 2 workers)."""
     import subprocess

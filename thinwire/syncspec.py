@@ -22,9 +22,13 @@ form                                           what runs (:mod:`thinwire.compres
                                                of the parameters, one synced every H/F steps (each
                                                every H), its average in flight for ``delay`` inner
                                                steps, then mixed: ``lerp(global, local, alpha)``
-``dynamic[:threshold=D,check_every=B]``        dynamic averaging (Kamp et al. 2018): local steps; every
+``dynamic[:threshold=D,check_every=B,...]``    dynamic averaging (Kamp et al. 2018): local steps; every
                                                B steps a one-byte vote, and an average only when
-                                               some rank drifted ``||x - a|| / ||a|| > D`` (0.05)
+                                               some rank drifted ``||x - a|| / ||a|| > D`` (0.05);
+                                               ``rule=spread``: when the ranks' spread around their
+                                               mean ``sqrt(mean ||x_i - mean x||^2) / ||a|| > D``,
+                                               from a 256-float sketch per rank instead of the vote;
+                                               ``by_lr=1``: D times the learning rate over its peak
 ``auto[:trial=N,warmup=W,guard=P]``             ``allreduce`` or ``delayed``, whichever steps faster on
                                                this run: W (10) steps, then each timed for N (20)
                                                steps; delayed only if >= 2% faster; with the profile
@@ -68,6 +72,7 @@ from thinwire.errors import ConfigError
 
 MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic", "auto")
 TOPOLOGIES = ("exp2", "ring", "torus", "random")
+DYNAMIC_RULES = ("drift", "spread")
 #: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
 #: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
 #: Not gossip: these are priced with the plan's codec; gossip's topology and codec are the user's (``simulate --sync gossip``).
@@ -81,7 +86,8 @@ _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto"), "overlap": (int, 0)},
-    "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0)},
+    "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0), "rule": (str, "drift"),
+                "by_lr": (int, 0)},
     "auto": {"trial": (int, 20), "warmup": (int, 10), "guard": (Path, "")},
 }
 
@@ -102,6 +108,8 @@ class SyncSpec:
     gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
     overlap: int = 0            # gossip: 1 sends each round during the next step's compute (SGP's overlap)
     threshold: float = 0.05
+    rule: str = ""              # dynamic: "drift" (each rank's from the last average) or "spread" (the ranks')
+    by_lr: int = 0              # dynamic: 1 scales the threshold by the learning rate over its peak so far
     check_every: int = 1
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
     guard: str = ""             # auto: a profile whose convergence guard says whether delayed reaches fp32's loss
@@ -116,6 +124,11 @@ class SyncSpec:
                "Steps each of allreduce and delayed is timed before auto chooses; 20 by default.")
         _check(self.predict in (0, 1), "predict", self.predict, "0 or 1",
                "1 (default) computes each gradient at the predicted weights it is applied to; 0: plain staleness.")
+        _check((self.mode == "dynamic") == (self.rule in DYNAMIC_RULES), "rule", self.rule,
+               "one of " + ", ".join(DYNAMIC_RULES) + " (dynamic only)",
+               "drift tests each rank's distance from the last average; spread the ranks' distance from their mean.")
+        _check(self.by_lr in (0, 1) and (self.by_lr == 0 or self.mode == "dynamic"), "by_lr", self.by_lr,
+               "0 or 1 (dynamic only)", "1 scales the threshold by the learning rate over its peak so far.")
         _check(1 <= self.check_every <= MAX_PERIOD, "check_every", self.check_every, f"an integer in [1, {MAX_PERIOD}]")
         _check((self.mode == "gossip") == (self.topology in TOPOLOGIES), "topology", self.topology,
                "one of " + ", ".join(TOPOLOGIES) + " (gossip only)", "exp2, the one-peer exponential graph, scales best.")
@@ -153,7 +166,8 @@ class SyncSpec:
     @property
     def text(self) -> str:
         keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
-                and (k != "guard" or self.guard) and (k != "predict" or not self.predict) and (k != "overlap" or self.overlap)]
+                and (k != "guard" or self.guard) and (k != "predict" or not self.predict) and (k != "overlap" or self.overlap)
+                and (k != "rule" or self.rule != "drift") and (k != "by_lr" or self.by_lr)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 

@@ -40,6 +40,22 @@ class Module(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.arange(1000), batch_size=1)
 
 
+class Validated(Module):
+    """--val: validates every 3 steps, saving each rank's own parameters before and those validation sees."""
+
+    def on_train_batch_end(self, outputs, batch, i):
+        if self.global_step % 3 == 0:
+            torch.save([p.detach().clone() for p in self.parameters()], f"{self.out}/own_rank{self.global_rank}_step{self.global_step}.pt")
+
+    def validation_step(self, idx, i):
+        torch.save([p.detach().clone() for p in self.parameters()], f"{self.out}/val_rank{self.global_rank}_step{self.global_step}.pt")
+        x, y = common.batch(self.global_rank, 10_000)
+        self.log("val_loss", common.loss_fn(self.net, x, y), sync_dist=True)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.arange(1), batch_size=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--codec", default="int8")
@@ -47,13 +63,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--sync", default="allreduce")
+    ap.add_argument("--val", action="store_true", help="validate every 3 steps; ModelCheckpoint's default saves then")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    module = Module(a.out)
+    module = (Validated if a.val else Module)(a.out)
+    callbacks = [ModelCheckpoint(dirpath=a.out, save_last=True, every_n_train_steps=a.steps)]
+    if a.val:
+        callbacks.append(ModelCheckpoint(dirpath=f"{a.out}/val_ckpt", save_top_k=-1))   # at each validation's end
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ThinwireStrategy(a.codec, sync=a.sync), max_steps=a.steps,
                          use_distributed_sampler=False, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False,
-                         callbacks=[ModelCheckpoint(dirpath=a.out, save_last=True, every_n_train_steps=a.steps)])
+                         enable_model_summary=False, val_check_interval=3 if a.val else None,
+                         limit_val_batches=1 if a.val else None, num_sanity_val_steps=0, callbacks=callbacks)
     trainer.fit(module, ckpt_path=a.resume)
     comm = trainer.strategy.comm
     params = [p.detach().clone() for p in module.parameters()]

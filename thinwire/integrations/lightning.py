@@ -13,9 +13,12 @@ Why a strategy and not ``DDPStrategy(ddp_comm_hook=...)``: Lightning registers a
 only on CUDA (its ``_register_ddp_hooks``), so on CPU (gloo) the hook would be silently ignored; and
 thinwire's hook needs its process group and the wrapped model, which exist only after setup. Every
 rank's state is saved into Lightning's checkpoint (key ``"thinwire"``): the residuals, the sync mode's
-state and, for modes whose ranks diverge between averages (local SGD, DiLoCo), every rank's parameters
-and optimizer state; ``trainer.fit(model, ckpt_path=...)`` restores them. Install with
-``pip install 'thinwire[lightning]'``.
+state and, for modes whose ranks diverge between averages (local SGD, DiLoCo, gossip, dynamic), every
+rank's parameters and optimizer state; ``trainer.fit(model, ckpt_path=...)`` restores them. With such a
+mode, validation evaluates the ranks' average (:meth:`~thinwire.compress.sync.base.SyncMode.consensus`,
+as ``thinwire train`` does), and a checkpoint written during validation (``ModelCheckpoint``'s default,
+at validation's end) holds that average as Lightning's ``state_dict`` and each rank's own parameters
+under ``"thinwire"``, so the resume stays exact. Install with ``pip install 'thinwire[lightning]'``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class ThinwireStrategy(DDPStrategy):
         self.comm = None        # the CommState, once the model is wrapped
         self.mode = None        # the SyncMode, when sync is not allreduce
         self._restored = None   # this rank's state read from a checkpoint before the hook exists
+        self._consensus = None  # during validation with a mode whose ranks diverge: the context, entered
+        self._own: dict = {}    # ... and this rank's own tensors it replaced with the ranks' average
 
     def _register_ddp_hooks(self) -> None:
         # not DDPStrategy's: that one registers hooks on CUDA only
@@ -82,8 +87,22 @@ class ThinwireStrategy(DDPStrategy):
 
         with mode.no_sync():         # DDP's backward must not all-reduce: the mode averages itself
             out = super().optimizer_step(optimizer, forward_backward_then_set_gradients, model, **kwargs)
+        mode.optimizer = optimizer   # what the mode may read (dynamic:by_lr's learning rate)
         mode.after_step()            # e.g. the periodic parameter average
         return out
+
+    # -- validation: the ranks' average -----------------------------------------------------------
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.mode is not None and self.mode.diverges and self._consensus is None:
+            self._consensus = self.mode.consensus()
+            self._own = self._consensus.__enter__()
+
+    def on_validation_end(self) -> None:
+        if self._consensus is not None:
+            consensus, self._consensus, self._own = self._consensus, None, {}
+            consensus.__exit__(None, None, None)
+        super().on_validation_end()
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -93,7 +112,9 @@ class ThinwireStrategy(DDPStrategy):
             if self.mode is not None:
                 mine["sync"] = self.mode.state_dict()  # first: it waits for averages in flight
                 if self.mode.diverges:  # ranks' parameters and optimizer states differ between averages
-                    mine["model"] = self.lightning_module.state_dict()
+                    own = self._own      # inside validation's consensus: the rank's own, not the average
+                    mine["model"] = {k: own.get(id(v), v).detach().clone()
+                                     for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
                     mine["optimizers"] = [o.state_dict() for o in self.optimizers]
             mine["comm"] = self.comm.state_dict()
             checkpoint["thinwire"] = gather_states(mine)

@@ -246,6 +246,7 @@ class Trainer:
             wait = self.clock.exposed_wait(time.perf_counter(), t2)
             skipped = self.prec.runner.step(self.opt, self.ddp.parameters(), self.cfg.grad_clip)
             t3 = time.perf_counter()
+            self.sync.optimizer = self.opt   # what the mode may read (dynamic:by_lr's learning rate)
             self.sync.after_step()  # local, diloco: parameters averaged every H steps (blocking: a wait)
             wait += time.perf_counter() - t3
             self.opt.zero_grad(set_to_none=True)

@@ -109,6 +109,7 @@ class SyncMode:
     def __init__(self, model, comm: CommState, spec=None) -> None:
         self.model, self.comm, self.spec = model, comm, spec
         self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
+        self.optimizer = None     # the step's optimizer (set by :meth:`step`, or by a trainer that steps itself)
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -132,6 +133,7 @@ class SyncMode:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop."""
+        self.optimizer = optimizer
         self.before_step()
         optimizer.step()
         self.after_step()
@@ -149,10 +151,13 @@ class SyncMode:
         averaging evaluates its global model), and under skewed data a rank's own can score far worse.
         The trainer validates and checkpoints it: one exact fp32 all-reduce over the mode's group, its
         bytes counted in ``consensus_bytes``, apart from the training's. Nothing is sent where the ranks
-        hold the same parameters (``diverges`` False) or where there is one rank."""
+        hold the same parameters (``diverges`` False) or where there is one rank.
+
+        Yields ``{id(tensor): this rank's own value}`` for the tensors it replaced (empty where it replaced
+        none): what a checkpoint written inside saves as the rank's own state."""
         wire = self.comm.wire
         if not self.diverges or wire.world == 1:
-            yield
+            yield {}
             return
         self.flush()  # averages in flight (streaming DiLoCo's) land first: one collective at a time on the group
         module = getattr(self.model, "module", self.model)
@@ -166,7 +171,7 @@ class SyncMode:
             with torch.no_grad():
                 for t, avg in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                     t.copy_(avg)
-            yield
+            yield {id(t): mine for t, mine in zip(tensors, own)}
         finally:
             with torch.no_grad():
                 for t, mine in zip(tensors, own):

@@ -28,17 +28,41 @@ averages more; divide one step's relative change (early in training often 1e-3 t
 less) into D for the period the rule gives at that stage; ``syncs`` and ``checks`` (in the mode's
 state and the run's summary) show the rate a run got. Validation and the checkpoint's model are the
 ranks' average (:meth:`~.base.SyncMode.consensus`), as for every mode whose ranks diverge.
+
+``rule=spread`` tests what averaging removes instead: the ranks' spread around their mean,
+``sqrt(mean_i ||x_i - xbar||^2) / ||a|| > D`` (the paper's divergence, which its local conditions
+bound without communication). The drift rule also counts the ranks' common motion, which averaging
+leaves as it is: ranks that learn the same thing from similar data drift far from the last average
+and agree. Every rank sends a count sketch of ``x_i - a`` (256 values, the parameters hashed into
+buckets with random signs; linear, so the spread of the sketches is the sketch of the spread, within
+about 9%), its squared norm and ``||a||^2`` in one fp64 all-reduce (2 KiB) in place of the one-byte
+vote; every rank computes the same value from the same sum, so they decide alike. The sketch's hashes
+cost 2 bytes per parameter. Its thresholds mean less drift than the drift rule's (the spread excludes
+the common motion).
+
+``by_lr=1`` scales the threshold by the learning rate over its peak so far (read from the step's
+optimizer, the same on every rank). A step's drift is about the learning rate times the update's size,
+so under a decaying schedule a fixed threshold is crossed more and more rarely and the late, low-rate
+part of a run goes without averages, while the ranks' models still move apart; with ``by_lr`` a
+threshold means a number of peak-rate steps' worth of drift throughout (with Adam's near-constant
+update size, close to a fixed period that shortens where ranks disagree faster).
+``benchmarks/results/dynamic_rules.md`` compares the rules on the same two workloads.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from thinwire.compress.sync.base import StepParts
 from thinwire.compress.sync.local import LocalSGD
 from thinwire.compress.wire import ring_allreduce_bytes
+from thinwire.errors import ThinwireError
 from thinwire.perf.sync import dynamic_step_s
+
+SKETCH = 256        # rule=spread: values per rank's sketch (2 KiB in fp64)
+CHUNK = 1 << 20     # coordinates sketched at a time
 
 
 class Dynamic(LocalSGD):
@@ -47,6 +71,9 @@ class Dynamic(LocalSGD):
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)
         self.threshold, self.check_every = spec.threshold, spec.check_every
+        self.rule = spec.rule or "drift"
+        self.by_lr, self.lr_peak = bool(spec.by_lr), 0.0
+        self.hashes: list[Tensor] | None = None  # rule=spread: the count sketch's buckets and signs
         self.checks = 0
         self.syncs = 0
 
@@ -66,9 +93,56 @@ class Dynamic(LocalSGD):
         if local <= 0 or local % self.check_every:
             return
         self.checks += 1
-        if self.vote(self.drift() > self.threshold):
+        threshold = self.threshold * self.lr_ratio()
+        apart = self.spread() > threshold if self.rule == "spread" else self.vote(self.drift() > threshold)
+        if apart:
             self.syncs += 1
             self.average()
+
+    def lr_ratio(self) -> float:
+        """``by_lr=1``: the learning rate now over its peak so far (the same on every rank); else 1."""
+        if not self.by_lr:
+            return 1.0
+        if self.optimizer is None:
+            raise ThinwireError("sync dynamic:by_lr=1 follows the learning rate: step with mode.step(optimizer) "
+                                "(or set mode.optimizer) so it can read it.")
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.lr_peak = max(self.lr_peak, lr)
+        return lr / self.lr_peak if self.lr_peak > 0 else 1.0
+
+    def spread(self) -> float:
+        """The ranks' spread around their mean relative to the last average, ``sqrt(mean_i ||x_i - xbar||^2)
+        / ||a||``, the same value on every rank: one all-reduce (a sum) of each rank's sketch of ``x_i - a``
+        (:meth:`sketch`, linear, so the sketches' spread is the sketched spread), its squared norm and
+        ``||a||^2``."""
+        wire = self.comm.wire
+        deltas = [x - a for a, x in zip(self.anchor, self._flat_params())]
+        s = self.sketch(deltas)
+        norm2 = sum(a.double().pow(2).sum() for a in self.anchor)
+        v = torch.cat([s, s.pow(2).sum().view(1), norm2.view(1).to(s.device)])
+        wire.bytes_sent += ring_allreduce_bytes(v.numel() * v.element_size(), wire.world)
+        wire.calls += 1
+        if wire.world > 1:
+            dist.all_reduce(v, group=wire.group)
+        m = wire.world
+        mean = v[:SKETCH] / m
+        spread2 = max(float(v[SKETCH] - m * mean.pow(2).sum()) / m, 0.0)
+        norm2 = float(v[SKETCH + 1]) / m
+        return (spread2 / norm2) ** 0.5 if norm2 > 0 else float("inf")
+
+    def sketch(self, flats: list[Tensor]) -> Tensor:
+        """A count sketch of the flat buckets into ``SKETCH`` values: coordinate j adds ``sign_j x_j`` to
+        bucket ``h_j`` (both from a fixed seed, the same on every rank; kept as one int16 per parameter).
+        Linear, and ``E ||sketch(v)||^2 = ||v||^2`` (relative spread about ``sqrt(2 / SKETCH)``, 9%)."""
+        if self.hashes is None:
+            g = torch.Generator().manual_seed(20180703)   # Kamp et al.'s arXiv date: any fixed seed
+            self.hashes = [torch.randint(0, 2 * SKETCH, (f.numel(),), generator=g, dtype=torch.int16) for f in flats]
+        out = torch.zeros(SKETCH, dtype=torch.float64, device=flats[0].device)
+        for f, h in zip(flats, self.hashes):
+            for lo in range(0, f.numel(), CHUNK):
+                r = h[lo:lo + CHUNK].to(device=f.device, dtype=torch.int64)
+                out.index_add_(0, r >> 1, f[lo:lo + CHUNK].double() * (1 - 2 * (r & 1)))
+        return out
 
     def drift(self) -> float:
         """``||x - a|| / ||a||`` over all parameters."""
@@ -92,8 +166,9 @@ class Dynamic(LocalSGD):
         return {"checks": self.checks, "syncs": self.syncs, "sync_rate": self.syncs / self.checks if self.checks else None}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "checks": self.checks, "syncs": self.syncs}
+        return {**super().state_dict(), "checks": self.checks, "syncs": self.syncs, "lr_peak": self.lr_peak}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.checks, self.syncs = int(sd.get("checks", 0)), int(sd.get("syncs", 0))
+        self.lr_peak = float(sd.get("lr_peak", 0.0))
