@@ -225,8 +225,8 @@ def test_priced_from_the_all_reduce():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec,topology", [("none", "ring"), ("int8", "ring"), ("int8", "exp2"),   # int8: CHOCO's
-                                            ("none", "exp2,overlap=1"), ("int8", "exp2,overlap=1")])   # a round in flight
+@pytest.mark.parametrize("codec,topology", [("none", "ring"), ("int8", "ring"),   # int8: CHOCO's public copies (per
+                                            ("none", "exp2,overlap=1"), ("int8", "exp2,overlap=1")])   # edge on exp2); a round in flight
 def test_resume_is_bit_identical_through_the_trainer(tmp_path, codec, topology):          # public copies too
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", f"gossip:topology={topology}",
               "--eval-every", "5"]
