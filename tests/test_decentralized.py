@@ -211,6 +211,14 @@ def test_compressed_gossip_keeps_the_mean_and_reaches_consensus(codec, spec):
         assert set(out[0]["state"]["public"]) == {"0", "1", "3"}
 
 
+@pytest.mark.parametrize("spec", ["gossip:topology=exp2", "gossip:topology=ring,overlap=1"])
+def test_compressed_gossip_on_one_rank_keeps_its_parameters(spec):
+    out = run_ranks(_consensus, 1, "int8", spec, 3)
+    for k in out[0]["end"]:
+        torch.testing.assert_close(out[0]["end"][k], out[0]["start"][k], rtol=0, atol=0)
+    assert out[0]["sent"] == [0, 0, 0]
+
+
 def test_priced_from_the_all_reduce():
     from thinwire.compress.sync import StepParts, kind
 

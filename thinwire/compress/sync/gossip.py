@@ -158,8 +158,9 @@ class Gossip(SyncMode):
         keys = set()
         for step in range(rounds):
             send_to, recv_from = neighbours(self.topology, wire.rank, wire.world, step)
-            own, heard = self.public_keys(send_to, recv_from)
-            keys |= {own, *heard}
+            if send_to or recv_from:   # one rank alone has no peer
+                own, heard = self.public_keys(send_to, recv_from)
+                keys |= {own, *heard}
         zeros = self.buckets.flatten([None] * len(self.buckets.params))
         self.public = {k: [t.clone() for t in zeros] for k in sorted(keys)}
 
