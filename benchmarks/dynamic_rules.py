@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from decentral import slug  # noqa: E402
 from guard_eval import write_json  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -62,7 +63,7 @@ def command(workload: str, sync: str, seed: int, out: Path) -> list[str]:
 
 
 def run(workload: str, sync: str, seed: int, work: Path) -> dict:
-    out = work / f"{workload}-{sync.replace(':', '_').replace(',', '_').replace('=', '')}-s{seed}"
+    out = work / f"{workload}-{slug(sync)}-s{seed}"
     proc = subprocess.run(command(workload, sync, seed, out), env=ENV, cwd=ROOT, capture_output=True, text=True,
                           timeout=3600)
     if proc.returncode != 0:
