@@ -9,7 +9,11 @@ Three parts, each what a user runs:
 2. **Training speed on CUDA**: charlm at width 512 (the default width is too small to fill a GPU), the
    three precisions interleaved repeat by repeat (``--repeats``, default 3), median step time and its
    ratio to fp32 measured in the same run.
-3. **Codec throughput on CUDA**: every codec at its defaults, compress + decompress of fp32 normal
+3. **Every mode on CUDA**: ``thinwire train`` at world size 1 through NCCL with each sync mode (delayed,
+   local, DiLoCo, gossip, dynamic) and each codec family (bfp, topk, PowerSGD, auto): the run finishes
+   on the GPU, its loss is finite and the codec's counter moved; and ``--nproc`` above the GPU count is
+   refused before anything starts.
+4. **Codec throughput on CUDA**: every codec at its defaults, compress + decompress of fp32 normal
    values (1M and 64M elements; ``torch.cuda.synchronize`` around each timing), GB/s of input,
    compression ratio and relative error, against ``y.copy_(x)`` on the same device.
 
@@ -58,11 +62,12 @@ def environment(device: torch.device) -> dict:
     return info
 
 
-def train(out: Path, precision: str, steps: int, sets: tuple[str, ...] = ()) -> dict:
+def train(out: Path, precision: str, steps: int, sets: tuple[str, ...] = (), compression: str = "int8",
+          sync: str = "allreduce") -> dict:
     """One ``thinwire train`` run as a user starts it; its summary (device, backend, loss, step)."""
     cmd = [sys.executable, "-m", "thinwire", "train", "--nproc", "1", "--workload", "charlm", "--steps", str(steps),
-           "--eval-every", str(steps), "--compression", "int8", "--precision", precision, "--seed", "0",
-           "--out", str(out), *[a for kv in sets for a in ("--set", kv)]]
+           "--eval-every", str(steps), "--compression", compression, "--sync", sync, "--precision", precision,
+           "--seed", "0", "--out", str(out), *[a for kv in sets for a in ("--set", kv)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"gpu_check: `{shlex.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -93,6 +98,36 @@ def speed(tmp: Path, steps: int, repeats: int, width: int) -> list[dict]:
     fp32 = statistics.median(steps_by["fp32"])
     return [{"precision": p, "width": width, "steps": steps, "repeats": repeats, "step_s": v,
              "median_step_s": statistics.median(v), "x_fp32": statistics.median(v) / fp32} for p, v in steps_by.items()]
+
+
+#: (sync, compression) pairs: every sync mode with int8, and every codec family with allreduce
+MODES = (("delayed", "int8"), ("local:period=4", "int8"), ("diloco:period=4", "int8"), ("gossip:topology=exp2", "int8"),
+         ("dynamic", "int8"), ("allreduce", "bfp"), ("allreduce", "topk"), ("allreduce", "powersgd"),
+         ("allreduce", "auto"))
+
+
+def modes(tmp: Path, steps: int) -> list[dict]:
+    """Each sync mode and codec family through ``thinwire train`` on this device: it runs, and its loss is finite."""
+    rows = []
+    for sync, compression in MODES:
+        r = train(tmp / f"mode-{len(rows)}", "fp32", steps, compression=compression, sync=sync)
+        r.update(sync=sync, compression=compression)
+        rows.append(r)
+        print(f"{sync:<22} {compression:<9} on {r['device']} ({r['backend']}): val loss {r['val_loss']:.4f}, "
+              f"median step {r['median_step_s'] * 1e3:.1f} ms, counts {r['counts']}", flush=True)
+    return rows
+
+
+def too_many_workers(tmp: Path) -> dict:
+    """``--nproc`` one above this machine's GPU count: refused before anything starts, or (CPU) it runs."""
+    n = (torch.cuda.device_count() if torch.cuda.is_available() else 1) + 1
+    out = tmp / "too-many"
+    cmd = [sys.executable, "-m", "thinwire", "train", "--nproc", str(n), "--workload", "digits", "--steps", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    row = {"nproc": n, "exit": proc.returncode, "stderr": proc.stderr.strip()[-600:], "folder_left": out.exists()}
+    print(f"--nproc {n}: exit {proc.returncode}: {row['stderr'][-300:]}", flush=True)
+    return row
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -151,6 +186,15 @@ def markdown(command: str, res: dict) -> str:
     for r in sp:
         L.append(f"| {r['precision']} | {r['median_step_s'] * 1e3:.1f} | {r['x_fp32']:.2f} | "
                  + ", ".join(f"{v * 1e3:.1f}" for v in r["step_s"]) + " |")
+    L += ["", f"## Every mode on {env['device']}: charlm, world size 1, fp32, {res['modes'][0]['steps']} steps", "",
+          "| sync | compression | device | backend | val loss | median step (ms) | codec counts |",
+          "|---|---|---|---|---:|---:|---|"]
+    for r in res["modes"]:
+        L.append(f"| {r['sync']} | {r['compression']} | {r['device']} | {r['backend']} | {r['val_loss']:.4f} | "
+                 f"{r['median_step_s'] * 1e3:.1f} | {r['counts']} |")
+    t = res["too_many_workers"]
+    L += ["", f"`--nproc {t['nproc']}` (one more worker than GPUs): exit {t['exit']}, run folder left: "
+          f"{t['folder_left']}."] + (["", "```", t["stderr"], "```"] if t["stderr"] else [])
     L += ["", "## Codecs (compress + decompress of fp32 normal values)", "",
           "| numel | codec | GB/s | x copy | ratio | rel. error |", "|---:|---|---:|---:|---:|---:|"]
     for r in res["codecs"]:
@@ -173,16 +217,25 @@ def main(argv: list[str] | None = None) -> int:
     results = a.results or ROOT / "benchmarks" / "results" / ("gpu_check" if device.type == "cuda" else "gpu_check_cpu")
     name = "gpu_check" if device.type == "cuda" else "gpu_check_cpu"
     repeats = a.repeats or (1 if a.quick else 3)
-    steps, speed_steps = (10, 6) if a.quick else (300, 60)
+    steps, speed_steps, mode_steps = (10, 6, 8) if a.quick else (300, 60, 40)
     sizes = [2**16] if a.quick else [2**20, 2**26]
     command = shlex.join(["python", "benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
     res = {"command": command, "environment": environment(device)}
+    results.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every part: a run cut short still leaves the parts it finished
+        (results / f"{name}.json").write_text(json.dumps(res, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="thinwire-gpu-check-") as tmp:
         res["parity"] = parity(Path(tmp), steps)
+        save()
+        res["modes"] = modes(Path(tmp), mode_steps)
+        res["too_many_workers"] = too_many_workers(Path(tmp))
+        save()
         res["speed"] = speed(Path(tmp), speed_steps, repeats, width=128 if a.quick else 512)
+        save()
     res["codecs"] = codecs(device, sizes, repeats=3 if a.quick else 10)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{name}.json").write_text(json.dumps(res, indent=1))
+    save()
     (results / f"{name}.md").write_text(markdown(command, res))
     print(f"wrote {results / name}.md and .json")
     return 0

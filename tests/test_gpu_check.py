@@ -4,6 +4,7 @@ code a GPU runs, on the CPU and gloo), and it refuses to pass CPU numbers off as
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -33,6 +34,12 @@ def test_cpu_parts_run_and_report_every_part(tmp_path):
     for r in res["parity"]:
         assert r["device"] == "cpu" and r["backend"] == "gloo" and r["counts"].get("int8", 0) > 0
         assert abs(r["loss_vs_fp32"]) < 0.05  # 10 steps: the precisions cannot have drifted apart yet
+    assert [(r["sync"], r["compression"]) for r in res["modes"]] == list(gpu_check.MODES)
+    for r in res["modes"]:
+        assert r["device"] == "cpu" and r["backend"] == "gloo" and math.isfinite(r["val_loss"])
+        if r["sync"] == "allreduce" and r["compression"] != "auto":  # every step sends through the named codec
+            assert r["counts"].get(r["compression"], 0) > 0, r
+    assert res["too_many_workers"]["exit"] == 0  # no CUDA here: gloo on the CPU takes any count
     assert {r["precision"] for r in res["speed"]} == {"fp32", "bf16", "int8"}
     assert next(r for r in res["speed"] if r["precision"] == "fp32")["x_fp32"] == 1.0
     codecs = {r["codec"].split(":")[0] for r in res["codecs"]}

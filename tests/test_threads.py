@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+from thinwire.errors import ConfigError
 from thinwire.train.distenv import HOST_CPUS_ENV, available_cores, cgroup_cpu_quota
 
 CORES = float(len(os.sched_getaffinity(0)))
@@ -66,3 +68,20 @@ def test_set_threads_divides_the_cores_among_local_workers(monkeypatch, cores, w
         assert distenv.set_threads(env, 3) == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_more_workers_than_gpus_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """NCCL runs one worker per GPU: ``--nproc 2`` on a one-GPU host is refused, naming the fix."""
+    from thinwire.cli.main import main
+    from thinwire.train import distenv
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = tmp_path / "run"
+    assert main(["train", "--workload", "digits", "--steps", "2", "--nproc", "2", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "--nproc: must be at most 1, the GPUs this host has" in err and "CUDA_VISIBLE_DEVICES=" in err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE: must be at most 1"):
+        distenv.device_for(distenv.DistEnv(rank=1, world=2, local_rank=1, local_world=2, restart_count=0, launched=True))
+    distenv.check_gpus(1)  # one worker per GPU is fine

@@ -165,6 +165,10 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
         check_core(cfg.offload_core)
     if cfg.tensorboard:
         check_tensorboard()
+    if not cfg.cluster and world is None:  # local workers (an emulated cluster's hosts run on the CPU)
+        from thinwire.train.distenv import check_gpus
+
+        check_gpus(_world_size(cfg))
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     _, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)

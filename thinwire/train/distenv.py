@@ -45,8 +45,25 @@ def read_env() -> DistEnv:
 
 def device_for(env: DistEnv) -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        check_gpus(env.local_world, "LOCAL_WORLD_SIZE")
+        return torch.device("cuda", env.local_rank)
     return torch.device("cpu")
+
+
+def check_gpus(workers: int, field: str = "--nproc") -> None:
+    """NCCL runs one worker per GPU: more workers on a host than it has GPUs cannot start.
+
+    Two NCCL ranks on one GPU fail inside NCCL ("Duplicate GPU detected") or hang; this says so
+    before anything starts. On a machine without CUDA any count is fine (gloo on the CPU)."""
+    if not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if workers > gpus:
+        from thinwire.errors import ConfigError
+
+        raise ConfigError(field, workers, f"at most {gpus}, the GPUs this host has (NCCL runs one worker per GPU)",
+                          f"Pass --nproc {gpus}, or set CUDA_VISIBLE_DEVICES= (empty) to run {workers} workers on the "
+                          "CPU with gloo.")
 
 
 def init(env: DistEnv, device: torch.device, timeout_s: float = 300.0) -> None:
