@@ -63,28 +63,72 @@ def environment(device: torch.device) -> dict:
 
 
 def train(out: Path, precision: str, steps: int, sets: tuple[str, ...] = (), compression: str = "int8",
-          sync: str = "allreduce") -> dict:
+          sync: str = "allreduce", seed: int = 0) -> dict:
     """One ``thinwire train`` run as a user starts it; its summary (device, backend, loss, step)."""
     cmd = [sys.executable, "-m", "thinwire", "train", "--nproc", "1", "--workload", "charlm", "--steps", str(steps),
            "--eval-every", str(steps), "--compression", compression, "--sync", sync, "--precision", precision,
-           "--seed", "0", "--out", str(out), *[a for kv in sets for a in ("--set", kv)]]
+           "--seed", str(seed), "--out", str(out), *[a for kv in sets for a in ("--set", kv)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"gpu_check: `{shlex.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
-    return {"precision": precision, "device": s.get("device"), "backend": s.get("backend"), "steps": s["steps"],
+    return {"precision": precision, "seed": seed, "corpus_sha1": s.get("workload_info", {}).get("corpus_sha1"), "device": s.get("device"), "backend": s.get("backend"), "steps": s["steps"],
             "val_loss": s.get("val_loss"), "median_step_s": s["median_step_time_s"],
             "peak_memory_bytes": s.get("peak_memory_bytes"), "counts": s["compression_stats"].get("counts")}
 
 
-def parity(tmp: Path, steps: int) -> list[dict]:
-    rows = [train(tmp / f"parity-{p}", p, steps) for p in PRECISIONS]
-    ref = rows[0]["val_loss"]
-    for r in rows:
-        r["loss_vs_fp32"] = r["val_loss"] / ref - 1 if ref else None
-        print(f"charlm {r['precision']:>5} on {r['device']} ({r['backend']}): val loss {r['val_loss']:.4f} "
-              f"({r['loss_vs_fp32']:+.2%} vs fp32), median step {r['median_step_s'] * 1e3:.1f} ms", flush=True)
+def parity(tmp: Path, steps: int, seeds: int) -> list[dict]:
+    """Each precision's loss against fp32's of the same seed; the seeds interleaved."""
+    rows = []
+    for seed in range(seeds):
+        runs = [train(tmp / f"parity-{p}-{seed}", p, steps, seed=seed) for p in PRECISIONS]
+        ref = runs[0]["val_loss"]
+        for r in runs:
+            r["loss_vs_fp32"] = r["val_loss"] / ref - 1 if ref else None
+            print(f"charlm {r['precision']:>5} seed {seed} on {r['device']} ({r['backend']}): val loss "
+                  f"{r['val_loss']:.4f} ({r['loss_vs_fp32']:+.2%} vs fp32), median step "
+                  f"{r['median_step_s'] * 1e3:.1f} ms", flush=True)
+        rows += runs
     return rows
+
+
+def int8_against_cpu(device: torch.device) -> dict:
+    """The int8 kernels on ``device`` against the CPU's on the same inputs.
+
+    ``int8_matmul`` is integer arithmetic, so the device must give the CPU's result exactly (shapes
+    that need cuBLASLt's padding, a transposed operand, a contraction longer than one int32 sum
+    holds). One int8 ``Linear`` forward and backward (round-to-nearest, so no dither) differs only
+    by float rounding in the scales and the bias: its largest relative difference is reported."""
+    from thinwire.precision.int8 import Int8ComputeConfig, int8_linear
+    from thinwire.precision.quant import int8_matmul
+
+    g = torch.Generator().manual_seed(0)
+    exact = []
+    for m, k, n, transposed in [(17, 8, 8, False), (5, 100, 30, False), (1000, 512, 2048, True), (33, 140_000, 8, False)]:
+        a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, k) if transposed else (k, n), generator=g, dtype=torch.int8)
+        b = b.t() if transposed else b
+        ref = int8_matmul(a, b).double()
+        got = int8_matmul(a.to(device), b.to(device)).cpu().double()
+        exact.append({"shape": [m, k, n], "transposed": transposed, "equal": bool(torch.equal(ref, got))})
+    x = torch.randn(256, 384, generator=g)
+    w = torch.randn(512, 384, generator=g) * 0.05
+    bias = torch.randn(512, generator=g)
+    gy = torch.randn(256, 512, generator=g)
+    out = {}
+    for scaling in ("pow2", "rowwise"):
+        cfg = Int8ComputeConfig(scaling=scaling, stochastic=False)
+        res = []
+        for dev in (torch.device("cpu"), device):
+            xs, ws = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+            y = int8_linear(xs, ws, bias.to(dev), cfg)
+            y.backward(gy.to(dev))
+            res.append([t.detach().cpu() for t in (y, xs.grad, ws.grad)])
+        out[scaling] = {name: float((c - d).norm() / c.norm()) for name, c, d in zip(("y", "dx", "dw"), *res)}
+    row = {"matmul_exact": exact, "linear_rel_diff": out}
+    print(f"int8 on {device} against the CPU: matmul exact {[e['equal'] for e in exact]}, Linear rel. diff {out}",
+          flush=True)
+    return row
 
 
 def speed(tmp: Path, steps: int, repeats: int, width: int) -> list[dict]:
@@ -174,12 +218,24 @@ def markdown(command: str, res: dict) -> str:
     env = res["environment"]
     L = [f"# The GPU path: NCCL, low precision and codecs on {env['device']}", "",
          f"Command: `{command}`", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
-         f"## charlm, world size 1, `--compression int8`, {res['parity'][0]['steps']} steps, seed 0", "",
-         "| precision | device | backend | val loss | vs fp32 | median step (ms) | peak memory (MiB) |",
-         "|---|---|---|---:|---:|---:|---:|"]
+         f"## charlm, world size 1, `--compression int8`, {res['parity'][0]['steps']} steps, seeds interleaved", "",
+         "The corpus is the running interpreter's standard library (`corpus_sha1` in the JSON), so losses compare "
+         "within one machine, not with another Python's.", "",
+         "| precision | seed | device | backend | val loss | vs fp32 | median step (ms) | peak memory (MiB) |",
+         "|---|---:|---|---|---:|---:|---:|---:|"]
     for r in res["parity"]:
-        L.append(f"| {r['precision']} | {r['device']} | {r['backend']} | {r['val_loss']:.4f} | {r['loss_vs_fp32']:+.2%} | "
+        L.append(f"| {r['precision']} | {r.get('seed', 0)} | {r['device']} | {r['backend']} | {r['val_loss']:.4f} | {r['loss_vs_fp32']:+.2%} | "
                  f"{r['median_step_s'] * 1e3:.1f} | {(r['peak_memory_bytes'] or 0) / 2**20:.0f} |")
+    for prec in PRECISIONS[1:]:
+        gaps = [r["loss_vs_fp32"] for r in res["parity"] if r["precision"] == prec]
+        L.append(f"\n{prec}: median loss vs fp32 {statistics.median(gaps):+.2%} over {len(gaps)} seed(s).")
+    if "int8_against_cpu" in res:
+        ic = res["int8_against_cpu"]
+        L += ["", f"## int8 kernels on {env['device']} against the CPU's, same inputs", "",
+              "| int8_matmul (m, k, n) | transposed operand | equal to the CPU's |", "|---|---|---|"]
+        L += [f"| {tuple(e['shape'])} | {e['transposed']} | {e['equal']} |" for e in ic["matmul_exact"]]
+        L += ["", "| int8 Linear (round to nearest) | y | dx | dW |", "|---|---:|---:|---:|"]
+        L += [f"| {k} | {v['y']:.1e} | {v['dx']:.1e} | {v['dw']:.1e} |" for k, v in ic["linear_rel_diff"].items()]
     sp = res["speed"]
     L += ["", f"## Training speed: charlm width {sp[0]['width']}, {sp[0]['steps']} steps, {sp[0]['repeats']} repeats "
           "interleaved", "", "| precision | median step (ms) | / fp32 | each repeat (ms) |", "|---|---:|---:|---|"]
@@ -208,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run the parts on the CPU (no CUDA here)")
     ap.add_argument("--quick", action="store_true", help="fewer steps, smaller tensors, one repeat")
     ap.add_argument("--repeats", type=int, default=None, help="speed repeats (default 3; 1 with --quick)")
+    ap.add_argument("--seeds", type=int, default=None, help="parity seeds (default 3; 1 with --quick)")
     ap.add_argument("--results", type=Path, default=None, help="folder for gpu_check.{md,json}")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available() and not a.cpu:
@@ -217,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     results = a.results or ROOT / "benchmarks" / "results" / ("gpu_check" if device.type == "cuda" else "gpu_check_cpu")
     name = "gpu_check" if device.type == "cuda" else "gpu_check_cpu"
     repeats = a.repeats or (1 if a.quick else 3)
+    seeds = a.seeds or (1 if a.quick else 3)
     steps, speed_steps, mode_steps = (10, 6, 8) if a.quick else (300, 60, 40)
     sizes = [2**16] if a.quick else [2**20, 2**26]
     command = shlex.join(["python", "benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
@@ -227,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         (results / f"{name}.json").write_text(json.dumps(res, indent=1))
 
     with tempfile.TemporaryDirectory(prefix="thinwire-gpu-check-") as tmp:
-        res["parity"] = parity(Path(tmp), steps)
+        res["int8_against_cpu"] = int8_against_cpu(device)
+        save()
+        res["parity"] = parity(Path(tmp), steps, seeds)
         save()
         res["modes"] = modes(Path(tmp), mode_steps)
         res["too_many_workers"] = too_many_workers(Path(tmp))

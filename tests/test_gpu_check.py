@@ -34,6 +34,8 @@ def test_cpu_parts_run_and_report_every_part(tmp_path):
     for r in res["parity"]:
         assert r["device"] == "cpu" and r["backend"] == "gloo" and r["counts"].get("int8", 0) > 0
         assert abs(r["loss_vs_fp32"]) < 0.05  # 10 steps: the precisions cannot have drifted apart yet
+    ic = res["int8_against_cpu"]
+    assert all(e["equal"] for e in ic["matmul_exact"]) and set(ic["linear_rel_diff"]) == {"pow2", "rowwise"}
     assert [(r["sync"], r["compression"]) for r in res["modes"]] == list(gpu_check.MODES)
     for r in res["modes"]:
         assert r["device"] == "cpu" and r["backend"] == "gloo" and math.isfinite(r["val_loss"])
