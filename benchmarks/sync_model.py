@@ -56,17 +56,19 @@ def model_args() -> list[str]:
     return ["--workload", "charlm", *(a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}"))]
 
 
-def measure(spec: Path, mode: str, steps: int, out: Path) -> dict:
-    _run(["train", *model_args(), "--cluster", str(spec), "--compression", CODEC, "--sync", mode,
+def measure(spec: Path, args: list[str], steps: int, out: Path) -> dict:
+    """``thinwire train --cluster SPEC ARGS``: its mean and median step after ``SKIP`` steps."""
+    _run(["train", *model_args(), "--cluster", str(spec), *args,
           "--steps", str(steps), "--batch-size", str(BATCH), "--threads", "1", "--eval-every", str(steps),
           "--set", "eval_batches=2", "--checkpoint-every", str(steps), "--out", str(out)])
     times = [r["step_time_s"] for r in read_metrics(out) if "step_time_s" in r and r["step"] > SKIP]
     return {"mean_s": statistics.fmean(times), "median_s": statistics.median(times), "steps": len(times)}
 
 
-def predict(spec: Path, profile: Path, mode: str) -> dict:
-    out = _run(["simulate", *model_args(), "--cluster", str(spec), "--profile", str(profile), "--compression",
-                CODEC, "--sync", mode, "--batch-size", str(BATCH), "--threads", "1", "--json",
+def predict(spec: Path, profile: Path, args: list[str]) -> dict:
+    """``thinwire simulate --cluster SPEC ARGS`` from ``profile``, priced as an emulated cluster (hosts share the cores)."""
+    out = _run(["simulate", *model_args(), "--cluster", str(spec), "--profile", str(profile), *args,
+                "--batch-size", str(BATCH), "--threads", "1", "--json",
                 "--colocated", str(os.cpu_count() or 2)]).stdout
     point = json.loads(out[out.index("{"):])["points"][-1]
     return {"predicted_s": point["sync_step_s"], "allreduce_predicted_s": point["step_s"]}
@@ -98,11 +100,13 @@ def main() -> int:
             print("profiling ...", flush=True)
             _run(["profile", *model_args(), "--batch-sizes", str(BATCH // HOSTS), "--threads", "1", "--codecs", CODEC,
                   "--cluster", str(spec), "--out", str(profile)])
-            rows = {m: {"mode": m, **predict(spec, profile, m), "runs": []} for m in modes}
+            rows = {m: {"mode": m, **predict(spec, profile, ["--compression", CODEC, "--sync", m]), "runs": []}
+                    for m in modes}
             for rep in range(args.reps):
                 for m in modes[rep % len(modes):] + modes[: rep % len(modes)]:
                     print(f"[rep {rep}] {m} ...", flush=True)
-                    rows[m]["runs"].append(measure(spec, m, args.steps, work / f"{m.replace(':', '_')}-{rep}"))
+                    rows[m]["runs"].append(measure(spec, ["--compression", CODEC, "--sync", m], args.steps,
+                                                   work / f"{m.replace(':', '_')}-{rep}"))
                     print(f"    mean {rows[m]['runs'][-1]['mean_s'] * 1e3:.0f} ms, predicted "
                           f"{rows[m]['predicted_s'] * 1e3:.0f} ms", flush=True)
         finally:

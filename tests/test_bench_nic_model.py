@@ -1,0 +1,44 @@
+"""benchmarks/nic_model.py's arithmetic: the cases it prices, the ratios, speed-ups and the report."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import nic_model  # noqa: E402
+
+
+def _row(case: dict, predicted: float, means: list[float]) -> dict:
+    return {**case, "predicted_s": predicted, "runs": [{"mean_s": m, "median_s": m * 0.9} for m in means]}
+
+
+def test_cases_pair_every_offload_run_with_the_spec_it_is_priced_on():
+    cs = nic_model.cases(["int8", "bfp"])
+    assert [c["label"] for c in cs if c["group"] == "switch"] == ["int8, ring", "int8, switch"]
+    inline = [c for c in cs if c["label"].endswith("inline")]
+    assert len(inline) == 2 and all(c["run_on"] == "engine" and c["priced_on"] == "engine-off"
+                                    and c["train"][-2:] == ["--set", "offload=off"] for c in inline)
+    assert "nic:" in nic_model.SPECS["engine"][0] and "nic:" not in nic_model.SPECS["engine-off"][0]
+    assert "switch:" in nic_model.SPECS["switch"][0]
+    for c in cs:  # simulate never gets train-only flags
+        assert "offload=off" not in c["simulate"]
+
+
+def test_summary_ratios_and_speedups():
+    cs = {c["label"]: c for c in nic_model.cases(["int8"])}
+    rows = [_row(cs["int8, ring"], 0.26, [0.25, 0.27, 0.20]), _row(cs["int8, switch"], 0.24, [0.20]),
+            _row(cs["int8, 0.3 core + engine 0.15, offloaded"], 0.18, [0.20]),
+            _row(cs["int8, 0.3 core + engine 0.15, inline"], 0.20, [0.20]),
+            _row(cs["int8, 0.45 core, no engine"], 0.10, [0.14])]
+    s = nic_model.summarize(rows, ["int8"])
+    assert rows[0]["measured_mean_s"] == 0.25 and abs(rows[0]["ratio"] - 1.04) < 1e-9
+    assert s["within_15"] == {"switch": (1, 2), "offload": (2, 3)}  # 0.24/0.20 = 1.2 and 0.10/0.14 are out
+    assert abs(s["median_abs_error"]["offload"] - 0.1) < 1e-9
+    pa, pb, ma, mb = s["speedups"]["switch over ring"]
+    assert (pa, pb, ma, mb) == (0.26, 0.24, 0.25, 0.20)
+    assert s["speedups"]["int8 offloaded over inline"] == (0.20, 0.18, 0.20, 0.20)
+    result = {"command": "x", "started": "a", "ended": "b", "steps": 10, "reps": 1, "rows": rows, **s,
+              "elapsed_s": 60.0, "load_average_at_end": (1.0, 1.0, 1.0)}
+    md = nic_model.markdown(result)
+    assert "| switch: int8, ring | 260.0 | 250.0 |" in md and "predicted speed-up 1.08x, measured 1.25x" in md
