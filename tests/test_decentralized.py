@@ -345,6 +345,16 @@ def test_dynamic_spec():
             parse_sync_spec(bad)
 
 
+def test_dynamic_prices_its_checks_bytes():
+    """At most an average per check, plus the check's all-reduce: a byte's vote or the spread rule's 2 KiB sketch."""
+    from thinwire.compress.sync import kind
+    from thinwire.compress.sync.dynamic import SKETCH
+
+    drift, spread = parse_sync_spec("dynamic:check_every=4"), parse_sync_spec("dynamic:check_every=4,rule=spread")
+    assert kind(drift).bytes_per_step(drift, 1000, hosts=4) == pytest.approx((1000 + 1.5) / 4)
+    assert kind(spread).bytes_per_step(spread, 1000, hosts=4) == pytest.approx((1000 + 1.5 * (SKETCH + 2) * 8) / 4)
+
+
 @pytest.mark.slow
 def test_dynamic_resume_is_bit_identical_and_reports_its_rate(tmp_path):
     import json

@@ -85,7 +85,10 @@ class Dynamic(LocalSGD):
 
     @classmethod
     def bytes_per_step(cls, spec, bytes_per_average: int, hosts: int = 2) -> float:
-        return bytes_per_average / spec.check_every  # at most: an average at every check
+        """At most: an average at every check, plus the check's own all-reduce (a ring's 2 (p-1)/p of
+        its payload: the one-byte vote, or ``rule=spread``'s fp64 sketch and two norms, 2 KiB)."""
+        check = ((SKETCH + 2) * 8 if (spec.rule or "drift") == "spread" else 1) * 2 * (hosts - 1) / max(hosts, 1)
+        return (bytes_per_average + check) / spec.check_every
 
     def after_step(self) -> None:
         self.steps += 1
