@@ -159,6 +159,27 @@ def test_the_model_prices_the_switch_as_the_hook_sends_it():
     assert coll.SWITCH_CHUNK_BYTES == switch.CHUNK_BYTES
 
 
+def test_a_slow_aggregator_is_priced_by_its_cores():
+    """With ``switch: {cpu: C}`` the bucket lasts the longer of the wire and the aggregator's work at C
+    cores: p hosts' bytes through the transport, p payloads added, the sum re-encoded with feedback."""
+    import dataclasses
+
+    from thinwire.perf.model import LinearCost, Network, aggregator_s, bucket_cost
+    from thinwire.sim.inputs import codec_model
+
+    n, p = 1_000_000, 4
+    per = LinearCost(per_byte_s=1e-9)  # each kernel 1 ns per fp32 byte
+    cm = dataclasses.replace(codec_model("int8", None, switch=True), add=per, decode=per, feedback=per, encode=per)
+    fast = Network(alpha_s=1e-4, beta_s_per_byte=8 / 1e9, cpu_s_per_byte=2e-9)
+    size = switch.bytes_up(n)
+    assert aggregator_s(cm, n, size, p, fast) == 0.0  # no cap given: it keeps up
+    slow = dataclasses.replace(fast, switch_speed=0.25)
+    work = (p + 2 + 1 + 1) * 4 * n * 1e-9 + p * size * 2e-9
+    assert aggregator_s(cm, n, size, p, slow) == pytest.approx(work / 0.25)
+    assert bucket_cost(cm, 0, n, p, slow).comm_s == pytest.approx(work / 0.25)   # slower than the 1 Gbit/s wire
+    assert bucket_cost(cm, 0, n, p, fast).comm_s < work / 0.25 / 4
+
+
 def test_simulate_takes_the_switch_for_int8_only():
     from thinwire.errors import ConfigError
     from thinwire.sim.sweep import SimOptions

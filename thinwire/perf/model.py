@@ -121,6 +121,7 @@ class Network:
     beta_s_per_byte: float
     cpu_s_per_byte: float = 0.0
     busy_hop_s: float = 0.0  # a ring hop's wait for a CPU quota while the host computes (timeline docstring)
+    switch_speed: float | None = None  # the switch's aggregator's speed (its cores, one thread); None: it keeps up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +179,23 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     wire = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
     cpu = t.bytes_sent * network.cpu_s_per_byte / codec_speed if p > 1 else 0.0
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
-    return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu), before / codec_speed, after / codec_speed,
+    aggregator = sum(aggregator_s(codec, numel, size, p, network) for kind, size in ops if kind == "switch") if p > 1 else 0.0
+    return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu, aggregator), before / codec_speed, after / codec_speed,
                       t.residual_values, cpu, sum(ring_hops(kind, p) for kind, _ in ops) if p > 1 else 0)
+
+
+def aggregator_s(codec: CodecModel, numel: int, size: int, p: int, network: Network) -> float:
+    """The switch's aggregator's seconds for one bucket of ``numel`` values that each of ``p`` hosts sends
+    as ``size`` bytes (:func:`thinwire.compress.switch.serve`): the transport's CPU for ``p`` hosts' bytes
+    in and the sum's out, ``p`` int8 payloads added, the sum re-encoded with error feedback (decode, the
+    residual added, encode, decode for the new residual), all on the aggregator's one thread at
+    ``network.switch_speed``. Chunk by chunk it overlaps the wire, so the bucket takes the longer of the
+    two. 0 where the aggregator is taken to keep up (``switch_speed`` None)."""
+    if network.switch_speed is None:
+        return 0.0
+    nb = 4 * numel
+    work = codec.work_s((("add", nb, p), ("decode", nb, 2), ("feedback", nb, 1), ("encode", nb, 1)))
+    return (p * size * network.cpu_s_per_byte + work) / network.switch_speed
 
 
 def ring_hops(kind: str, p: int) -> int:

@@ -129,8 +129,10 @@ def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile, bus
     latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
     if busy_hop_s is None:
         busy_hop_s = (net.busy_hop_s or 0.0) if net else 0.0
+    # the switch's aggregator (spec ``switch:``) runs one thread on its own cores; no cap: one core
+    switch_speed = min(1.0, spec.switch.cpu or 1.0) if spec.switch is not None else None
     return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency),
-                   cpu_s_per_byte=profile.collective_cpu_s_per_byte, busy_hop_s=busy_hop_s)
+                   cpu_s_per_byte=profile.collective_cpu_s_per_byte, busy_hop_s=busy_hop_s, switch_speed=switch_speed)
 
 
 def compute_at(profile: Profile, batch: float) -> Compute:
