@@ -205,3 +205,17 @@ def test_switch_bench_builds_a_valid_spec_and_prices_the_wire(tmp_path):
     assert len(spec.hosts) == 8 and spec.switch.cpu == 0.5 and spec.hosts[0].cpu is None
     ring, sw = (switch_bench.wire_s(8 << 20, 8, 1e8, s) for s in (False, True))
     assert ring / sw == pytest.approx(1.75, rel=0.02)  # 2(p-1)/p of the payload against once
+
+
+def test_switch_cpu_bench_reports_the_aggregators_cost(capsys):
+    import sys
+
+    from tests.test_cli import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import switch_cpu
+
+    assert switch_cpu.main(["--numel", "5000", "--trainers", "2", "--calls", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "aggregator:" in out and "ms CPU per bucket" in out and "0.25-core quota" in out
+    assert switch_cpu.tensor_work_s(5000, 2, reps=2) > 0
