@@ -41,14 +41,21 @@ from thinwire.cluster.spec import load_cluster_spec  # noqa: E402
 
 HOSTS = 4
 SWITCH_CPU = 0.25
-#: spec name -> (YAML, the spec whose links its profile probes); every spec has its own subnet
-SPECS = {
-    "switch": (f"""name: nicm-switch
+
+
+def switch_spec(cpu: float | None) -> str:
+    """4 hosts x 100 Mbit/s, the cores split evenly, an aggregator of ``cpu`` cores (None: no cap) on the switch."""
+    return f"""name: nicm-switch
 subnet: 10.239.0.0/24
 defaults: {{bandwidth: 100mbit, cpu: {round((os.cpu_count() or 2) / HOSTS, 3)}}}
-switch: {{cpu: {SWITCH_CPU}}}
+switch: {{cpu: {'null' if cpu is None else cpu}}}
 hosts: [{{name: h0}}, {{name: h1}}, {{name: h2}}, {{name: h3}}]
-""", "switch"),
+"""
+
+
+#: spec name -> (YAML, the spec whose links its profile probes); every spec has its own subnet
+SPECS = {
+    "switch": (switch_spec(SWITCH_CPU), "switch"),
     "engine": ("""name: nicm-engine
 subnet: 10.240.0.0/24
 defaults: {bandwidth: 1gbit, cpu: 0.3, nic: {cpu: 0.15}}
@@ -117,7 +124,7 @@ def markdown(result: dict) -> str:
          f"after step {SKIP} measured. Prediction: `thinwire simulate` from a `thinwire profile` taken in the same "
          "run (one per link rate, the cluster's links probed), priced as an emulated cluster (hosts share this "
          "machine's cores). Switch cases: 4 hosts x 100 Mbit/s, the cores split evenly, an aggregator of "
-         f"{SWITCH_CPU} core. Offload cases: 4 hosts x 1 Gbit/s; inline is priced as the same hosts without an "
+         f"{result.get('switch_cpu', SWITCH_CPU)} core. Offload cases: 4 hosts x 1 Gbit/s; inline is priced as the same hosts without an "
          "engine (what `--set offload=off` leaves them).\n",
          "| case | predicted (ms) | measured mean (ms) | measured median (ms) | each run's mean (ms) | "
          "predicted / measured |", "|---|---:|---:|---:|---|---:|"]
@@ -145,6 +152,7 @@ def main() -> int:
     ap.add_argument("--cases", default="switch,offload", help="groups to run: switch, offload or both")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--name", default="nic_model")
+    ap.add_argument("--switch-cpu", type=float, default=SWITCH_CPU, help="the aggregator's cores (0: no cap)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("nic_model.py needs root for the emulated cluster (network namespaces, tc, cgroups).")
@@ -152,6 +160,7 @@ def main() -> int:
     groups = set(args.cases.split(","))
     if not groups <= {"switch", "offload"}:
         ap.error(f"--cases must name switch and/or offload, got {args.cases!r}")
+    SPECS["switch"] = (switch_spec(args.switch_cpu or None), "switch")
     todo = [c for c in cases(args.codecs.split(",")) if c["group"] in groups]
     codecs = sorted({a for c in todo for a in c["train"][1:2]})
     t0, started = time.time(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -189,7 +198,7 @@ def main() -> int:
     summary = summarize(rows, args.codecs.split(","))
     result = {"command": "sudo .venv/bin/python benchmarks/nic_model.py " + " ".join(sys.argv[1:]),
               "started": started, "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "steps": args.steps, "reps": args.reps, "model": MODEL, "batch": BATCH, "skip": SKIP, "rows": rows,
+              "switch_cpu": args.switch_cpu or None, "steps": args.steps, "reps": args.reps, "model": MODEL, "batch": BATCH, "skip": SKIP, "rows": rows,
               **summary, "elapsed_s": time.time() - t0, "load_average_at_end": os.getloadavg()}
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
