@@ -552,7 +552,7 @@ def plots(results: dict, folder: Path, stem: str) -> list[Path]:
 
 
 def main() -> int:
-    global EVALS, LR, EMULATE_SEEDS, SWITCH
+    global EVALS, LR, EMULATE_SEEDS, SWITCH, SWITCH_CPU
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 clusters, 4 contenders, 40 steps (~5 min)")
     ap.add_argument("--steps", type=int)
@@ -569,6 +569,8 @@ def main() -> int:
     ap.add_argument("--targets-from", help="an earlier results JSON: clusters without DDP fp32 of their own take "
                     "its targets (DDP fp32 at the floor rate, per seed) and its floor; for contenders given another "
                     "--steps than the target's run (time to the same loss)")
+    ap.add_argument("--switch-cpu", type=float, default=SWITCH_CPU, help="cores of the switch's aggregator for a "
+                    f"CODEC+switch contender (default {SWITCH_CPU})")
     ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
                     "emulated cluster; the others give loss curves (see local_curve); default 0,1,2")
     args = ap.parse_args()
@@ -585,12 +587,13 @@ def main() -> int:
     if args.lr is not None and not args.lr > 0:
         ap.error(f"--lr must be a learning rate > 0, got {args.lr}")
     EVALS, LR, EMULATE_SEEDS = args.evals, args.lr, args.emulate_seeds
-    SWITCH = any(c.endswith("+switch") for c in contenders)
+    SWITCH, SWITCH_CPU = any(c.endswith("+switch") for c in contenders), args.switch_cpu
     if SWITCH and not args.emulate_seeds:
         ap.error("a CODEC+switch contender needs --emulate-seeds (its seeds cannot run on local workers)")
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
-               "steps": steps, "evals": args.evals, "lr": args.lr, "emulate_seeds": args.emulate_seeds, "batch": args.batch, "model": MODEL, "clusters": []}
+               "steps": steps, "evals": args.evals, "lr": args.lr, "emulate_seeds": args.emulate_seeds, "batch": args.batch,
+               "switch_cpu": SWITCH_CPU if SWITCH else None, "model": MODEL, "clusters": []}
     seeds = [int(x) for x in args.seeds.split(",")]
     if seeds[0] != 0:
         ap.error("--seeds must start with 0 (the seed every contender runs on the emulated cluster)")
