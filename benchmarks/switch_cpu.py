@@ -4,8 +4,8 @@
 each trainer sends ``--calls`` buckets of ``--numel`` values through :class:`thinwire.compress.switch.SwitchPort`.
 Reported per bucket: the aggregator's process CPU time over the whole exchange (its Python loop, the
 sum and re-encode, and gloo's threads sending and receiving), its wall time, each trainer's CPU, and
-the aggregator's tensor work alone (the same chunked sum and re-encode as :func:`switch.serve`, timed
-in one process without any transport). Divide the aggregator's CPU by a quota to see how long a capped
+the aggregator's tensor work alone (:func:`switch.reduce_chunk` chunk by chunk as :func:`switch.serve` calls it,
+timed in one process without any transport). Divide the aggregator's CPU by a quota to see how long a capped
 aggregator (spec ``switch: {cpu: C}``) needs per bucket.
 
     .venv/bin/python benchmarks/switch_cpu.py                      # charlm's bucket, 4 trainers
@@ -55,18 +55,11 @@ def tensor_work_s(numel: int, trainers: int, reps: int = 30, block: int = switch
     bufs = [torch.randint(-127, 128, (b * block,), dtype=torch.int8, generator=g) for _ in range(trainers)]
     scale, residual = torch.rand(b, generator=g) * 0.01, torch.zeros(b * block)
 
-    def once() -> None:
+    def once() -> None:  # serve()'s loop without the transport
         first = 0
         for c in switch._chunks(b, block):
             span = slice(first * block, (first + c) * block)
-            total = torch.zeros(c * block, dtype=torch.int32)
-            for buf in bufs:
-                total += buf[span]
-            corrected = (total.view(c, block).to(torch.float32) * scale[first : first + c].unsqueeze(1)).view(-1)
-            corrected += residual[span]
-            q2, scale2 = switch._encode(corrected, block)
-            residual[span] = corrected - switch._decode(q2, scale2, corrected.numel())
-            torch.cat([q2.view(-1).view(torch.uint8), scale2.view(torch.uint8)])
+            switch.reduce_chunk([buf[span] for buf in bufs], scale[first : first + c], residual[span], block)
             first += c
 
     once()

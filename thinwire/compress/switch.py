@@ -165,21 +165,30 @@ def serve(group, trainers: list[int]) -> int:
                  for j, c in enumerate(sizes)]
         sends, first = [], 0
         for j, (c, arriving) in enumerate(zip(sizes, recvs)):  # chunk by chunk: chunk j+1 arrives meanwhile
-            total = torch.zeros(c * block, dtype=torch.int32)
-            for buf, work in arriving:
+            for _, work in arriving:
                 work.wait()
-                total += buf  # exact: every trainer used the agreed scales
-            rows = slice(first, first + c)
-            corrected = (total.view(c, block).to(torch.float32) * scale[rows].unsqueeze(1)).view(-1)
-            corrected += residual[first * block : (first + c) * block]
-            q2, scale2 = _encode(corrected, block)
-            residual[first * block : (first + c) * block] = corrected - _decode(q2, scale2, corrected.numel())
-            out = torch.cat([q2.view(-1).view(torch.uint8), scale2.view(torch.uint8)])
+            out = reduce_chunk([buf for buf, _ in arriving], scale[first : first + c],
+                               residual[first * block : (first + c) * block], block)
             sends += [group.send([out], t, j) for t in trainers]
             first += c
         for w in sends:
             w.wait()
         served += 1
+
+
+def reduce_chunk(bufs: list[Tensor], scale: Tensor, residual: Tensor, block: int) -> Tensor:
+    """The aggregator's work on one chunk: the trainers' int8 values ``bufs`` (``len(scale)`` blocks each)
+    summed exactly in int32 (every trainer used the agreed ``scale``), the aggregator's ``residual`` added,
+    re-encoded as int8 with fresh block scales; ``residual`` (a view of the bucket's) becomes what that
+    encoding left out. Returns the bytes sent back to every trainer: the int8 values, then the scales."""
+    total = torch.zeros(scale.numel() * block, dtype=torch.int32)
+    for buf in bufs:
+        total += buf
+    corrected = (total.view(-1, block).to(torch.float32) * scale.unsqueeze(1)).view(-1)
+    corrected += residual
+    q2, scale2 = _encode(corrected, block)
+    residual.copy_(corrected - _decode(q2, scale2, corrected.numel()))
+    return torch.cat([q2.view(-1).view(torch.uint8), scale2.view(torch.uint8)])
 
 
 def _chunks(blocks: int, block: int) -> list[int]:
