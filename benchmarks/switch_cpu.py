@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from tests.distributed import run_ranks  # noqa: E402
 from thinwire.compress import switch  # noqa: E402
 from thinwire.compress.codecs.common import n_blocks  # noqa: E402
+from thinwire.measure.codec_costs import median_s  # noqa: E402
 
 
 def _exchange(rank: int, world: int, numel: int, calls: int) -> dict:
@@ -62,13 +63,7 @@ def tensor_work_s(numel: int, trainers: int, reps: int = 30, block: int = switch
             switch.reduce_chunk([buf[span] for buf in bufs], scale[first : first + c], residual[span], block)
             first += c
 
-    once()
-    times = []
-    for _ in range(reps):
-        c0 = time.process_time()
-        once()
-        times.append(time.process_time() - c0)
-    return statistics.median(times)
+    return median_s(once, reps)
 
 
 def main(argv: list[str] | None = None) -> int:
