@@ -84,7 +84,8 @@ def switch_s(nbytes: float, p: int, *, alpha: float, beta: float) -> float:
     """Through the aggregator on the switch (:mod:`thinwire.compress.switch`), ``nbytes`` sent by each
     rank: 4 messages' latency, the payload up and the re-encoded sum down chunk by chunk, both directions
     of the host's link busy at once (the way down lags one chunk): ``4 alpha + (n + min(n, chunk)) beta``.
-    The aggregator's port is taken to carry ``p`` hosts' traffic at their rate, and its CPU to keep up."""
+    The aggregator's port is taken to carry ``p`` hosts' traffic at their rate; its CPU is priced apart
+    (:func:`thinwire.perf.model.aggregator_s`), and the bucket takes the longer of the two."""
     _check(nbytes, p)
     return 0.0 if p == 1 else SWITCH_MESSAGES * alpha + (nbytes + min(nbytes, SWITCH_CHUNK_BYTES)) * beta
 
