@@ -12,7 +12,7 @@ Three parts, each what a user runs:
 3. **Every mode on CUDA**: ``thinwire train`` at world size 1 through NCCL with each sync mode (delayed,
    local, DiLoCo, gossip, dynamic) and each codec family (bfp, topk, PowerSGD, auto): the run finishes
    on the GPU, its loss is finite and the codec's counter moved; and ``--nproc`` above the GPU count is
-   refused before anything starts.
+   refused before anything starts. `--quick` runs three of the modes.
 4. **Codec throughput on CUDA**: every codec at its defaults, compress + decompress of fp32 normal
    values (1M and 64M elements; ``torch.cuda.synchronize`` around each timing), GB/s of input,
    compression ratio and relative error, against ``y.copy_(x)`` on the same device.
@@ -148,12 +148,13 @@ def speed(tmp: Path, steps: int, repeats: int, width: int) -> list[dict]:
 MODES = (("delayed", "int8"), ("local:period=4", "int8"), ("diloco:period=4", "int8"), ("gossip:topology=exp2", "int8"),
          ("dynamic", "int8"), ("allreduce", "bfp"), ("allreduce", "topk"), ("allreduce", "powersgd"),
          ("allreduce", "auto"))
+QUICK_MODES = (("delayed", "int8"), ("gossip:topology=exp2", "int8"), ("allreduce", "powersgd"))  # --quick (the tests)
 
 
-def modes(tmp: Path, steps: int) -> list[dict]:
+def modes(tmp: Path, steps: int, which=MODES) -> list[dict]:
     """Each sync mode and codec family through ``thinwire train`` on this device: it runs, and its loss is finite."""
     rows = []
-    for sync, compression in MODES:
+    for sync, compression in which:
         r = train(tmp / f"mode-{len(rows)}", "fp32", steps, compression=compression, sync=sync)
         r.update(sync=sync, compression=compression)
         rows.append(r)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         res["parity"] = parity(Path(tmp), steps, seeds)
         save()
-        res["modes"] = modes(Path(tmp), mode_steps)
+        res["modes"] = modes(Path(tmp), mode_steps, QUICK_MODES if a.quick else MODES)
         res["too_many_workers"] = too_many_workers(Path(tmp))
         save()
         res["speed"] = speed(Path(tmp), speed_steps, repeats, width=128 if a.quick else 512)
