@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sync_model import BATCH, MODEL, SKIP, _run, measure, model_args, predict  # noqa: E402
+from sync_model import BATCH, MODEL, SKIP, measure, model_args, predict, run_thinwire  # noqa: E402
 from thinwire.cluster.emulator import EmulatedCluster  # noqa: E402
 from thinwire.cluster.spec import load_cluster_spec  # noqa: E402
 
@@ -179,7 +179,7 @@ def main() -> int:
             for name in sorted({SPECS[c["priced_on"]][1] for c in todo}):
                 print(f"profiling on {name} ...", flush=True)
                 profiles[name] = work / f"profile-{name}.yaml"
-                _run(["profile", *model_args(), "--batch-sizes", str(BATCH // HOSTS), "--threads", "1", "--codecs",
+                run_thinwire(["profile", *model_args(), "--batch-sizes", str(BATCH // HOSTS), "--threads", "1", "--codecs",
                       ",".join(codecs), "--cluster", str(specs[name]), "--out", str(profiles[name])])
             rows = []
             for c in todo:

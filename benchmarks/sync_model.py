@@ -44,7 +44,8 @@ MODES = ["allreduce", "delayed", "local:period=16,warmup=0", "diloco:period=16",
 CODEC, BATCH, HOSTS, SKIP = "int8", 32, 4, 20
 
 
-def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
+def run_thinwire(args: list[str], **kw) -> subprocess.CompletedProcess:
+    """``python -m thinwire ARGS`` from this checkout; its output, or exit naming the command and its error."""
     proc = subprocess.run([sys.executable, "-m", "thinwire", *args], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=1800, **kw)
     if proc.returncode != 0:
@@ -58,7 +59,7 @@ def model_args() -> list[str]:
 
 def measure(spec: Path, args: list[str], steps: int, out: Path) -> dict:
     """``thinwire train --cluster SPEC ARGS``: its mean and median step after ``SKIP`` steps."""
-    _run(["train", *model_args(), "--cluster", str(spec), *args,
+    run_thinwire(["train", *model_args(), "--cluster", str(spec), *args,
           "--steps", str(steps), "--batch-size", str(BATCH), "--threads", "1", "--eval-every", str(steps),
           "--set", "eval_batches=2", "--checkpoint-every", str(steps), "--out", str(out)])
     times = [r["step_time_s"] for r in read_metrics(out) if "step_time_s" in r and r["step"] > SKIP]
@@ -67,7 +68,7 @@ def measure(spec: Path, args: list[str], steps: int, out: Path) -> dict:
 
 def predict(spec: Path, profile: Path, args: list[str]) -> dict:
     """``thinwire simulate --cluster SPEC ARGS`` from ``profile``, priced as an emulated cluster (hosts share the cores)."""
-    out = _run(["simulate", *model_args(), "--cluster", str(spec), "--profile", str(profile), *args,
+    out = run_thinwire(["simulate", *model_args(), "--cluster", str(spec), "--profile", str(profile), *args,
                 "--batch-size", str(BATCH), "--threads", "1", "--json",
                 "--colocated", str(os.cpu_count() or 2)]).stdout
     point = json.loads(out[out.index("{"):])["points"][-1]
@@ -98,7 +99,7 @@ def main() -> int:
         try:
             profile = work / "profile.yaml"
             print("profiling ...", flush=True)
-            _run(["profile", *model_args(), "--batch-sizes", str(BATCH // HOSTS), "--threads", "1", "--codecs", CODEC,
+            run_thinwire(["profile", *model_args(), "--batch-sizes", str(BATCH // HOSTS), "--threads", "1", "--codecs", CODEC,
                   "--cluster", str(spec), "--out", str(profile)])
             rows = {m: {"mode": m, **predict(spec, profile, ["--compression", CODEC, "--sync", m]), "runs": []}
                     for m in modes}
