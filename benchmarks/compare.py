@@ -27,7 +27,9 @@ here is 3-12%, ``results/validation_repeats.md``), and the runs go seed by seed,
 once per seed, so a slow spell of the machine does not land on one contender (``_seed_major``).
 A contender ``CODEC@SYNC`` trains with ``--compression CODEC --sync SYNC`` (``int8@delayed``,
 ``int8@local:period=16``, ``none@diloco:period=16``); ``torch:localsgd:period=H`` is PyTorch's
-post-local SGD. A contender ``CODEC+switch`` (``int8+switch``) trains with ``--aggregation switch``: every
+post-local SGD; ``torchft:localsgd:period=H`` and ``torchft:diloco:period=H`` (``outer_lr=``,
+``outer_momentum=``) are torchft's LocalSGD and DiLoCo, one replica group per host with a lighthouse
+on the first (``benchmarks/torchft_peer.py``; ``--emulate-seeds`` only). A contender ``CODEC+switch`` (``int8+switch``) trains with ``--aggregation switch``: every
 emulated cluster then has an aggregator on its switch (spec ``switch: {cpu: SWITCH_CPU}``, on top of the
 hosts' even split of the cores, so a switch run's hosts may get a little less than their quota; idle in
 the other contenders' runs). A cluster without DDP fp32 of its own (a slow link where fp32 would take hours) takes
@@ -108,6 +110,8 @@ def train_args(contender: str, out: Path, steps: int, batch: int, seed: int) -> 
 
 
 def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int, seed: int = 0) -> dict:
+    if contender.startswith(TORCHFT):
+        return run_torchft(spec, contender, out, steps, batch, seed)
     args = train_args(contender, out, steps, batch, seed) + ["--cluster", str(spec)]
     t0 = time.time()
     proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -122,6 +126,76 @@ def run_one(spec: Path, contender: str, out: Path, steps: int, batch: int, seed:
         result["auto_choice"] = summary["compression"]
         result["auto_decisions"] = [{k: d[k] for k in ("step", "reason", "choices")} for d in summary.get("auto_decisions", [])]
     return result
+
+
+TORCHFT = "torchft:"  # torchft's LocalSGD / DiLoCo as a peer (benchmarks/torchft_peer.py)
+
+
+def torchft_args(contender: str) -> list[str]:
+    """``torchft:diloco:period=16,outer_lr=0.7`` to torchft_peer.py's options.
+
+    >>> torchft_args("torchft:diloco:period=16,outer_lr=0.5")
+    ['--mode', 'diloco', '--period', '16', '--outer-lr', '0.5']
+    """
+    mode, _, opts = contender[len(TORCHFT):].partition(":")
+    known = {"localsgd": {"period"}, "diloco": {"period", "outer_lr", "outer_momentum"}}
+    kv = dict(o.split("=", 1) for o in opts.split(",") if o)
+    if mode not in known or not set(kv) <= known[mode] or "period" not in kv:
+        raise SystemExit(f"contender '{contender}': expected torchft:localsgd:period=H or "
+                         "torchft:diloco:period=H[,outer_lr=L,outer_momentum=M]")
+    return ["--mode", mode, *(a for k, v in kv.items() for a in (f"--{k.replace('_', '-')}", v))]
+
+
+def run_torchft(spec: Path, contender: str, out: Path, steps: int, batch: int, seed: int) -> dict:
+    """One ``torchft_peer.py`` per emulated host, in its namespace and cgroup (torchft's manager,
+    lighthouse and process group; nothing of thinwire's on the wire), its ranks' records merged into
+    the shape of ``thinwire train``'s metrics."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return {"contender": contender, "error": "torchft is not installed: .venv/bin/pip install -e '.[torchft]'"}
+    hosts = EmulatedCluster(load_cluster_spec(spec)).hosts()
+    out.mkdir(parents=True)
+    t0, procs = time.time(), []
+    for i, h in enumerate(hosts):
+        argv = [sys.executable, str(ROOT / "benchmarks" / "torchft_peer.py"), "--rank", str(i), "--world", str(len(hosts)),
+                "--ip", h.address, "--lighthouse", hosts[0].address, "--run-dir", str(out), *torchft_args(contender),
+                "--steps", str(steps), "--batch-size", str(batch), "--eval-every", str(max(1, steps // EVALS)),
+                "--warmup-steps", "10", *(("--lr", str(LR)) if LR else ()), "--seed", str(seed),
+                *(a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}"))]
+        procs.append(h.spawn(argv, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                             stdout=(out / f"peer{i}.log").open("w"), stderr=subprocess.STDOUT))
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=1200))
+    except subprocess.TimeoutExpired:
+        codes.append("timeout")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(c != 0 for c in codes):
+        bad = next(i for i, c in enumerate(codes + [None] * len(procs)) if c != 0)
+        return {"contender": contender, "error": f"replica {bad} exit {codes[bad] if bad < len(codes) else 'killed'}: "
+                + (out / f"peer{bad}.log").read_text()[-1500:]}
+    return summarize(contender, torchft_records(out, len(hosts)), time.time() - t0)
+
+
+def torchft_records(out: Path, world: int) -> list[dict]:
+    """Rank 0's step records and, per validation, the loss over every replica's slice, in
+    ``metrics.jsonl``'s shape; the replicas' parameters must agree there (each validated the average)."""
+    ranks = [[json.loads(line) for line in (out / f"peer{r}.jsonl").read_text().splitlines()] for r in range(world)]
+    vals = [[v for v in recs if "val_sum" in v] for recs in ranks]
+    records = [r for r in ranks[0] if "step_time_s" in r]
+    for at in zip(*vals):
+        sums = [v["param_sum"] for v in at]
+        if max(sums) - min(sums) > 1e-9 * max(1.0, abs(sums[0])):
+            raise RuntimeError(f"{out}: torchft replicas disagree at step {at[0]['step']} (parameter sums {sums})")
+        records.append({"step": at[0]["step"], "samples": at[0]["samples"], "wall_s": at[0]["wall_s"],
+                        "val_loss": sum(v["val_sum"] for v in at) / sum(v["val_count"] for v in at)})
+    return records
 
 
 def local_curve(hosts: int, contender: str, seed: int, steps: int, batch: int, work: Path) -> list[list[float]]:
@@ -375,7 +449,9 @@ def markdown(results: dict) -> str:
              f"cluster has none on the same hosts at {FLOOR_RATE} (named in its heading; equal samples, equal loss) "
              f"(reached = within 0.5%; validation every steps/{results.get('evals', 10)}). "
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
-             "Bytes for `torch:*` peers are computed by formula (ring all-reduce), thinwire's are counted where sent.\n"]
+             "Bytes for `torch:*` and `torchft:*` peers are computed by formula (ring all-reduce), thinwire's are counted "
+             "where sent. `torchft:*` runs (torchft's LocalSGD / DiLoCo, `benchmarks/torchft_peer.py`) validate right "
+             "after an average (the first at or after each mark), where every replica holds the same model.\n"]
     if results.get("emulate_seeds"):
         lines.append("Seeds: every contender runs every seed on the emulated cluster (`--emulate-seeds`); the step "
                      "columns are seed 0's, `median step over seeds` the median of each seed's median step. Each "
@@ -590,6 +666,11 @@ def main() -> int:
     SWITCH, SWITCH_CPU = any(c.endswith("+switch") for c in contenders), args.switch_cpu
     if SWITCH and not args.emulate_seeds:
         ap.error("a CODEC+switch contender needs --emulate-seeds (its seeds cannot run on local workers)")
+    for c in contenders:
+        if c.startswith(TORCHFT):
+            torchft_args(c)  # a malformed one stops here, before any cluster is up
+            if not args.emulate_seeds:
+                ap.error(f"contender '{c}' needs --emulate-seeds (torchft runs on the emulated hosts only)")
     stem = args.name or ("compare_quick" if args.quick else "compare")
     results = {"command": "sudo .venv/bin/python benchmarks/compare.py " + " ".join(sys.argv[1:]),
                "steps": steps, "evals": args.evals, "lr": args.lr, "emulate_seeds": args.emulate_seeds, "batch": args.batch,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
+
+import pytest
 
 from tests.test_cli import ROOT
 
@@ -30,3 +33,29 @@ def test_score_gives_both_medians_and_a_seed_not_reached_counts_as_never():
     threshold = 2.0 * (1 + compare.TOLERANCE)
     assert late["median_time_to_target_interpolated_s"] == compare.crossing([(1.0, 3.0), (3.0, 1.0)], threshold)
     assert late["reached"] == 2
+
+
+def test_torchft_contenders_parse_and_a_malformed_one_is_refused():
+    assert compare.torchft_args("torchft:localsgd:period=16") == ["--mode", "localsgd", "--period", "16"]
+    assert compare.torchft_args("torchft:diloco:period=8,outer_momentum=0.8") == [
+        "--mode", "diloco", "--period", "8", "--outer-momentum", "0.8"]
+    for bad in ("torchft:gossip:period=4", "torchft:localsgd", "torchft:localsgd:period=4,outer_lr=1"):
+        with pytest.raises(SystemExit, match="torchft:localsgd:period=H"):
+            compare.torchft_args(bad)
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_torchft_records_merge_the_replicas_validation_and_refuse_replicas_that_disagree(tmp_path):
+    step = {"step_time_s": 0.1, "compute_s": 0.08, "comm_wait_s": 0.02, "bytes_sent": 10}
+    val = {"step": 16, "samples": 512, "wall_s": 2.0, "eval_s": 0.1, "param_sum": 5.0}
+    _write(tmp_path / "peer0.jsonl", [{"step": 16, **step}, {**val, "val_sum": 30.0, "val_count": 10}])
+    _write(tmp_path / "peer1.jsonl", [{"step": 16, **step}, {**val, "wall_s": 2.1, "val_sum": 10.0, "val_count": 10}])
+    records = compare.torchft_records(tmp_path, 2)
+    assert [r for r in records if "val_loss" in r] == [{"step": 16, "samples": 512, "wall_s": 2.0, "val_loss": 2.0}]
+    assert [r for r in records if "step_time_s" in r] == [{"step": 16, **step}]
+    _write(tmp_path / "peer1.jsonl", [{"step": 16, **step}, {**val, "param_sum": 5.1, "val_sum": 10.0, "val_count": 10}])
+    with pytest.raises(RuntimeError, match="disagree at step 16"):
+        compare.torchft_records(tmp_path, 2)
