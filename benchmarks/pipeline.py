@@ -24,6 +24,12 @@ prediction is compared with the runs measured beside its probe. Writes ``benchma
 ``--merge`` keeps the other scenarios' rows. Needs root::
 
     sudo .venv/bin/python benchmarks/pipeline.py --scenarios thin-links --seeds 0,1,2
+
+After a change to the pipeline model, ``--reprice`` prices the stored runs again from the profiles stored
+with them (nothing is measured; no root) and rewrites the report; each run keeps its earlier price as
+``predicted_step_s_before``. ``tests/test_bench_pipeline.py`` checks the model still gives the committed prices::
+
+    .venv/bin/python benchmarks/pipeline.py --reprice
 """
 
 from __future__ import annotations
@@ -371,6 +377,44 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
             print(f"[{key}] {name}: predicted {step * 1e3:.0f} ms ({why})", flush=True)
 
 
+def reprice(result: dict, key: str, work: Path) -> None:
+    """Price the stored runs again from the profiles stored with them (``--reprice``: the model changed, the
+    measurements did not; nothing runs). Each run's earlier prediction stays as ``predicted_step_s_before``."""
+    from thinwire.cluster.spec import load_cluster_spec as load
+
+    for label, text in (result.get("profiles") or {}).items():
+        seed = int(label.rsplit("seed ", 1)[1])
+        prof = work / f"{key}-s{seed}-{label.split(',')[0].replace(' ', '_')}-stored.yaml"
+        prof.write_text(text)
+        if key == "does-not-fit":
+            four = work / "fit4.yaml"
+            four.write_text(spec_text("pipe-fit4", [{"name": f"h{i}", "memory": FIT["memory"]} for i in range(4)],
+                                      FIT["rate"], FIT["cpu"], FIT["subnet"]))
+            plan = work / "fit-plan.yaml"
+            plan.write_text(result["plan"])
+            todo = [("pipeline, 4 hosts (plan)", FIT, ["--plan", "{plan}"], load(four), {"plan": str(plan)})]
+        else:
+            sc = SCENARIOS[key]
+            rate = label.split(",")[0]
+            hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
+                     for i in range(sc["hosts"])]
+            spec = work / f"{key}-{rate}.yaml"  # named as bench() named it: the profile's host speeds are the cluster's
+            floor = rate == "100gbit" and "floor_subnet" in sc
+            spec.write_text(spec_text(f"pipe-{key}-floor" if floor else f"pipe-{key}", hosts, rate, sc["cpu"],
+                                      sc["floor_subnet"] if floor else sc["subnet"]))
+            todo = [(name, sc, args, load(spec), result.get("plans", {})) for name, args in sc["contenders"].items()
+                    if ("100gbit" if name in sc.get("unshaped", []) else sc["rate"]) == rate]
+        for name, sc, args, spec, plans in todo:
+            run = result["runs"][name][result["seeds"].index(seed)]
+            if "error" in run or run.get("predicted_step_s") is None:
+                continue
+            step, why = predict_step(sc, args, spec, prof, plans)
+            run.setdefault("predicted_step_s_before", run["predicted_step_s"])
+            run["predicted_step_s"] = step
+            print(f"[{key}] {name}, seed {seed}: predicted {run['predicted_step_s_before'] * 1e3:.0f} -> {step * 1e3:.0f} ms, "
+                  f"measured {run['median_step_s'] * 1e3:.0f} ({why})", flush=True)
+
+
 def probe_lines(r: dict) -> list[str]:
     """What ``thinwire profile --cluster`` found on each of the scenario's clusters (the model's inputs)."""
     import yaml
@@ -462,8 +506,19 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true", help="keep the other scenarios of results/pipeline.json")
     ap.add_argument("--predict-only", action="store_true", help="add the model's predictions to the scenarios' stored "
                     "runs (a profile measured now; a run measures and predicts anyway) and rewrite the report")
+    ap.add_argument("--reprice", action="store_true", help="price the stored runs again from their stored profiles "
+                    "(the model changed; nothing is measured, no root needed) and rewrite the report")
     ap.add_argument("--name", default="pipeline")
     a = ap.parse_args()
+    if a.reprice:
+        path = RESULTS / f"{a.name}.json"
+        results = json.loads(path.read_text())
+        work = Path(tempfile.mkdtemp(prefix="thinwire-pipeline-"))
+        for key in [k.strip() for k in a.scenarios.split(",") if k.strip() in results]:
+            reprice(results[key], key, work)
+        path.write_text(json.dumps(results, indent=1))
+        (RESULTS / f"{a.name}.md").write_text(markdown(results))
+        return 0
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/pipeline.py needs root (network namespaces, tc, cgroups)")
     keys = [k.strip() for k in a.scenarios.split(",") if k.strip()]

@@ -1,0 +1,30 @@
+"""benchmarks/pipeline.py's ``--reprice``: the stored runs priced again from their stored profiles."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.test_cli import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import pipeline  # noqa: E402
+
+
+def test_reprice_gives_the_committed_predictions_back(tmp_path, capsys):
+    """The model prices the committed pipeline runs as it did when they were measured: a change to the
+    pipeline model shows here, and ``pipeline.py --reprice`` then rewrites the results with the new prices."""
+    results = json.loads((pipeline.RESULTS / "pipeline.json").read_text())
+    before = {(k, name, i): run["predicted_step_s"] for k, r in results.items() for name, runs in r["runs"].items()
+              for i, run in enumerate(runs) if run.get("predicted_step_s") is not None}
+    assert len(before) >= 15
+    for key in results:
+        pipeline.reprice(results[key], key, tmp_path)
+    after = {(k, name, i): run["predicted_step_s"] for k, r in results.items() for name, runs in r["runs"].items()
+             for i, run in enumerate(runs) if run.get("predicted_step_s") is not None}
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert after[k] == pytest.approx(v, rel=1e-9), k
+    assert "predicted" in capsys.readouterr().out
