@@ -165,21 +165,16 @@ def run_torchft(spec: Path, contender: str, out: Path, steps: int, batch: int, s
                 *(a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}"))]
         procs.append(h.spawn(argv, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                              stdout=(out / f"peer{i}.log").open("w"), stderr=subprocess.STDOUT))
-    codes = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=1200))
-    except subprocess.TimeoutExpired:
-        codes.append("timeout")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(c != 0 for c in codes):
-        bad = next(i for i, c in enumerate(codes + [None] * len(procs)) if c != 0)
-        return {"contender": contender, "error": f"replica {bad} exit {codes[bad] if bad < len(codes) else 'killed'}: "
-                + (out / f"peer{bad}.log").read_text()[-1500:]}
+    deadline, codes = time.time() + 1200, []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(f"killed after 1200 s ({p.wait()})")
+    bad = next((i for i, c in enumerate(codes) if c != 0), None)
+    if bad is not None:
+        return {"contender": contender, "error": f"replica {bad} exit {codes[bad]}: " + (out / f"peer{bad}.log").read_text()[-1500:]}
     return summarize(contender, torchft_records(out, len(hosts)), time.time() - t0)
 
 

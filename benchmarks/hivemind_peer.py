@@ -143,6 +143,12 @@ def _num(v: str):
 
 
 def _validate(wl, model, evals: list[int], batch: int) -> float:
+    total, count = val_sums(wl, model, evals, batch)
+    return total / max(1, count)
+
+
+def val_sums(wl, model, items: list[int], per: int) -> tuple[float, int]:
+    """The summed validation loss over ``items`` (``per`` a forward) and their count, in eval mode."""
     import torch
 
     from thinwire.workloads.base import collate
@@ -150,11 +156,11 @@ def _validate(wl, model, evals: list[int], batch: int) -> float:
     model.eval()
     total = count = 0
     with torch.no_grad():
-        for i in range(0, len(evals), batch):
-            x, y = collate(wl.val, evals[i:i + batch])
+        for i in range(0, len(items), per):
+            x, y = collate(wl.val, items[i:i + per])
             total += float(wl.loss(model(x), y)) * len(y)
             count += len(y)
-    return total / max(1, count)
+    return total, count
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hivemind_peer import _barrier, _num  # noqa: E402  (the harness's file barrier and option parsing)
+from hivemind_peer import _barrier, _num, val_sums  # noqa: E402  (the harness's barrier, options, validation)
 
 LIGHTHOUSE_PORT = 29600
 STORE_PORT, MANAGER_PORT = 29610, 29611  # plus 10 x rank: replicas may share one address (loopback)
@@ -125,7 +125,7 @@ def main() -> int:
     local = args.batch_size // args.world
     out = (run_dir / f"peer{args.rank}.jsonl").open("w")
     t0 = time.perf_counter()
-    eval_eval_s = 0.0
+    eval_s = 0.0
     next_eval = args.eval_every
     with algo:
         for step in range(args.steps):
@@ -149,10 +149,11 @@ def main() -> int:
             out.write(json.dumps(rec) + "\n")
             if synced and (step + 1 >= next_eval or step + 1 == args.steps):
                 te0 = time.perf_counter()
-                total, count = _validate_slice(wl, model, evals, local, collate)
-                eval_eval_s += time.perf_counter() - te0
+                total, count = val_sums(wl, model, evals, local)
+                model.train()
+                eval_s += time.perf_counter() - te0
                 out.write(json.dumps({"step": step + 1, "samples": (step + 1) * args.batch_size,
-                                      "wall_s": time.perf_counter() - t0, "eval_s": eval_eval_s,
+                                      "wall_s": time.perf_counter() - t0, "eval_s": eval_s,
                                       "val_sum": total, "val_count": count,  # the harness checks the replicas agree:
                                       "param_sum": float(sum(p.double().sum() for p in model.parameters()))}) + "\n")
                 while next_eval <= step + 1:
@@ -161,24 +162,10 @@ def main() -> int:
     out.close()
     _barrier(run_dir, "done", args.rank, args.world, timeout=60.0, must=False)  # others may still average with us
     manager.shutdown(wait=False)
-    store = None  # noqa: F841
+    del store  # this replica group's store served the manager until here
     if lighthouse is not None:
         lighthouse.shutdown()
     return 0
-
-
-def _validate_slice(wl, model, items: list[int], per: int, collate) -> tuple[float, int]:
-    import torch
-
-    model.eval()
-    total = count = 0
-    with torch.no_grad():
-        for i in range(0, len(items), per):
-            x, y = collate(wl.val, items[i:i + per])
-            total += float(wl.loss(model(x), y)) * len(y)
-            count += len(y)
-    model.train()
-    return total, count
 
 
 if __name__ == "__main__":
