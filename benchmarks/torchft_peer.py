@@ -10,7 +10,9 @@ context managers around the inner optimizer, as torchft's own examples do.
 
 Here each emulated host is one replica group of one process (its own ``TCPStore`` and manager
 server at the host's address); rank 0 also runs the lighthouse, with ``min_replicas`` = every host,
-so no step trains with a partial quorum. The model, data, validation subset, AdamW settings, warm-up
+so no step trains with a partial quorum; the quorum is asynchronous for LocalSGD (torchft's default) and
+synchronous for DiLoCo (which requires it). ``init_sync=False``: every replica seeds the same initial
+weights (torchft's documented setting for that case). The model, data, validation subset, AdamW settings, warm-up
 + cosine schedule and gradient clipping are thinwire's (``thinwire train``'s sampler slices the same
 global draw), so a run here and a ``thinwire train`` run differ only in how the hosts communicate.
 
@@ -102,7 +104,8 @@ def main() -> int:
         pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=args.world,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
         state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
-        use_async_quorum=False, replica_id=f"replica{args.rank}", store_addr=args.ip, store_port=STORE_PORT + 10 * args.rank,
+        # torchft's default (asynchronous) quorum where the algorithm allows it; DiLoCo requires a synchronous one
+        use_async_quorum=args.mode == "localsgd", replica_id=f"replica{args.rank}", store_addr=args.ip, store_port=STORE_PORT + 10 * args.rank,
         rank=0, world_size=1, lighthouse_addr=f"http://{args.lighthouse or args.ip}:{LIGHTHOUSE_PORT}",
         hostname=args.ip, port=MANAGER_PORT + 10 * args.rank, timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=120),
         connect_timeout=timedelta(seconds=120),
