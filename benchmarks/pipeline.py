@@ -90,6 +90,18 @@ SCENARIOS = {
 }
 
 
+def scenario_hosts(sc: dict) -> list[dict]:
+    """The scenario's hosts for its cluster spec: h0, h1, ..., each with its own CPU quota where it has one."""
+    return [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
+            for i in range(sc["hosts"])]
+
+
+def fit4_spec_text() -> str:
+    """does-not-fit's cluster: 4 hosts at FIT's memory limit, rate and quota."""
+    return spec_text("pipe-fit4", [{"name": f"h{i}", "memory": FIT["memory"]} for i in range(4)], FIT["rate"],
+                     FIT["cpu"], FIT["subnet"])
+
+
 def train_argv(sc: dict, args: list[str], out: Path, seed: int, spec: Path, files: dict | None = None) -> list[str]:
     steps = sc["steps"]
     args = [a.format(**(files or {})) for a in args]
@@ -120,8 +132,7 @@ def run_one(sc: dict, name: str, out: Path, seed: int, spec: Path, files: dict |
 
 def bench(key: str, seeds: list[int], work: Path) -> dict:
     sc = SCENARIOS[key]
-    hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
-             for i in range(sc["hosts"])]
+    hosts = scenario_hosts(sc)
     shaped = work / f"{key}.yaml"
     shaped.write_text(spec_text(f"pipe-{key}", hosts, sc["rate"], sc["cpu"], sc["subnet"]))
     specs = [shaped]
@@ -215,8 +226,7 @@ def bench_fit(seeds: list[int], work: Path) -> dict:
     model = [a for k, v in FIT["model"].items() for a in ("--set", f"model.{k}={v}")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     four, one = work / "fit4.yaml", work / "fit1.yaml"
-    four.write_text(spec_text("pipe-fit4", [{"name": f"h{i}", "memory": FIT["memory"]} for i in range(4)], FIT["rate"],
-                              FIT["cpu"], FIT["subnet"]))
+    four.write_text(fit4_spec_text())
     one.write_text(spec_text("pipe-fit1", [{"name": "h0", "memory": FIT["memory"]}], FIT["rate"], FIT["cpu"],
                              FIT["one_subnet"]))
     prof, plan4 = work / "fit-profile.yaml", work / "fit-plan4.yaml"
@@ -354,8 +364,7 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
     from thinwire.cluster.spec import load_cluster_spec as load
 
     sc = SCENARIOS[key]
-    hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
-             for i in range(sc["hosts"])]
+    hosts = scenario_hosts(sc)
     result["profiles"] = {}
     for rate in dict.fromkeys("100gbit" if n in sc.get("unshaped", []) else sc["rate"] for n in sc["contenders"]):
         path = work / f"{key}-{rate}-predict.yaml"
@@ -388,16 +397,14 @@ def reprice(result: dict, key: str, work: Path) -> None:
         prof.write_text(text)
         if key == "does-not-fit":
             four = work / "fit4.yaml"
-            four.write_text(spec_text("pipe-fit4", [{"name": f"h{i}", "memory": FIT["memory"]} for i in range(4)],
-                                      FIT["rate"], FIT["cpu"], FIT["subnet"]))
+            four.write_text(fit4_spec_text())
             plan = work / "fit-plan.yaml"
             plan.write_text(result["plan"])
             todo = [("pipeline, 4 hosts (plan)", FIT, ["--plan", "{plan}"], load(four), {"plan": str(plan)})]
         else:
             sc = SCENARIOS[key]
             rate = label.split(",")[0]
-            hosts = [{"name": f"h{i}", **({"cpu": sc["host_cpu"][f"h{i}"]} if f"h{i}" in sc.get("host_cpu", {}) else {})}
-                     for i in range(sc["hosts"])]
+            hosts = scenario_hosts(sc)
             spec = work / f"{key}-{rate}.yaml"  # named as bench() named it: the profile's host speeds are the cluster's
             floor = rate == "100gbit" and "floor_subnet" in sc
             spec.write_text(spec_text(f"pipe-{key}-floor" if floor else f"pipe-{key}", hosts, rate, sc["cpu"],
@@ -512,6 +519,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.reprice:
         path = RESULTS / f"{a.name}.json"
+        if not path.exists():
+            raise SystemExit(f"--reprice: no stored runs at {path}; run the benchmark first, or give --name NAME of "
+                             "a results/NAME.json it wrote")
         results = json.loads(path.read_text())
         work = Path(tempfile.mkdtemp(prefix="thinwire-pipeline-"))
         for key in [k.strip() for k in a.scenarios.split(",") if k.strip() in results]:

@@ -20,6 +20,11 @@ def test_reprice_gives_the_committed_predictions_back(tmp_path, capsys):
     before = {(k, name, i): run["predicted_step_s"] for k, r in results.items() for name, runs in r["runs"].items()
               for i, run in enumerate(runs) if run.get("predicted_step_s") is not None}
     assert len(before) >= 15
+    for r in results.values():  # wiped, so a reprice that priced nothing cannot give them back
+        for runs in r["runs"].values():
+            for run in runs:
+                if run.get("predicted_step_s") is not None:
+                    run["predicted_step_s"] = -1.0
     for key in results:
         pipeline.reprice(results[key], key, tmp_path)
     after = {(k, name, i): run["predicted_step_s"] for k, r in results.items() for name, runs in r["runs"].items()
@@ -27,4 +32,6 @@ def test_reprice_gives_the_committed_predictions_back(tmp_path, capsys):
     assert after.keys() == before.keys()
     for k, v in before.items():
         assert after[k] == pytest.approx(v, rel=1e-9), k
+    assert all(run["predicted_step_s_before"] == -1.0 for r in results.values() for runs in r["runs"].values()
+               for run in runs if run.get("predicted_step_s") is not None)
     assert "predicted" in capsys.readouterr().out
