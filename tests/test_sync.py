@@ -244,11 +244,13 @@ def test_local_warmup_averages_gradients_every_step():
     assert out[0]["sent"] == [4 * numel, 4 * numel, 0, 0, 0, 4 * numel]
 
 
-def _consensus(rank: int, world: int, mode: str) -> dict:
-    ddp = DistributedDataParallel(_net())
+def _consensus(rank: int, world: int, mode: str, steps: int = 2, norm: bool = False) -> dict:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)) if norm else _net()
+    ddp = DistributedDataParallel(net)
     sync = thinwire.sync(ddp, mode, codec="none")
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    for step in range(2):  # local steps on each rank's own data: the ranks' parameters differ
+    for step in range(steps):  # local steps on each rank's own data: the ranks' parameters differ
         x, y = _data(step, rank)
         with sync.no_sync():
             _loss(ddp, x, y).backward()
@@ -284,6 +286,36 @@ def test_consensus_is_the_ranks_average_and_leaves_training_untouched(mode):
 def test_consensus_sends_nothing_where_ranks_agree():
     out = run_ranks(_consensus, 2, "delayed")
     assert out[0]["consensus_bytes"] == 0 and torch.equal(out[0]["inside"]["weight"], out[0]["own"]["weight"])
+
+
+@pytest.mark.parametrize("mode", ["local:period=2,warmup=0", "diloco:period=2", "dynamic:threshold=0.000001,check_every=2"])
+def test_consensus_at_an_average_sends_only_the_buffers(mode):
+    """At the step of an average the ranks' parameters are equal: only BatchNorm's running statistics,
+    which local steps leave apart, are averaged (3 means, 3 variances: 4 * 6 bytes per rank on a 2-ring)."""
+    out = run_ranks(_consensus, 2, mode, 2, True)
+    for k, v in out[0]["own"].items():
+        if k.startswith("0."):  # the Linear layer: averaged by the mode, kept as it is
+            assert torch.equal(v, out[1]["own"][k]) and torch.equal(out[0]["inside"][k], v), k
+    mean = (out[0]["own"]["1.running_mean"] + out[1]["own"]["1.running_mean"]) / 2
+    assert not torch.equal(out[0]["own"]["1.running_mean"], out[1]["own"]["1.running_mean"])
+    torch.testing.assert_close(out[0]["inside"]["1.running_mean"], mean, rtol=0, atol=1e-7)
+    assert [r["consensus_bytes"] for r in out] == [4 * 6, 4 * 6]
+    mid = run_ranks(_consensus, 2, mode, 3, True)  # a step after it: parameters apart again, all averaged
+    assert [r["consensus_bytes"] for r in mid] == [4 * (5 * 3 + 3 + 3 + 3 + 6)] * 2
+
+
+def test_steps_to_agreement_follows_each_averaging_rule():
+    from types import SimpleNamespace as NS
+
+    from thinwire.compress.sync.local import LocalSGD
+    from thinwire.train.peers import PeerLocalSGD
+
+    # thinwire's local: after `steps` optimizer steps; warm-up 2, then an average every 3 local steps (5, 8)
+    assert [LocalSGD.steps_to_agreement(NS(steps=k, warmup=2, period=3)) for k in range(10)] == \
+           [0, 0, 0, 2, 1, 0, 2, 1, 0, 2]
+    # PyTorch's PeriodicModelAverager(period=3, warmup_steps=2) averages at its calls 2, 5, 8 (after 3, 6, 9 steps)
+    assert [PeerLocalSGD.steps_to_agreement(NS(averager=NS(step=k, warmup_steps=2, period=3))) for k in range(10)] == \
+           [0, 0, 0, 0, 2, 1, 0, 2, 1, 0]
 
 
 # -- the spec -----------------------------------------------------------------------------------------
@@ -378,6 +410,36 @@ def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     elif mode == "delayed":
         counts = json.loads((straight / "summary.json").read_text())["compression_stats"]["counts"]
         assert sum(counts.values()) == 10, counts  # every step's gradient averaged once (2 fp32 warm-up steps)
+
+
+@pytest.mark.slow
+def test_validation_waits_for_the_next_average_and_survives_a_resume(tmp_path):
+    """Marks at 5 and 10, averages at 4, 8, 12: validations at 8 and 12 (the ranks' one model, no
+    parameters sent) and the last step's. A checkpoint at 6 holds the pending mark: resumed, it still
+    validates at 8."""
+    import shutil
+
+    from tests.test_cli import thinwire as cli
+
+    common = ["--workload", "digits", "--nproc", "2", "--compression", "int8", "--sync", "local:period=4,warmup=0",
+              "--eval-every", "5", "--checkpoint-every", "6", "--set", "keep_checkpoints=5"]
+    straight, src, resumed = tmp_path / "straight", tmp_path / "src", tmp_path / "resumed"
+    proc = cli("train", *common, "--steps", "14", "--out", str(straight))
+    assert proc.returncode == 0, proc.stderr
+
+    def vals(run: Path) -> list[int]:
+        return [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+
+    assert vals(straight) == [8, 12, 14]
+    consensus = json.loads((straight / "summary.json").read_text())["bytes_sent_consensus_all_ranks"]
+    assert consensus > 0  # step 14's validation and checkpoint, between averages: the parameters averaged
+    assert torch.load(straight / "checkpoints" / "step_000000006.pt", weights_only=True)["eval_due"] is True
+    (src / "checkpoints").mkdir(parents=True)
+    shutil.copy(straight / "config.yaml", src / "config.yaml")
+    shutil.copy(straight / "checkpoints" / "step_000000006.pt", src / "checkpoints" / "step_000000006.pt")
+    proc = cli("train", "--resume", str(src), "--steps", "14", "--out", str(resumed))
+    assert proc.returncode == 0, proc.stderr
+    assert vals(resumed) == [8, 12, 14]
 
 
 def _straight_and_resumed(common: list[str], straight: Path, split: Path) -> tuple[dict, dict]:

@@ -104,6 +104,7 @@ class Trainer:
         self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
         self.eval_s = 0.0  # seconds spent validating, this run (the checkpoint carries it)
+        self.eval_due = False  # a validation mark passed, waiting for the ranks to agree (:meth:`_validates_now`)
         self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
         torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
         self.step_times: list[float] = []
@@ -211,8 +212,10 @@ class Trainer:
                 self.step += 1
                 self._repin()
                 self._log(rec, bar)
-                if self.step % self.cfg.eval_every == 0 or self.step == self.steps:
+                self.eval_due |= self.step % self.cfg.eval_every == 0 or self.step == self.steps
+                if self.eval_due and self._validates_now():
                     self._validate(bar)
+                    self.eval_due = False
                 if self._checkpoints_now():
                     self._checkpoint()
         finally:
@@ -280,6 +283,13 @@ class Trainer:
         return self.wall_before + time.perf_counter() - self.t_start
 
     # -- validation ----------------------------------------------------------------------------------
+    def _validates_now(self) -> bool:
+        """A validation that is due runs now, unless the ranks diverge and average again within the run:
+        then at that average (at most a period late), where the ranks hold one model and the consensus
+        sends no parameters, as federated averaging evaluates its global model at the end of a round."""
+        wait = self.sync.steps_to_agreement()
+        return wait is None or wait == 0 or self.step + wait > self.steps
+
     @torch.no_grad()
     def _validate(self, bar: ProgressBar) -> None:
         t0 = time.perf_counter()
@@ -358,6 +368,7 @@ class Trainer:
         if not self.env.is_main:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), "eval_s": self.eval_s,
+                 "eval_due": self.eval_due,
                  "model": self._model_state(ranks) if consensus is None else consensus, "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
@@ -425,6 +436,7 @@ class Trainer:
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
         self.eval_s = float(state.get("eval_s", 0.0))
+        self.eval_due = bool(state.get("eval_due", False))  # a validation waiting for the ranks' next average
         self._load_horizon(state)
         self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
         ranks = state["ranks"]

@@ -152,6 +152,13 @@ class PeerLocalSGD(SyncMode):
             self.comm.wire.calls += 1
         a.average_parameters(self._params)
 
+    def steps_to_agreement(self) -> int | None:
+        """The averager averages at its call W, W+H, W+2H, ... (the hook's fp32 all-reduce keeps the ranks
+        equal before): after k calls the ranks agree where ``k - 1 - W`` is at most 0 or a multiple of H."""
+        a = self.averager
+        local = a.step - 1 - a.warmup_steps
+        return 0 if local <= 0 else -local % a.period
+
     def state_dict(self) -> dict:
         return {"averager_step": self.averager.step}
 

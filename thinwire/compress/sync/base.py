@@ -141,6 +141,13 @@ class SyncMode:
     def flush(self) -> None:
         """Wait for averaging in flight (before the loop's own collectives or a checkpoint)."""
 
+    def steps_to_agreement(self) -> int | None:
+        """Optimizer steps from now until every rank holds the same parameters: 0 where they do now (a mode
+        whose ranks never diverge, or the step of a periodic average), None where no step is known ahead
+        (gossip, dynamic averaging). The same on every rank. The trainer validates at that step
+        (:meth:`consensus` then sends no parameters)."""
+        return None if self.diverges else 0
+
     @contextlib.contextmanager
     def consensus(self):
         """Inside: the model holds the ranks' average of its parameters and floating-point buffers; after,
@@ -150,8 +157,10 @@ class SyncMode:
         its own data since the last average; the model the run stands for is their average (as federated
         averaging evaluates its global model), and under skewed data a rank's own can score far worse.
         The trainer validates and checkpoints it: one exact fp32 all-reduce over the mode's group, its
-        bytes counted in ``consensus_bytes``, apart from the training's. Nothing is sent where the ranks
-        hold the same parameters (``diverges`` False) or where there is one rank.
+        bytes counted in ``consensus_bytes``, apart from the training's. No parameter is sent where the
+        ranks hold the same ones (``diverges`` False, or :meth:`steps_to_agreement` 0: the step of an
+        average), nothing at all where there is one rank; floating-point buffers (BatchNorm's running
+        statistics), which no mode averages between steps, are averaged whenever the ranks diverge.
 
         Yields ``{id(tensor): this rank's own value}`` for the tensors it replaced (empty where it replaced
         none): what a checkpoint written inside saves as the rank's own state."""
@@ -161,7 +170,11 @@ class SyncMode:
             return
         self.flush()  # averages in flight (streaming DiLoCo's) land first: one collective at a time on the group
         module = getattr(self.model, "module", self.model)
-        tensors = [t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+        params = [] if self.steps_to_agreement() == 0 else [*module.parameters()]
+        tensors = [t for t in [*params, *module.buffers()] if t.is_floating_point()]
+        if not tensors:
+            yield {}
+            return
         own = [t.detach().clone() for t in tensors]
         flat = _flatten_dense_tensors([t.detach().float() for t in tensors])
         self.consensus_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), wire.world)

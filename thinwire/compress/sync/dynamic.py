@@ -76,6 +76,7 @@ class Dynamic(LocalSGD):
         self.hashes: list[Tensor] | None = None  # rule=spread: the count sketch's buckets and signs
         self.checks = 0
         self.syncs = 0
+        self.synced_at = -1  # the step of the last average (this process's)
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -100,7 +101,12 @@ class Dynamic(LocalSGD):
         apart = self.spread() > threshold if self.rule == "spread" else self.vote(self.drift() > threshold)
         if apart:
             self.syncs += 1
+            self.synced_at = self.steps
             self.average()
+
+    def steps_to_agreement(self) -> int | None:
+        """0 through the warm-up and at the step of an average; else None: the next is the data's call."""
+        return 0 if self.steps <= self.warmup or self.synced_at == self.steps else None
 
     def lr_ratio(self) -> float:
         """``by_lr=1``: the learning rate now over its peak so far (the same on every rank); else 1."""

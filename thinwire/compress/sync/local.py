@@ -71,6 +71,11 @@ class LocalSGD(SyncMode):
         if local > 0 and local % self.period == 0:
             self.average()
 
+    def steps_to_agreement(self) -> int | None:
+        """0 through the warm-up (exact gradient averages keep the ranks equal) and at each average."""
+        local = self.steps - self.warmup
+        return 0 if local <= 0 else -local % self.period
+
     def average(self) -> None:
         """Average the change since the last average; every rank ends at the same new anchor."""
         assert self.anchor is not None, "a local step sets the anchor first"

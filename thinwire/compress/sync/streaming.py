@@ -90,6 +90,10 @@ class StreamingDiLoCo(LocalSGD):
         if local % self.every == 0:
             self.perform()
 
+    def steps_to_agreement(self) -> int | None:
+        """0 through the warm-up; after it, never known: fragments are mixed into local parameters one at a time."""
+        return 0 if self.steps <= self.warmup else None
+
     def prepare(self) -> None:
         """Start averaging the next fragment's pseudo-gradient; the inner steps go on."""
         k = self.syncs % len(self.fragments)
