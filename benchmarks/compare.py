@@ -446,7 +446,8 @@ def markdown(results: dict) -> str:
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
              "Bytes for `torch:*` and `torchft:*` peers are computed by formula (ring all-reduce), thinwire's are counted "
              "where sent. `torchft:*` runs (torchft's LocalSGD / DiLoCo, `benchmarks/torchft_peer.py`) validate right "
-             "after an average (the first at or after each mark), where every replica holds the same model.\n"]
+             "after an average (the first at or after each mark), where every replica holds the same model, as "
+             "thinwire's `local` and `diloco` and PyTorch's `torch:localsgd` runs do.\n"]
     if results.get("emulate_seeds"):
         lines.append("Seeds: every contender runs every seed on the emulated cluster (`--emulate-seeds`); the step "
                      "columns are seed 0's, `median step over seeds` the median of each seed's median step. Each "

@@ -17,8 +17,8 @@ weights (torchft's documented setting for that case). The model, data, validatio
 global draw), so a run here and a ``thinwire train`` run differ only in how the hosts communicate.
 
 Validation happens right after an average, where every replica holds the same model (the model a
-run stands for, as ``thinwire train`` validates the ranks' average): at the first sync step at or
-after each ``--eval-every`` mark and at the last step (which must be a sync step). Each replica
+run stands for, as ``thinwire train`` validates the ranks' average, its ``local`` and ``diloco`` at
+the same steps): at the first sync step at or after each ``--eval-every`` mark and at the last step (which must be a sync step). Each replica
 validates every world-th item of the subset, as ``thinwire train``'s ranks do, and writes its sums to
 ``RUN_DIR/peerR.jsonl`` with its step records (``step_time_s``, ``compute_s``, ``comm_wait_s``: the
 time in torchft's hook, quorum included, ``bytes_sent`` by the ring all-reduce's formula); the

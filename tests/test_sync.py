@@ -431,8 +431,16 @@ def test_validation_waits_for_the_next_average_and_survives_a_resume(tmp_path):
         return [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
 
     assert vals(straight) == [8, 12, 14]
-    consensus = json.loads((straight / "summary.json").read_text())["bytes_sent_consensus_all_ranks"]
-    assert consensus > 0  # step 14's validation and checkpoint, between averages: the parameters averaged
+    # one parameter average on the wire: step 14's validation, between averages (2 ranks: each sends its
+    # 4-byte floats once around the ring). The checkpoints' (6, 12, 14) are made on rank 0 from the ranks'.
+    last = torch.load(straight / "checkpoints" / "step_000000014.pt", weights_only=True)
+    numel = sum(v.numel() for v in last["model"].values() if v.is_floating_point())
+    assert json.loads((straight / "summary.json").read_text())["bytes_sent_consensus_all_ranks"] == 2 * 4 * numel
+    for name, value in last["model"].items():
+        if not value.is_floating_point():
+            continue
+        mean = sum(r["model"][name].double() for r in last["ranks"]) / 2
+        assert torch.equal(value, mean.to(value.dtype)), name
     assert torch.load(straight / "checkpoints" / "step_000000006.pt", weights_only=True)["eval_due"] is True
     (src / "checkpoints").mkdir(parents=True)
     shutil.copy(straight / "config.yaml", src / "config.yaml")

@@ -73,6 +73,19 @@ def _bucket_mb(cfg: TrainConfig) -> float:
     return cfg.comm.bucket_mb(cfg.bucket_mb) if isinstance(cfg.comm, TorchSpec) else cfg.bucket_mb
 
 
+def average_states(states: list[dict]) -> dict:
+    """The ranks' average of each floating-point entry (in float64, stored in its own dtype; an entry equal
+    on every rank, as parameters at an average, kept as it is); other entries (counters) rank 0's."""
+    out = {}
+    for k, first in states[0].items():
+        values = [s[k].detach().cpu() for s in states]  # each rank's on its own device
+        if not first.is_floating_point() or all(torch.equal(values[0], v) for v in values[1:]):
+            out[k] = first
+        else:
+            out[k] = torch.stack([v.double() for v in values]).mean(0).to(dtype=first.dtype, device=first.device)
+    return out
+
+
 def check_batch(batch: int, world: int) -> None:
     if batch % world:
         lo, hi = (batch // world) * world, (batch // world + 1) * world
@@ -110,7 +123,6 @@ class Trainer:
         self.step_times: list[float] = []
         self.waits: list[float] = []
         self.last_val: dict = {}
-        self.consensus_state: tuple[int, dict | None] | None = None  # (step, the ranks' average model) of a validation
 
     def _offload(self) -> dict | None:
         """Where the communication work runs (``offload``): on a host with an offload engine (``nic:``; the
@@ -301,9 +313,6 @@ class Trainer:
         """Validate this rank's model as it is (the ranks' average, inside :meth:`_validate`); the record's
         ``eval_s`` is the run's validation time so far, this one included (``wall_s`` minus it: training's)."""
         model, val = self._module(), self._sets(self.step)[1]
-        if self.sync.diverges and self._checkpoints_now():  # the checkpoint's model, kept on rank 0
-            self.consensus_state = (self.step, {k: v.detach().clone() for k, v in model.state_dict().items()}
-                                    if self.env.is_main else None)
         model.eval()
         slot, slots, per = self._eval_slot()
         mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[slot::slots]
@@ -364,12 +373,11 @@ class Trainer:
     def _checkpoint(self) -> None:
         ranks = [None] * self.env.world if self.env.is_main else None
         dist.gather_object(self._rank_state(), ranks, dst=0)
-        consensus = self._consensus_model()
         if not self.env.is_main:
             return
         state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), "eval_s": self.eval_s,
                  "eval_due": self.eval_due,
-                 "model": self._model_state(ranks) if consensus is None else consensus, "optimizer": self.opt.state_dict(),
+                 "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
                  "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks, **self._checkpoint_extra()}
@@ -378,24 +386,17 @@ class Trainer:
     def _checkpoints_now(self) -> bool:
         return self.step % self.cfg.checkpoint_every == 0 or self.step == self.steps
 
-    def _consensus_model(self) -> dict | None:
-        """Where ranks diverge: the ranks' average model (:meth:`SyncMode.consensus`), which the checkpoint
-        holds as its ``model`` (what ``thinwire`` exports and a job of another size resumes from); each rank's
-        own is in its ``ranks`` entry, which an exact resume loads. None elsewhere. Called on every rank."""
-        if not self.sync.diverges:
-            return None
-        cached, self.consensus_state = self.consensus_state, None
-        if cached is not None and cached[0] == self.step:  # this step's validation computed it
-            return cached[1]
-        with self.sync.consensus():
-            return {k: v.detach().clone() for k, v in self._module().state_dict().items()} if self.env.is_main else None
-
     def _checkpoint_extra(self) -> dict:
         return {}
 
     def _model_state(self, ranks: list[dict]) -> dict:
-        """The whole model's state dict for the checkpoint (rank 0 holds it; a pipeline merges its stages')."""
-        return self.ddp.module.state_dict()
+        """The whole model's state dict for the checkpoint (rank 0 holds it; a pipeline merges its stages').
+        Where ranks diverge, their average (what :meth:`SyncMode.consensus` evaluates): what ``thinwire``
+        exports and a job of another size resumes from, made on rank 0 from the ranks' own states that the
+        checkpoint gathers anyway (each stays in its ``ranks`` entry for an exact resume)."""
+        if not self.sync.diverges:
+            return self.ddp.module.state_dict()
+        return average_states([r["model"] for r in ranks])
 
     def _maybe_resume(self) -> None:
         source = self._resume_source()

@@ -210,9 +210,6 @@ class PipelineTrainer(Trainer):
     def _model_state(self, ranks: list[dict]) -> dict:
         return {}  # in the shards
 
-    def _consensus_model(self) -> dict | None:
-        return None  # each stage's shard holds its own replica's parameters
-
     def _checkpoint_extra(self) -> dict:
         return {"shards": self.env.world}
 
