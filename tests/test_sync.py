@@ -288,7 +288,8 @@ def test_consensus_sends_nothing_where_ranks_agree():
     assert out[0]["consensus_bytes"] == 0 and torch.equal(out[0]["inside"]["weight"], out[0]["own"]["weight"])
 
 
-@pytest.mark.parametrize("mode", ["local:period=2,warmup=0", "diloco:period=2", "dynamic:threshold=0.000001,check_every=2"])
+@pytest.mark.parametrize("mode", ["local:period=2,warmup=0", "diloco:period=2",
+                                  "dynamic:threshold=0.000001,check_every=2"])
 def test_consensus_at_an_average_sends_only_the_buffers(mode):
     """At the step of an average the ranks' parameters are equal: only BatchNorm's running statistics,
     which local steps leave apart, are averaged (3 means, 3 variances: 4 * 6 bytes per rank on a 2-ring)."""

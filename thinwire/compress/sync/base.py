@@ -157,10 +157,11 @@ class SyncMode:
         its own data since the last average; the model the run stands for is their average (as federated
         averaging evaluates its global model), and under skewed data a rank's own can score far worse.
         The trainer validates it (and checkpoints it, averaged on rank 0 from the ranks' states the
-        checkpoint gathers anyway): one exact fp32 all-reduce over the mode's group, its bytes counted in ``consensus_bytes``, apart from the training's. No parameter is sent where the
-        ranks hold the same ones (``diverges`` False, or :meth:`steps_to_agreement` 0: the step of an
-        average), nothing at all where there is one rank; floating-point buffers (BatchNorm's running
-        statistics), which no mode averages between steps, are averaged whenever the ranks diverge.
+        checkpoint gathers anyway): one exact fp32 all-reduce over the mode's group, its bytes counted in
+        ``consensus_bytes``, apart from the training's. No parameter is sent where the ranks hold the
+        same ones (``diverges`` False, or :meth:`steps_to_agreement` 0: the step of an average), nothing
+        at all where there is one rank; floating-point buffers (BatchNorm's running statistics), which
+        no mode averages between steps, are averaged whenever the ranks diverge.
 
         Yields ``{id(tensor): this rank's own value}`` for the tensors it replaced (empty where it replaced
         none): what a checkpoint written inside saves as the rank's own state."""
