@@ -432,6 +432,7 @@ def test_validation_waits_for_the_next_average_and_survives_a_resume(tmp_path):
         return [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
 
     assert vals(straight) == [8, 12, 14]
+    assert (proc.stdout + proc.stderr).count("validation moves to step 8, the ranks' next average") == 1
     # one parameter average on the wire: step 14's validation, between averages (2 ranks: each sends its
     # 4-byte floats once around the ring). The checkpoints' (6, 12, 14) are made on rank 0 from the ranks'.
     last = torch.load(straight / "checkpoints" / "step_000000014.pt", weights_only=True)

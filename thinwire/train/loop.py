@@ -118,6 +118,7 @@ class Trainer:
         self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
         self.eval_s = 0.0  # seconds spent validating, this run (the checkpoint carries it)
         self.eval_due = False  # a validation mark passed, waiting for the ranks to agree (:meth:`_validates_now`)
+        self.told_wait = False  # that wait was said (once per process)
         self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
         torch.manual_seed(cfg.seed * 1000 + env.rank + 1)  # per-rank randomness (dropout)
         self.step_times: list[float] = []
@@ -225,7 +226,7 @@ class Trainer:
                 self._repin()
                 self._log(rec, bar)
                 self.eval_due |= self.step % self.cfg.eval_every == 0 or self.step == self.steps
-                if self.eval_due and self._validates_now():
+                if self.eval_due and self._validates_now(bar):
                     self._validate(bar)
                     self.eval_due = False
                 if self._checkpoints_now():
@@ -295,12 +296,20 @@ class Trainer:
         return self.wall_before + time.perf_counter() - self.t_start
 
     # -- validation ----------------------------------------------------------------------------------
-    def _validates_now(self) -> bool:
+    def _validates_now(self, bar: ProgressBar) -> bool:
         """A validation that is due runs now, unless the ranks diverge and average again within the run:
         then at that average (at most a period late), where the ranks hold one model and the consensus
-        sends no parameters, as federated averaging evaluates its global model at the end of a round."""
+        sends no parameters, as federated averaging evaluates its global model at the end of a round.
+        The first such wait is said once."""
         wait = self.sync.steps_to_agreement()
-        return wait is None or wait == 0 or self.step + wait > self.steps
+        if wait is None or wait == 0 or self.step + wait > self.steps:
+            return True
+        if not self.told_wait:
+            self.told_wait = True
+            bar.log(f"step {self.step}: validation moves to step {self.step + wait}, the ranks' next average "
+                    f"(--sync {self.sync.name}: their one model there, no parameters sent); so does every mark "
+                    "between averages")
+        return False
 
     @torch.no_grad()
     def _validate(self, bar: ProgressBar) -> None:
