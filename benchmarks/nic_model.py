@@ -18,12 +18,19 @@ is predicted / measured; issue 24 asks the switch and offload predictions within
 
     sudo .venv/bin/python benchmarks/nic_model.py                 # ~15 min on 2 cores
     sudo .venv/bin/python benchmarks/nic_model.py --cases switch --reps 1
+
+The profiles a run prices from are kept next to its result (``NAME_profiles/``). After a change to the
+model, ``--reprice`` prices the stored runs again from them (no root, nothing measured); each row keeps
+its earlier price as ``predicted_s_before``:
+
+    .venv/bin/python benchmarks/nic_model.py --reprice
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import os
 import statistics
 import sys
@@ -135,6 +142,11 @@ def markdown(result: dict) -> str:
             L.append(f"| {group}: {r['label']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_mean_s'] * 1e3:.1f} | "
                      f"{r['measured_median_s'] * 1e3:.1f} | {each} | {r['ratio']:.2f} |")
     L.append("")
+    before = [r for r in result["rows"] if "predicted_s_before" in r]
+    if before:
+        L.append("Repriced from the kept profiles after a model change (`--reprice`; nothing measured again); the "
+                 "earlier prediction: " + "; ".join(f"{r['group']}: {r['label']} {r['predicted_s_before'] * 1e3:.1f} ms"
+                                                     for r in before) + ".\n")
     for group, err in result["median_abs_error"].items():
         within = result["within_15"][group]
         L.append(f"- {group}: median |predicted / measured - 1| {err:.1%}; within 15%: {within[0]} of {within[1]} cases.")
@@ -142,6 +154,32 @@ def markdown(result: dict) -> str:
         L.append(f"- {group}: predicted speed-up {pa / pb:.2f}x, measured {ma / mb:.2f}x.")
     L.append(f"\nTotal {result['elapsed_s'] / 60:.1f} min; load average at the end {result['load_average_at_end']}.")
     return "\n".join(L) + "\n"
+
+
+def write_specs(work: Path) -> dict[str, Path]:
+    """Every spec of :data:`SPECS` as a file in ``work``."""
+    specs = {}
+    for name, (text, _) in SPECS.items():
+        specs[name] = work / f"{name}.yaml"
+        specs[name].write_text(text)
+    return specs
+
+
+def reprice(result: dict, profiles: Path) -> None:
+    """Price the stored rows again from the profiles kept with them (the model changed; nothing measured),
+    the earlier price kept as ``predicted_s_before``; the summary follows."""
+    SPECS["switch"] = (switch_spec(result.get("switch_cpu")), "switch")
+    with tempfile.TemporaryDirectory(prefix="thinwire-nicmodel-") as tmp:
+        specs = write_specs(Path(tmp))
+        for r in result["rows"]:
+            profile = profiles / f"profile-{SPECS[r['priced_on']][1]}.yaml"
+            if not profile.is_file():
+                raise SystemExit(f"--reprice: no stored profile {profile}; this result was measured before profiles "
+                                 "were kept. Run the benchmark again.")
+            r["predicted_s_before"] = r["predicted_s"]
+            r["predicted_s"] = predict(specs[r["priced_on"]], profile, r["simulate"])["predicted_s"]
+    result.update(summarize(result["rows"], sorted({r["label"].split(",")[0] for r in result["rows"]
+                                                     if r["group"] == "offload"})))
 
 
 def main() -> int:
@@ -153,7 +191,21 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--name", default="nic_model")
     ap.add_argument("--switch-cpu", type=float, default=SWITCH_CPU, help="the aggregator's cores (0: no cap)")
+    ap.add_argument("--reprice", action="store_true", help="price the stored runs of --name again from their kept "
+                                                          "profiles (after a model change; no root, nothing measured)")
     args = ap.parse_args()
+    folder = Path(args.out)
+    if args.reprice:
+        path = folder / f"{args.name}.json"
+        if not path.is_file():
+            raise SystemExit(f"--reprice: no stored runs at {path}; run the benchmark first, or give --name NAME of "
+                             "a stored result")
+        result = json.loads(path.read_text())
+        reprice(result, folder / f"{args.name}_profiles")
+        path.write_text(json.dumps(result, indent=1))
+        (folder / f"{args.name}.md").write_text(markdown(result))
+        print(markdown(result))
+        return 0
     if os.geteuid() != 0:
         print("nic_model.py needs root for the emulated cluster (network namespaces, tc, cgroups).")
         return 2
@@ -166,10 +218,7 @@ def main() -> int:
     t0, started = time.time(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="thinwire-nicmodel-") as tmp:
         work = Path(tmp)
-        specs = {}
-        for name, (text, _) in SPECS.items():
-            specs[name] = work / f"{name}.yaml"
-            specs[name].write_text(text)
+        specs = write_specs(work)
         needed = {c["run_on"] for c in todo} | {SPECS[c["priced_on"]][1] for c in todo}
         clusters = [EmulatedCluster(load_cluster_spec(specs[n])) for n in sorted(needed)]
         for c in clusters:
@@ -181,6 +230,9 @@ def main() -> int:
                 profiles[name] = work / f"profile-{name}.yaml"
                 run_thinwire(["profile", *model_args(), "--batch-sizes", str(BATCH // HOSTS), "--threads", "1", "--codecs",
                       ",".join(codecs), "--cluster", str(specs[name]), "--out", str(profiles[name])])
+                kept = folder / f"{args.name}_profiles"  # for --reprice
+                kept.mkdir(parents=True, exist_ok=True)
+                shutil.copy(profiles[name], kept / profiles[name].name)
             rows = []
             for c in todo:
                 pred = predict(specs[c["priced_on"]], profiles[SPECS[c["priced_on"]][1]], c["simulate"])
@@ -200,8 +252,6 @@ def main() -> int:
               "started": started, "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "switch_cpu": args.switch_cpu or None, "steps": args.steps, "reps": args.reps, "model": MODEL, "batch": BATCH, "skip": SKIP, "rows": rows,
               **summary, "elapsed_s": time.time() - t0, "load_average_at_end": os.getloadavg()}
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     (folder / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))

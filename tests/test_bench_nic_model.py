@@ -42,3 +42,33 @@ def test_summary_ratios_and_speedups():
               "elapsed_s": 60.0, "load_average_at_end": (1.0, 1.0, 1.0)}
     md = nic_model.markdown(result)
     assert "| switch: int8, ring | 260.0 | 250.0 |" in md and "predicted speed-up 1.08x, measured 1.25x" in md
+
+
+def test_reprice_prices_every_row_again_from_its_kept_profile(tmp_path, monkeypatch):
+    cs = {c["label"]: c for c in nic_model.cases(["int8"])}
+    rows = [_row(c, 0.1 * (i + 1), [0.25]) for i, c in enumerate(cs.values())]
+    result = {"switch_cpu": 0.25, "rows": rows, **nic_model.summarize(rows, ["int8"])}
+    for name in ("switch", "engine"):
+        (tmp_path / f"profile-{name}.yaml").write_text("stand-in")
+    priced = []
+
+    def fake_predict(spec, profile, args):
+        priced.append((spec.stem, profile.name))
+        return {"predicted_s": 0.5}
+    monkeypatch.setattr(nic_model, "predict", fake_predict)
+    nic_model.reprice(result, tmp_path)
+    assert priced == [("switch", "profile-switch.yaml"), ("switch", "profile-switch.yaml"),
+                      ("engine", "profile-engine.yaml"), ("engine-off", "profile-engine.yaml"),
+                      ("no-engine", "profile-engine.yaml")]
+    assert [round(r["predicted_s_before"], 9) for r in rows] == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert all(r["predicted_s"] == 0.5 for r in rows) and result["within_15"]["switch"] == (0, 2)
+    assert "earlier prediction: switch: int8, ring 100.0 ms" in nic_model.markdown(
+        {**result, "command": "x", "started": "a", "ended": "b", "steps": 1, "reps": 1, "elapsed_s": 1.0,
+         "load_average_at_end": (1.0, 1.0, 1.0)})
+    (tmp_path / "profile-engine.yaml").unlink()
+    try:
+        nic_model.reprice(result, tmp_path)
+    except SystemExit as e:
+        assert "profile-engine.yaml" in str(e)
+    else:
+        raise AssertionError("a missing profile must stop --reprice")
