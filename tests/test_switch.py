@@ -176,8 +176,28 @@ def test_a_slow_aggregator_is_priced_by_its_cores():
     slow = dataclasses.replace(fast, switch_speed=0.25)
     work = (p + 2 + 1 + 1) * 4 * n * 1e-9 + p * size * 2e-9
     assert aggregator_s(cm, n, size, p, slow) == pytest.approx(work / 0.25)
-    assert bucket_cost(cm, 0, n, p, slow).comm_s == pytest.approx(work / 0.25)   # slower than the 1 Gbit/s wire
+    # slower than the 1 Gbit/s wire: the aggregator's work, with one chunk up before it and one down after
+    # (the last chunk is the part left over: (size - (k-1) chunk) on its way up)
+    k = -(-size // switch.CHUNK_BYTES)
+    ends = (size - (k - 1) * switch.CHUNK_BYTES + switch.CHUNK_BYTES) * 8 / 1e9
+    assert bucket_cost(cm, 0, n, p, slow).comm_s == pytest.approx(4e-4 + ends + work / 0.25)
     assert bucket_cost(cm, 0, n, p, fast).comm_s < work / 0.25 / 4
+
+
+def test_an_aggregator_slower_or_faster_than_the_link_lags_the_wire_by_the_chunk_pipeline():
+    """k chunks through three stages (up, the aggregator, down): u + a + u + (k-1) max(u, a)."""
+    from thinwire.perf.model import Network, aggregator_lag_s
+
+    net = Network(alpha_s=0.0, beta_s_per_byte=1e-9)
+    size = 4 * switch.CHUNK_BYTES                                   # k = 4 chunks, u = 65.5 us each
+    u = switch.CHUNK_BYTES * 1e-9
+    assert aggregator_lag_s(0.0, size, net) == 0.0
+    assert aggregator_lag_s(4 * 0.5 * u, size, net) == pytest.approx(0.5 * u)       # the link is the slower stage
+    agg = 4 * 3 * u                                                  # the aggregator is: 3u per chunk
+    assert aggregator_lag_s(agg, size, net) == pytest.approx(3 * u + 3 * (3 * u - u))
+    wire = (size + switch.CHUNK_BYTES) * 1e-9                       # switch_s at alpha 0: k u + u
+    assert wire + aggregator_lag_s(agg, size, net) == pytest.approx(u + agg + u)
+    assert aggregator_lag_s(agg, 1000, net) == pytest.approx(agg)  # one chunk: up, its sum, down
 
 
 def test_simulate_takes_the_switch_for_int8_only():

@@ -32,6 +32,7 @@ Example (one 1 MB bucket, two hosts, 100 Mbit/s, no codec)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 from thinwire.perf import collectives as coll
@@ -179,8 +180,10 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     wire = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
     cpu = t.bytes_sent * network.cpu_s_per_byte / codec_speed if p > 1 else 0.0
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
-    aggregator = sum(aggregator_s(codec, numel, size, p, network) for kind, size in ops if kind == "switch") if p > 1 else 0.0
-    return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu, aggregator), before / codec_speed, after / codec_speed,
+    if p > 1:  # through a capped aggregator: its work joins the chunks' pipeline
+        wire += sum(aggregator_lag_s(aggregator_s(codec, numel, size, p, network), size, network)
+                    for kind, size in ops if kind == "switch")
+    return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu), before / codec_speed, after / codec_speed,
                       t.residual_values, cpu, sum(ring_hops(kind, p) for kind, _ in ops) if p > 1 else 0)
 
 
@@ -190,12 +193,27 @@ def aggregator_s(codec: CodecModel, numel: int, size: int, p: int, network: Netw
     in and the sum's out, ``p`` int8 payloads added, the sum re-encoded with error feedback (decode, the
     residual added, encode, decode for the new residual), all on the aggregator's one thread at
     ``network.switch_speed``. Chunk by chunk it overlaps the wire, so the bucket takes the longer of the
-    two. 0 where the aggregator is taken to keep up (``switch_speed`` None)."""
+    two (:func:`aggregator_lag_s`). 0 where the aggregator is taken to keep up (``switch_speed`` None)."""
     if network.switch_speed is None:
         return 0.0
     nb = 4 * numel
     work = codec.work_s((("add", nb, p), ("decode", nb, 2), ("feedback", nb, 1), ("encode", nb, 1)))
     return (p * size * network.cpu_s_per_byte + work) / network.switch_speed
+
+
+def aggregator_lag_s(agg_s: float, size: int, network: Network) -> float:
+    """What a bucket's ``agg_s`` of aggregator work adds to its time on the wire
+    (:func:`thinwire.perf.collectives.switch_s`). The bucket's ``k`` chunks flow through three stages, up the
+    host's link (``u`` per chunk), the aggregator (``a = agg_s / k``) and down (``u``): a pipeline of
+    ``u + a + u + (k-1) max(u, a)`` seconds, against the wire's ``u + u + (k-1) u`` alone. So ``a`` when the
+    link is the slower stage (one chunk's sum on the critical path), ``agg_s + 2u`` in all when the
+    aggregator is."""
+    if agg_s <= 0.0:
+        return 0.0
+    chunk = min(size, coll.SWITCH_CHUNK_BYTES)
+    k, u = max(1, math.ceil(size / coll.SWITCH_CHUNK_BYTES)), chunk * network.beta_s_per_byte
+    a = agg_s / k
+    return a + (k - 1) * max(0.0, a - u)
 
 
 def ring_hops(kind: str, p: int) -> int:

@@ -39,4 +39,4 @@ class Switched(Scheme):
         nb = 4 * numel
         fb = feedback_half(nb)
         return Traffic(self.name, (("switch", switch.bytes_up(numel, codec.config.block)),),
-                       (fb, ("encode", nb, 1)), (fb, ("decode", nb, 1)), numel)
+                       (fb, ("encode", nb, 1)), (fb, ("decode", nb, 2)), numel)  # the sum and what was sent
