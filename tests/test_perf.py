@@ -288,6 +288,42 @@ def test_collective_cpu_probe_measures_a_plausible_per_byte_cost():
     assert got["times_s"][1] > got["times_s"][0]
 
 
+def test_aggregator_probe_measures_its_cpu_per_bucket_and_the_profile_keeps_it(tmp_path):
+    from thinwire.measure.aggregator import aggregator_cpu, fit
+    from thinwire.measure.file import AggregatorRecord, load_profile, save_profile
+    from thinwire.measure.run import profile_workload
+
+    assert fit([10, 110], [0.002, 0.003]) == pytest.approx((0.0019, 1e-5))
+    assert fit([10, 110], [0.003, 0.002]) == (0.003, 0.0)  # noise that makes the slope negative: flat
+    got = aggregator_cpu(2, reps=3, timeout=120)
+    # 2 trainers through the aggregator over loopback: some tens of microseconds to some ms per bucket,
+    # the larger bucket costing more
+    assert got["trainers"] == 2 and got["cpu_s"][1] > got["cpu_s"][0] > 0, got
+    assert 0 <= got["per_bucket_s"] < 0.05 and 1e-11 < got["per_value_s"] < 1e-6, got
+    prof = profile_workload(workload="digits", model={"channels": 4, "hidden": 64}, batch_sizes=[4],
+                            codecs=["none"], reps=2, warmup=1, corun=False)
+    rec = AggregatorRecord(trainers=2, per_bucket_s=got["per_bucket_s"], per_value_s=got["per_value_s"])
+    back = load_profile(save_profile(dataclasses.replace(prof, aggregator=rec), tmp_path / "p.yaml"))
+    assert back.aggregator == rec
+    from thinwire.errors import ConfigError
+    with pytest.raises(ConfigError, match="aggregator.per_value_s"):
+        AggregatorRecord(trainers=2, per_bucket_s=0.0, per_value_s=-1.0)
+
+
+def test_a_measured_aggregator_is_priced_per_trainer_at_its_cores():
+    from thinwire.measure.file import AggregatorRecord
+    from thinwire.perf.model import aggregator_s
+    from thinwire.sim.inputs import _per_trainer, codec_model
+
+    rec = AggregatorRecord(trainers=4, per_bucket_s=0.004, per_value_s=8e-9)
+    net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M, switch_speed=0.25, switch_cpu=_per_trainer(rec))
+    cm = codec_model("int8", None, switch=True)
+    n = 445_952
+    assert aggregator_s(cm, n, n, 4, net) == pytest.approx((0.004 + 8e-9 * n) / 0.25)
+    assert aggregator_s(cm, n, n, 8, net) == pytest.approx(2 * (0.004 + 8e-9 * n) / 0.25)  # twice the trainers
+    assert aggregator_s(cm, n, n, 4, dataclasses.replace(net, switch_speed=None)) == 0.0  # uncapped: keeps up
+
+
 def test_scheme_dispatch_and_bytes():
     net = Network(alpha_s=0.0, beta_s_per_byte=BETA_100M)
     n = 1_000_000

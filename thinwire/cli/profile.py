@@ -100,6 +100,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"host speeds on {network_spec.name} (one process alone here = 1): {describe(rec)}", file=sys.stderr,
               flush=True)
         prof = dataclasses.replace(prof, host_speed=rec)
+    if network_spec is not None and network_spec.switch is not None:  # what its aggregator's CPU costs
+        import dataclasses
+
+        from thinwire.measure.aggregator import aggregator_cpu
+        from thinwire.measure.file import AggregatorRecord
+
+        agg = aggregator_cpu(len(network_spec.hosts))
+        prof = dataclasses.replace(prof, aggregator=AggregatorRecord(
+            trainers=agg["trainers"], per_bucket_s=agg["per_bucket_s"], per_value_s=agg["per_value_s"]))
     path = save_profile(prof, args.out)
     _show(prof, path)
     return 0
@@ -132,6 +141,10 @@ def _show(prof, path: Path) -> None:
             + (f"{g.factor:.2f}x fp32's samples" if g.factor is not None else "worse than fp32 after its first steps"))
         console.print(f"  {name:>12}: encode {c.encode.per_byte_s * 1e9:.3f} ns/B + {c.encode.fixed_s * 1e6:.0f} us, "
                       f"decode {c.decode.per_byte_s * 1e9:.3f} ns/B + {c.decode.fixed_s * 1e6:.0f} us{guard}")
+    if prof.aggregator:
+        a = prof.aggregator
+        console.print(f"the switch's aggregator: {a.per_bucket_s * 1e3:.2f} ms + {a.per_value_s * 1e9:.2f} ns per value of "
+                      f"CPU per bucket from {a.trainers} trainers (uncapped)")
     if prof.corun_speed:
         console.print("n copies of the step at once each run at " +
                       ", ".join(f"{v:.2f} (n={k})" for k, v in prof.corun_speed.items()) +

@@ -72,14 +72,15 @@ def per_byte(sizes: list[int], times: list[float], p: int = WORLD) -> float:
 
 def collective_cpu(reps: int = 5, timeout: float = 120.0) -> dict:
     """``{"per_byte_s", "sizes", "times_s"}``: the host CPU of a gloo ring all-reduce (module docstring)."""
-    out = run_pair("thinwire.measure.collective", ["--reps", str(reps)], timeout, what="the collective CPU probe")
+    out = run_ranks("thinwire.measure.collective", ["--reps", str(reps)], timeout, what="the collective CPU probe")
     result = json.loads(out.strip().splitlines()[-1])
     return {"per_byte_s": per_byte(result["sizes"], result["times_s"]), **result}
 
 
-def run_pair(module: str, args: list[str], timeout: float, *, what: str) -> str:
-    """Run ``python -m module --rank R --store S ARGS`` as two local ranks (one thread each, gloo over loopback
-    through a file store); rank 0's output. No rank outlives the call (timeout, error or stop signal)."""
+def run_ranks(module: str, args: list[str], timeout: float, *, what: str, world: int = WORLD, rank: int = 0) -> str:
+    """Run ``python -m module --rank R --store S ARGS`` as ``world`` local ranks (two by default; one thread
+    each, gloo over loopback through a file store); rank ``rank``'s output. No rank outlives the call
+    (timeout, error or stop signal)."""
     names = {name for _, name in socket.if_nameindex()}
     loopback = next((n for n in ("lo", "lo0") if n in names), None)  # as thinwire.train.launch's workers
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +91,7 @@ def run_pair(module: str, args: list[str], timeout: float, *, what: str) -> str:
         procs = []
         try:
             procs += [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
-                      for r in range(WORLD)]
+                      for r in range(world)]
             outs = collect(procs, time.monotonic() + timeout)
         finally:
             kill_all(procs)
@@ -98,15 +99,16 @@ def run_pair(module: str, args: list[str], timeout: float, *, what: str) -> str:
         if p.returncode != 0:
             raise RuntimeError(f"{what} failed (exit {p.returncode}; its error is above). "
                                "Skip it with `thinwire profile --no-corun`.")
-    return outs[0]
+    return outs[rank]
 
 
 def rank_args(argv: list[str] | None, doc: str) -> argparse.Namespace:
-    """A probe rank's arguments, as :func:`run_pair` passes them."""
+    """A probe rank's arguments, as :func:`run_ranks` passes them."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--store", required=True)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--world", type=int, default=WORLD)
     return p.parse_args(argv)
 
 

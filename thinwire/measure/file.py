@@ -28,6 +28,8 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
     host_speed: {cluster: lab, threads: 1, batch: 8, speed: {h0: 0.41, h1: 0.23}}  # only with --cluster: each
                                  # host's step speed there, all at once, over this profile's (measure.hostspeed)
+    aggregator: {trainers: 4, per_bucket_s: 3.6e-3, per_value_s: 8.3e-9}  # only with --cluster of a spec with
+                                 # `switch:`: the aggregator's CPU per bucket, uncapped (measure.aggregator)
 
 All costs are one core's (``threads``) on the machine in ``machine``.
 """
@@ -187,6 +189,21 @@ class NetworkRecord:
 
 
 @dataclasses.dataclass(kw_only=True)
+class AggregatorRecord:
+    """The switch's aggregator's CPU per bucket of n values from ``trainers`` trainers, at this machine's
+    speed 1: ``per_bucket_s + per_value_s * n`` (:mod:`thinwire.measure.aggregator`)."""
+
+    trainers: int
+    per_bucket_s: float
+    per_value_s: float
+
+    def __post_init__(self) -> None:
+        check_range("aggregator.trainers", self.trainers, 1, 2**20, kind="an integer")
+        check_range("aggregator.per_bucket_s", self.per_bucket_s, 0, MAX_SECONDS)
+        check_range("aggregator.per_value_s", self.per_value_s, 0, 1e-3)
+
+
+@dataclasses.dataclass(kw_only=True)
 class HostSpeedRecord:
     """Each host's speed on emulated cluster ``cluster``: the workload's training step at ``batch`` with
     ``threads`` threads run on every host at once, relative to one process alone on this machine (the
@@ -227,6 +244,7 @@ class Profile:
     sync: dict[str, ConvergenceRecord] = dataclasses.field(default_factory=dict)  # the guard's sync modes (delayed)
     network: NetworkRecord | None = None
     host_speed: HostSpeedRecord | None = None  # measured on an emulated cluster (profile --cluster)
+    aggregator: AggregatorRecord | None = None  # measured for a cluster with a switch (profile --cluster)
     layers: list[LayerRecord] = dataclasses.field(default_factory=list)  # the layer list's costs (pipelines)
     layers_batch: int = 0                                                 # the batch they were measured at
     runtime_bytes: int = 0  # a worker process's memory before its model: Python, torch, thinwire (0: not measured)

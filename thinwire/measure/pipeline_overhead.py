@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from thinwire.measure.collective import WORLD, rank_args, run_pair
+from thinwire.measure.collective import WORLD, rank_args, run_ranks
 
 MICROBATCHES = (4, 16)
 
@@ -61,7 +61,7 @@ def per_microbatch(microbatches: list[int], times: list[float]) -> float:
 
 def pipeline_overhead(reps: int = 5, timeout: float = 120.0) -> dict:
     """``{"per_microbatch_s", "microbatches", "times_s"}`` (module docstring)."""
-    out = run_pair("thinwire.measure.pipeline_overhead", ["--reps", str(reps)], timeout,
+    out = run_ranks("thinwire.measure.pipeline_overhead", ["--reps", str(reps)], timeout,
                    what="the pipeline overhead probe")
     result = json.loads(out.strip().splitlines()[-1])
     return {"per_microbatch_s": per_microbatch(result["microbatches"], result["times_s"]), **result}

@@ -123,6 +123,9 @@ class Network:
     cpu_s_per_byte: float = 0.0
     busy_hop_s: float = 0.0  # a ring hop's wait for a CPU quota while the host computes (timeline docstring)
     switch_speed: float | None = None  # the switch's aggregator's speed (its cores, one thread); None: it keeps up
+    # the aggregator's CPU per bucket and trainer, measured uncapped (``bucket + value * numel``; profile's
+    # ``aggregator``); None: priced from the transport's per-byte CPU and the codec's kernels
+    switch_cpu: tuple[float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,13 +192,17 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
 
 def aggregator_s(codec: CodecModel, numel: int, size: int, p: int, network: Network) -> float:
     """The switch's aggregator's seconds for one bucket of ``numel`` values that each of ``p`` hosts sends
-    as ``size`` bytes (:func:`thinwire.compress.switch.serve`): the transport's CPU for ``p`` hosts' bytes
+    as ``size`` bytes (:func:`thinwire.compress.switch.serve`): as measured (``network.switch_cpu``, per
+    trainer, :mod:`thinwire.measure.aggregator`), else from its parts: the transport's CPU for ``p`` hosts' bytes
     in and the sum's out, ``p`` int8 payloads added, the sum re-encoded with error feedback (decode, the
     residual added, encode, decode for the new residual), all on the aggregator's one thread at
     ``network.switch_speed``. Chunk by chunk it overlaps the wire, so the bucket takes the longer of the
     two (:func:`aggregator_lag_s`). 0 where the aggregator is taken to keep up (``switch_speed`` None)."""
     if network.switch_speed is None:
         return 0.0
+    if network.switch_cpu is not None:
+        bucket, value = network.switch_cpu
+        return p * (bucket + value * numel) / network.switch_speed
     nb = 4 * numel
     work = codec.work_s((("add", nb, p), ("decode", nb, 2), ("feedback", nb, 1), ("encode", nb, 1)))
     return (p * size * network.cpu_s_per_byte + work) / network.switch_speed

@@ -117,6 +117,11 @@ def efficiency_of(profile: Profile) -> float:
     return profile.network.efficiency if profile.network else TCP_EFFICIENCY
 
 
+def _per_trainer(rec) -> tuple[float, float] | None:
+    """The profile's measured aggregator CPU (``bucket + value * numel`` from its trainers) per trainer."""
+    return None if rec is None else (rec.per_bucket_s / rec.trainers, rec.per_value_s / rec.trainers)
+
+
 def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile, busy_hop_s: float | None = None) -> Network:
     """Alpha and the slowest edge's beta of the ring over ``hosts`` (spec links shared as the spec says);
     ``busy_hop_s``: a ring hop's wait for CPU quotas while the hosts compute (``cluster bench --busy``;
@@ -132,7 +137,8 @@ def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile, bus
     # the switch's aggregator (spec ``switch:``) runs one thread on its own cores; no cap: one core
     switch_speed = min(1.0, spec.switch.cpu or 1.0) if spec.switch is not None else None
     return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency),
-                   cpu_s_per_byte=profile.collective_cpu_s_per_byte, busy_hop_s=busy_hop_s, switch_speed=switch_speed)
+                   cpu_s_per_byte=profile.collective_cpu_s_per_byte, busy_hop_s=busy_hop_s, switch_speed=switch_speed,
+                   switch_cpu=_per_trainer(profile.aggregator))
 
 
 def compute_at(profile: Profile, batch: float) -> Compute:
