@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -72,3 +74,21 @@ def test_reprice_prices_every_row_again_from_its_kept_profile(tmp_path, monkeypa
         assert "profile-engine.yaml" in str(e)
     else:
         raise AssertionError("a missing profile must stop --reprice")
+
+
+def test_todays_model_gives_back_the_committed_switch_predictions(tmp_path):
+    """A change to how the switch is priced shows here; `nic_model.py --reprice --name nic_model_switch`
+    then rewrites the result from its kept profile."""
+    import json
+    import shutil
+
+    results = ROOT / "benchmarks" / "results"
+    shutil.copy(results / "nic_model_switch.json", tmp_path)
+    shutil.copytree(results / "nic_model_switch_profiles", tmp_path / "nic_model_switch_profiles")
+    result = json.loads((tmp_path / "nic_model_switch.json").read_text())
+    for r in result["rows"]:
+        r["predicted_s"] = float("nan")  # reprice must price every row again
+    nic_model.reprice(result, tmp_path / "nic_model_switch_profiles")
+    committed = json.loads((results / "nic_model_switch.json").read_text())
+    assert [r["predicted_s"] for r in result["rows"]] == pytest.approx(
+        [r["predicted_s"] for r in committed["rows"]], rel=1e-9)
