@@ -546,3 +546,66 @@ def test_train_notes_a_validation_cadence_the_plan_did_not_price():
     assert validation_mismatch({"every": 50, "batches": 0, "items": 800}, cfg) is None
     assert validation_mismatch({"every": 0, "batches": 20, "items": 0}, cfg) is None  # not priced
     assert validation_mismatch(None, cfg) is None  # a plan from before
+
+
+# -- the switch's aggregator as a collective ---------------------------------------------------------
+def _switched(bandwidth: str, switch_cpu: float | None) -> ClusterSpec:
+    from thinwire.cluster.spec import SwitchSpec
+
+    return ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth=bandwidth, cpu=0.5),
+                       switch=SwitchSpec(cpu=switch_cpu), hosts=[HostSpec(name=f"h{i}") for i in range(4)])
+
+
+def test_the_planner_sends_int8_through_the_switch_where_it_is_faster_and_says_so(tmp_path):
+    """On thin links an uncapped aggregator halves int8's bytes on each host's link (1 against 2(p-1)/p = 1.5
+    times its payload): the plan takes it; without a switch in the spec nothing is priced through one."""
+    prof = profile(buckets=2)
+    plan = plan_for(_switched("20mbit", None), prof, codecs=("none", "int8"))
+    assert plan.chosen.collective == "switch" and set(plan.chosen.codecs) == {"int8"}
+    assert "int8 through the switch's aggregator" in plan.chosen.name
+    assert any(l.startswith("Codec int8 through the switch's aggregator:") for l in plan.explanation)
+    assert any("the slowest link to the switch is h0's at 20 Mbit/s" in l for l in plan.explanation), plan.explanation
+    ring = [a for a in plan.alternatives if a.collective == "ring" and set(a.codecs) == {"int8"}
+            and a.hosts == plan.chosen.hosts and a.shares == plan.chosen.shares]
+    assert ring and ring[0].predicted_step_s > plan.chosen.predicted_step_s
+    assert plan.chosen.bytes_per_step < ring[0].bytes_per_step
+    plain = plan_for(ClusterSpec(name="t", defaults=DefaultsSpec(bandwidth="20mbit", cpu=0.5),
+                                 hosts=[HostSpec(name=f"h{i}") for i in range(4)]), prof, codecs=("none", "int8"))
+    assert all(d.collective != "switch" for d in [plain.chosen, *plain.alternatives])
+    back = read_plan(save_plan(plan, tmp_path / "plan.yaml"))
+    assert back.chosen.collective == "switch" and back.chosen == plan.chosen
+
+
+def test_a_slow_aggregator_keeps_int8_on_the_ring():
+    """The same thin links with an aggregator of a twentieth of a core whose CPU the profile measured:
+    4 hosts' 400K-value bucket costs it 42 ms of CPU, 0.84 s at its quota, where the ring's extra bytes cost
+    the hosts' links about 80 ms."""
+    from thinwire.measure.file import AggregatorRecord
+
+    prof = dataclasses.replace(profile(buckets=2), aggregator=AggregatorRecord(trainers=4, per_bucket_s=0.002,
+                                                                               per_value_s=1e-7))
+    plan = plan_for(_switched("20mbit", 0.05), prof, codecs=("none", "int8"))
+    assert plan.chosen.collective == "ring" and set(plan.chosen.codecs) == {"int8"}
+    switched = [a for a in plan.alternatives if a.collective == "switch"]
+    assert switched and all(a.predicted_step_s > plan.chosen.predicted_step_s for a in switched)
+
+
+def test_a_switch_plan_is_checked_and_runs_with_the_aggregator(tmp_path):
+    from thinwire.cli.train import _pipeline_from_plan
+    from thinwire.plan.planfile import Decision
+    from thinwire.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"^codecs: must be an int8 codec with nearest rounding in some bucket"):
+        Decision(name="x", hosts=["h0"], shares=[8], micro=[8], collective="switch", codecs=["bf16"],
+                 predicted_step_s=0.1)
+    with pytest.raises(ConfigError, match=r"^groups: must be none with collective switch"):
+        Decision(name="x", hosts=["h0", "h1"], shares=[8, 8], micro=[8, 8], collective="switch", codecs=["int8"],
+                 groups=[["h0", "h1"]], predicted_step_s=0.1)
+    sw = save_plan(plan_for(_switched("20mbit", None), profile(buckets=2), codecs=("none", "int8")),
+                   tmp_path / "sw.yaml")
+    ring = save_plan(plan_for(four(), codecs=("none", "int8")), tmp_path / "ring.yaml")
+    cfg = TrainConfig(workload="charlm", cluster="spec.yaml", plan=str(sw))
+    assert _pipeline_from_plan(cfg).aggregation == "switch"
+    assert _pipeline_from_plan(TrainConfig(workload="charlm", cluster="spec.yaml", plan=str(ring))).aggregation == "ring"
+    with pytest.raises(ConfigError, match=r"^aggregation: must be ring with a plan whose collective is ring"):
+        _pipeline_from_plan(TrainConfig(workload="charlm", cluster="spec.yaml", plan=str(ring), aggregation="switch"))

@@ -144,6 +144,12 @@ def _pipeline_from_plan(cfg: TrainConfig) -> TrainConfig:
         if cfg.pipeline_spec.enabled:
             raise ConfigError("pipeline", cfg.pipeline, "none with a data-parallel --plan",
                               "Make a pipeline plan with `thinwire plan --pipeline`, or leave --pipeline out.")
+        if plan.chosen is not None and plan.chosen.collective == "switch":  # the aggregator on the switch sums int8
+            return dataclasses.replace(cfg, aggregation="switch")
+        if cfg.aggregation == "switch":
+            raise ConfigError("aggregation", cfg.aggregation, f"ring with a plan whose collective is "
+                              f"{plan.chosen.collective if plan.chosen else 'none'}",
+                              "The plan priced no switch; `thinwire plan` on a cluster spec with `switch:` prices it.")
         return cfg
     return dataclasses.replace(cfg, pipeline=plan.pipeline.spec_text())
 
@@ -240,7 +246,11 @@ def _check_plan(cfg: TrainConfig) -> None:
 
     if not cfg.cluster:
         raise ThinwireError("plan: --plan needs --cluster SPEC, the cluster the plan was made for.")
-    plan = load_plan(cfg.plan, load_cluster_spec(cfg.cluster), cfg.workload, cfg.model, batch_size=cfg.batch_size)
+    spec = load_cluster_spec(cfg.cluster)
+    plan = load_plan(cfg.plan, spec, cfg.workload, cfg.model, batch_size=cfg.batch_size)
+    if plan.chosen is not None and plan.chosen.collective == "switch" and spec.switch is None:
+        raise ThinwireError(f"plan: {cfg.plan} sends int8 through the switch's aggregator, and {cfg.cluster} has no "
+                            "`switch:`. Use the cluster spec the plan was made for, or plan again on this one.")
     if plan.pipeline is None:
         plan.shares(len(plan.hosts))  # refuses a plan that is not executable
     note = validation_mismatch(plan.planning.get("validation"), cfg)

@@ -42,7 +42,7 @@ def name(pb: Problem, s: Scored) -> str:
         groups = " | ".join(",".join(pb.hosts[i].name for i in g) for g in lay.groups)
         coll_ = f"hierarchical [{groups}]"
     else:
-        coll_ = "ring"
+        coll_ = "int8 through the switch's aggregator" if lay.switch else "ring"
     prefix = "uniform DDP, " if lay.uniform else ""
     return f"{prefix}{hosts}, {shares}, {coll_}, {codec_words(lay.codecs)}"
 
@@ -72,6 +72,10 @@ def bottleneck(pb: Problem, s: Scored) -> str:
         h = next(x for x in pb.hosts if x.name == slow)
         return (f"compute on {slow} (speed {h.speed:g}): it computes for {_ms(times[slow])} while "
                 f"{fast} is done after {_ms(times[fast])} and waits")
+    if lay.switch:  # each host's own link to the switch carries its payload up and the sum down
+        h = min((pb.hosts[i] for i in lay.hosts), key=lambda x: x.bandwidth)
+        return (f"the network: {_ms(exposed)} of communication is not hidden behind backward; the slowest link "
+                f"to the switch is {h.name}'s at {h.bandwidth / 1e6:g} Mbit/s")
     ring = tuple(g[0] for g in lay.groups) if lay.groups else lay.hosts
     return (f"the network: {_ms(exposed)} of communication is not hidden behind backward; "
             f"the slowest edge{' between leaders' if lay.groups else ''} is {ring_bottleneck(pb, ring)}")
@@ -128,7 +132,7 @@ def _codec_line(pb: Problem, c: Scored) -> str | None:
     if set(lay.codecs) == {"none"}:
         return "No compression: the codecs' own cost would exceed what they save on the wire."
     alt = _ablation(pb, c, codecs=("none",) * len(lay.codecs))
-    where = "between group leaders" if lay.groups else "on the ring"
+    where = "between group leaders" if lay.groups else "through the switch's aggregator" if lay.switch else "on the ring"
     return (f"Codec {codec_words(lay.codecs)} {where}: {alt.codec_bytes / 1e6:.2f} -> {c.codec_bytes / 1e6:.2f} MB "
             f"sent per step by {'each leader' if lay.groups else 'each rank'}, saves {_ms(alt.step_s - c.step_s)} "
             f"per step ({_ms(alt.step_s)} -> {_ms(c.step_s)}) after paying its encode/decode time.")

@@ -6,8 +6,10 @@ everything the trainer needs:
 * ``hosts``: the hosts that train, in rank order (a host left out is listed in ``left_out``);
 * ``shares``: each host's per-step batch (uneven so fast hosts do not wait; they sum to
   ``global_batch``); ``micro``: the micro-batch each host accumulates over to fit its memory;
-* ``collective``: ``ring`` (one all-reduce over every host) or ``hierarchical`` (``groups``, the first
-  host of each group its leader: dense fp32 inside a group, the bucket's codec between leaders);
+* ``collective``: ``ring`` (one all-reduce over every host), ``hierarchical`` (``groups``, the first
+  host of each group its leader: dense fp32 inside a group, the bucket's codec between leaders) or
+  ``switch`` (the int8 buckets through the aggregator on the cluster's switch, the others around the
+  ring: ``thinwire train --plan`` starts the aggregator, as ``--aggregation switch`` does);
 * ``codecs``: the codec spec of each DDP bucket (profile's layout at ``bucket_mb``).
 
 With uneven shares each rank's loss is its own batch's mean, and DDP averages the ranks' gradients
@@ -52,7 +54,7 @@ class Decision:
     hosts: list[str]
     shares: list[int]
     micro: list[int]
-    collective: Literal["ring", "hierarchical"] = "ring"
+    collective: Literal["ring", "hierarchical", "switch"] = "ring"  # switch: int8 through the switch's aggregator
     groups: list[list[str]] = dataclasses.field(default_factory=list)
     codecs: list[str]
     left_out: list[str] = dataclasses.field(default_factory=list)
@@ -74,6 +76,14 @@ class Decision:
         if self.collective == "hierarchical":
             flat = sorted(h for g in self.groups for h in g)
             check(flat == sorted(self.hosts), "groups", self.groups, "a partition of the plan's hosts")
+        if self.collective == "switch":
+            from thinwire.compress.schemes.switched import Switched
+            from thinwire.compress.spec import parse_codec_spec
+
+            check(not self.groups, "groups", self.groups, "none with collective switch")
+            check(any(Switched.accepts(parse_codec_spec(c)) for c in self.codecs), "codecs", self.codecs,
+                  "an int8 codec with nearest rounding in some bucket with collective switch",
+                  "The switch sums int8 only; make the plan again with `thinwire plan`.")
         for name in ("predicted_step_s", "compute_s", "exposed_comm_s", "validation_s"):
             check_range(name, getattr(self, name), 0, 1e9, fix="Seconds; make the plan again with `thinwire plan`.")
         check_range("bytes_per_step", self.bytes_per_step, 0, 2**62, kind="an integer")

@@ -237,7 +237,20 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                  cpu_s_per_byte=profile.collective_cpu_s_per_byte,
                  busy_hop_s=(profile.network.busy_hop_s or 0.0) if profile.network else 0.0,
                  val_items=val_items, eval_every=max(1, opts.eval_every))
+    if spec.switch is not None:  # int8 (nearest rounding) may go through the aggregator on the switch
+        net = inputs.ring_network(spec, spec.hosts, profile)
+        pb.switch_speed, pb.switch_cpu = net.switch_speed, net.switch_cpu
+        pb.switch_codecs = {name: inputs.codec_model(name, profile if profile.codecs else None, switch=True)
+                            for name in codecs if switchable(name)}
     return pb, notes
+
+
+def switchable(name: str) -> bool:
+    """Whether codec spec ``name`` can be summed by the switch's aggregator (int8, nearest rounding)."""
+    from thinwire.compress.schemes.switched import Switched
+    from thinwire.compress.spec import parse_codec_spec
+
+    return Switched.accepts(parse_codec_spec(name))
 
 
 def fits_nowhere(spec: ClusterSpec, profile: Profile, opts: PlanOptions, workload: str) -> ThinwireError:
@@ -267,7 +280,8 @@ def decision(pb: Problem, s: Scored, left_out: list[str]) -> Decision:
     out = left_out + [h.name for i, h in enumerate(pb.hosts) if i not in lay.hosts]
     groups = [[pb.hosts[i].name for i in g] for g in lay.groups] if lay.groups else []
     return Decision(name=explain.name(pb, s), hosts=names, shares=list(lay.shares), micro=list(lay.micro),
-                    collective="hierarchical" if lay.groups else "ring", groups=groups, codecs=list(lay.codecs),
+                    collective="hierarchical" if lay.groups else "switch" if lay.switch else "ring", groups=groups,
+                    codecs=list(lay.codecs),
                     left_out=out, predicted_step_s=s.step_s, compute_s=s.compute_s,
                     exposed_comm_s=s.timeline.exposed_comm_s, bytes_per_step=s.bytes_per_step, sample_factor=s.factor,
                     validation_s=s.val_s)

@@ -84,6 +84,11 @@ class Problem:
     threads: int = 1
     min_gain: float = 0.02
     factors: dict[str, float] = dataclasses.field(default_factory=dict)  # codec -> sample factor (absent: 1)
+    # the cluster's aggregator on the switch (spec ``switch:``): int8 codecs' models through it, its speed
+    # (cores, one thread) and its measured CPU per bucket and trainer; empty: no switch to aggregate in
+    switch_codecs: dict[str, CodecModel] = dataclasses.field(default_factory=dict)
+    switch_speed: float | None = None
+    switch_cpu: tuple[float, float] | None = None
     val_items: int = 0                   # validation items per evaluation (0: validation not priced)
     eval_every: int = 1                  # steps between evaluations
     scored: int = 0                      # candidates priced so far
@@ -116,6 +121,7 @@ class Layout:
     groups: tuple[tuple[int, ...], ...] | None
     codecs: tuple[str, ...]
     uniform: bool = False
+    switch: bool = False  # int8 buckets through the aggregator on the switch (flat layouts only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +149,15 @@ def ring_network(pb: Problem, idx: Sequence[int]) -> Network:
     hs = [pb.hosts[i] for i in idx]
     rates = coll.ring_edge_rates([h.bandwidth for h in hs], [h.group for h in hs], pb.links)
     return Network(alpha_s=pb.alpha_s, beta_s_per_byte=coll.ring_beta(rates, pb.efficiency),
-                   cpu_s_per_byte=pb.cpu_s_per_byte)
+                   cpu_s_per_byte=pb.cpu_s_per_byte, switch_speed=pb.switch_speed, switch_cpu=pb.switch_cpu)
 
 
 def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int, float, int]:
     """(encode, wire, decode seconds, bytes the busiest rank sends, of which through the codec, the
     collectives' host CPU seconds, ring hops on the critical path) of bucket ``i``."""
     n, codec = pb.buckets[i].numel, pb.codecs[lay.codecs[i]]
+    if lay.switch:
+        codec = pb.switch_codecs.get(lay.codecs[i], codec)  # other codecs still go around the ring
     if lay.groups is None:
         c = bucket_cost(codec, i, n, len(lay.hosts), ring_network(pb, lay.hosts), codec_speed)
         return c.encode_s, c.comm_s, c.decode_s, c.bytes_sent, c.bytes_sent, c.comm_cpu_s, c.hops
@@ -365,11 +373,15 @@ def search(pb: Problem, keep: int = 8) -> list[Scored]:
         allowed = list(pb.codecs) if can_compress else ["none"]
         best = best_codecs(pb, lay, allowed)
         found.setdefault(best.layout, best)
+    for s in list(found.values()):  # each flat layout with int8 buckets again, through the switch
+        if s.layout.groups is None and len(s.layout.hosts) > 1 and set(s.layout.codecs) & set(pb.switch_codecs):
+            sw = score(pb, dataclasses.replace(s.layout, switch=True))
+            found[sw.layout] = sw
     unique: dict[tuple, Scored] = {}
     for s in found.values():  # the same decision found by the search and as uniform DDP: keep the uniform label
         key = dataclasses.replace(s.layout, uniform=False)
         if key not in unique or s.layout.uniform:
             unique[key] = s
     ranked = sorted(unique.values(), key=lambda s: (s.time_s, s.step_s, -len(s.layout.hosts), not s.layout.uniform,
-                                                    s.layout.codecs))
+                                                    s.layout.switch, s.layout.codecs))
     return ranked[:keep]

@@ -109,14 +109,14 @@ class TrainConfig:
         check(self.cluster is not None, "aggregation", self.aggregation, "switch with --cluster SPEC",
               "The aggregator runs on the emulated cluster's switch (spec `switch: {cpu: 0.5}`).")
         codec = self.comm.codec if isinstance(self.comm, CodecSpec) else None
-        check(codec is not None and codec.name == "int8" and not codec.config.stochastic, "compression",
-              self.compression, "int8 (nearest rounding, any block) with --aggregation switch",
+        check(self.plan is not None or (codec is not None and codec.name == "int8" and not codec.config.stochastic),
+              "compression", self.compression, "int8 (nearest rounding, any block) with --aggregation switch",
               "The switch sums int8 at agreed block scales; other codecs travel around the ring: " + ring)
         check(self.sync_spec.mode == "allreduce", "sync", self.sync, "allreduce with --aggregation switch", ring)
         check(self.min_hosts is None, "min_hosts", self.min_hosts, "left out with --aggregation switch",
               "The aggregator expects a fixed set of hosts. " + ring)
-        check(self.plan is None and not self.pipeline_spec.enabled, "aggregation", self.aggregation,
-              "ring with --plan or --pipeline", "Leave --plan and --pipeline out to aggregate in the switch.")
+        check(not self.pipeline_spec.enabled, "aggregation", self.aggregation, "ring with --pipeline",
+              "Leave --pipeline out to aggregate in the switch.")
 
     def _check_pipeline(self) -> None:
         """What a pipelined run does not do (yet): each refused with the way to run without it."""

@@ -195,14 +195,13 @@ class Trainer:
         # between steps, when DDP has waited for every bucket.
         kwargs = dict(error_feedback=self.cfg.error_feedback, warmup_steps=self.cfg.compression_warmup,
                       process_group=dist.group.WORLD)
-        if self.planned:
-            return self.planned.attach(self.ddp, **kwargs)
-        state = attach(self.ddp, self.cfg.comm, **kwargs)
+        state = self.planned.attach(self.ddp, **kwargs) if self.planned else attach(self.ddp, self.cfg.comm, **kwargs)
         if self.cfg.aggregation == "switch":  # int8 buckets through the aggregator on the switch
-            from thinwire.compress.switch import connect
+            from thinwire.compress.switch import BLOCK, connect
 
-            state.switch = connect(self.env.rank, self.env.world, self.env.restart_count, self.cfg.timeout_s,
-                                   block=self.cfg.comm.codec.config.block)
+            # the port's default block (each bucket's header names its own): the flag's codec, else int8's
+            block = BLOCK if self.planned else self.cfg.comm.codec.config.block
+            state.switch = connect(self.env.rank, self.env.world, self.env.restart_count, self.cfg.timeout_s, block=block)
         return state
 
     def _lr_factor(self, step: int) -> float:
