@@ -21,7 +21,7 @@ is predicted / measured; issue 24 asks the switch and offload predictions within
 
 The profiles a run prices from are kept next to its result (``NAME_profiles/``). After a change to the
 model, ``--reprice`` prices the stored runs again from them (no root, nothing measured); each row keeps
-its earlier price as ``predicted_s_before``:
+its earlier price as ``predicted_s_before``; a hand-written ``provenance`` (and ``title``) in the JSON stays in the report:
 
     .venv/bin/python benchmarks/nic_model.py --reprice
 """
@@ -48,6 +48,7 @@ from thinwire.cluster.spec import load_cluster_spec  # noqa: E402
 
 HOSTS = 4
 SWITCH_CPU = 0.25
+TITLE = "The switch and the offload engine: predicted against measured step (issue 24's model item)"
 
 
 def switch_spec(cpu: float | None) -> str:
@@ -124,7 +125,8 @@ def summarize(rows: list[dict], codecs: list[str]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    L = ["# The switch and the offload engine: predicted against measured step (issue 24's model item)\n",
+    L = [f"# {result.get('title', TITLE)}\n",
+         *([result["provenance"] + "\n"] if result.get("provenance") else []),
          f"Command: `{result['command']}`  ",
          f"Run {result['started']} to {result['ended']}. Workload: charlm {MODEL}, global batch {BATCH}, one thread "
          f"per worker, {result['steps']} steps per run, {result['reps']} runs per case interleaved, the mean step "
@@ -152,7 +154,7 @@ def markdown(result: dict) -> str:
         L.append(f"- {group}: median |predicted / measured - 1| {err:.1%}; within 15%: {within[0]} of {within[1]} cases.")
     for group, (pa, pb, ma, mb) in result["speedups"].items():
         L.append(f"- {group}: predicted speed-up {pa / pb:.2f}x, measured {ma / mb:.2f}x.")
-    L.append(f"\nTotal {result['elapsed_s'] / 60:.1f} min; load average at the end {result['load_average_at_end']}.")
+    L.append(f"\nTotal {result['elapsed_s'] / 60:.1f} min; load average at the end {tuple(result['load_average_at_end'])}.")
     return "\n".join(L) + "\n"
 
 
