@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
                         "host's cpu from the spec)")
     p.add_argument("--no-corun", dest="corun", action="store_false",
                    help="skip measuring the step with every core busy (needed to simulate an emulated cluster) "
-                        "and the host CPU of an all-reduce")
+                        ", the host CPU of an all-reduce and of a switch's aggregator")
     p.add_argument("--guard-steps", type=int,
                    help="steps of each codec's convergence-guard run against fp32, from the workload's initial "
                         "weights at the largest batch, on 3 data orders (default 60, thinwire.measure.convergence.GUARD_STEPS; "
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"host speeds on {network_spec.name} (one process alone here = 1): {describe(rec)}", file=sys.stderr,
               flush=True)
         prof = dataclasses.replace(prof, host_speed=rec)
-    if network_spec is not None and network_spec.switch is not None:  # what its aggregator's CPU costs
+    if network_spec is not None and network_spec.switch is not None and args.corun:  # its aggregator's CPU
         import dataclasses
 
         from thinwire.measure.aggregator import aggregator_cpu

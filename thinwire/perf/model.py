@@ -196,8 +196,8 @@ def aggregator_s(codec: CodecModel, numel: int, size: int, p: int, network: Netw
     trainer, :mod:`thinwire.measure.aggregator`), else from its parts: the transport's CPU for ``p`` hosts' bytes
     in and the sum's out, ``p`` int8 payloads added, the sum re-encoded with error feedback (decode, the
     residual added, encode, decode for the new residual), all on the aggregator's one thread at
-    ``network.switch_speed``. Chunk by chunk it overlaps the wire, so the bucket takes the longer of the
-    two (:func:`aggregator_lag_s`). 0 where the aggregator is taken to keep up (``switch_speed`` None)."""
+    ``network.switch_speed``. Chunk by chunk it is one stage of the wire's pipeline (:func:`aggregator_lag_s`).
+    0 where the aggregator is taken to keep up (``switch_speed`` None)."""
     if network.switch_speed is None:
         return 0.0
     if network.switch_cpu is not None:
