@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
                    help="with --cluster: probe the network only, not each host's speed (the model then takes a "
                         "host's cpu from the spec)")
     p.add_argument("--no-corun", dest="corun", action="store_false",
-                   help="skip measuring the step with every core busy (needed to simulate an emulated cluster) "
-                        ", the host CPU of an all-reduce and of a switch's aggregator")
+                   help="skip measuring the step with every core busy (needed to simulate an emulated cluster), "
+                        "the host CPU of an all-reduce and that of a switch's aggregator")
     p.add_argument("--guard-steps", type=int,
                    help="steps of each codec's convergence-guard run against fp32, from the workload's initial "
                         "weights at the largest batch, on 3 data orders (default 60, thinwire.measure.convergence.GUARD_STEPS; "
