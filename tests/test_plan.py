@@ -574,6 +574,10 @@ def test_the_planner_sends_int8_through_the_switch_where_it_is_faster_and_says_s
     assert all(d.collective != "switch" for d in [plain.chosen, *plain.alternatives])
     back = read_plan(save_plan(plan, tmp_path / "plan.yaml"))
     assert back.chosen.collective == "switch" and back.chosen == plan.chosen
+    assert not any("aggregator" in l and "did not measure" in l for l in plan.explanation)  # uncapped: no CPU priced
+    capped = plan_for(_switched("20mbit", 0.5), prof, codecs=("none", "int8"))
+    assert any("switch's aggregator (0.5 core) is priced from" in l and "did not measure it" in l
+               for l in capped.explanation), capped.explanation
 
 
 def test_a_slow_aggregator_keeps_int8_on_the_ring():

@@ -242,6 +242,10 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
         pb.switch_speed, pb.switch_cpu = net.switch_speed, net.switch_cpu
         pb.switch_codecs = {name: inputs.codec_model(name, profile if profile.codecs else None, switch=True)
                             for name in codecs if switchable(name)}
+        if pb.switch_codecs and profile.aggregator is None and spec.switch.cpu is not None:
+            notes.append(f"the switch's aggregator ({spec.switch.cpu:g} core) is priced from the transport's per-byte "
+                         "CPU and the codec's kernels, which came to a third of its measured CPU on charlm: this profile "
+                         "did not measure it (`thinwire profile --cluster SPEC` does, for a spec with `switch:`)")
     return pb, notes
 
 
