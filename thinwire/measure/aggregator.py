@@ -9,8 +9,9 @@ the tensor kernels alone put it at a third of that.
 
 Here ``p`` trainer processes and the aggregator (``p + 1`` local ranks, one thread each, gloo over
 loopback through a file store) exchange buckets of a small and a large size through
-:class:`~thinwire.compress.switch.SwitchPort`, after a warm-up round that opens the connections. The
-aggregator's process CPU time (its thread and gloo's) per bucket at the two sizes gives a line,
+:class:`~thinwire.compress.switch.SwitchPort`, after a warm-up round that opens the connections, in
+3 rounds of both sizes (the median of each size's kept: one busy moment of the machine moves one
+round). The aggregator's process CPU time (its thread and gloo's) per bucket at the two sizes gives a line,
 ``cpu(n) = per_bucket_s + per_value_s * n`` for ``p`` trainers, at the profile's speed 1 (this machine,
 uncapped). The model scales it by ``p`` for other host counts (every trainer's messages and bytes pass
 through the aggregator) and divides by the aggregator's cores (:func:`thinwire.perf.model.aggregator_s`).
@@ -21,12 +22,14 @@ Run as a module it is one rank: ``python -m thinwire.measure.aggregator --rank R
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 from thinwire.measure.collective import rank_args, run_ranks
 
 SIZES = (65_536, 524_288)  # values per bucket: a small and a large one
-CALLS = 8                  # buckets per size
+CALLS = 8                  # buckets per size and round
+ROUNDS = 3                 # rounds of both sizes, alternating; each size's median is kept
 
 
 def _rank(args) -> None:
@@ -39,9 +42,10 @@ def _rank(args) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(args.store, args.world), rank=args.rank,
                             world_size=args.world)
     trainers = list(range(args.world - 1))
+    rounds = [(SIZES[0], 2)] + [(n, args.reps) for _ in range(ROUNDS) for n in SIZES]  # the first warms up
     try:
         cpu = []
-        for size, calls in ((SIZES[0], 2), *((n, args.reps) for n in SIZES)):  # the first round warms up
+        for size, calls in rounds:
             if args.rank == args.world - 1:
                 c0 = time.process_time()
                 served = switch.serve(dist.group.WORLD, trainers)
@@ -55,8 +59,9 @@ def _rank(args) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    if args.rank == args.world - 1:
-        print(json.dumps({"sizes": list(SIZES), "cpu_s": cpu[1:]}), flush=True)
+    if args.rank == args.world - 1:  # each size's median over the rounds
+        per = {n: statistics.median(c for (m, _), c in zip(rounds[1:], cpu[1:]) if m == n) for n in SIZES}
+        print(json.dumps({"sizes": list(SIZES), "cpu_s": [per[n] for n in SIZES]}), flush=True)
 
 
 def fit(sizes: list[int], cpu_s: list[float]) -> tuple[float, float]:
