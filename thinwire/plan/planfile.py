@@ -77,11 +77,10 @@ class Decision:
             flat = sorted(h for g in self.groups for h in g)
             check(flat == sorted(self.hosts), "groups", self.groups, "a partition of the plan's hosts")
         if self.collective == "switch":
-            from thinwire.compress.schemes.switched import Switched
-            from thinwire.compress.spec import parse_codec_spec
+            from thinwire.compress.schemes.switched import switchable
 
             check(not self.groups, "groups", self.groups, "none with collective switch")
-            check(any(Switched.accepts(parse_codec_spec(c)) for c in self.codecs), "codecs", self.codecs,
+            check(any(switchable(c) for c in self.codecs), "codecs", self.codecs,
                   "an int8 codec with nearest rounding in some bucket with collective switch",
                   "The switch sums int8 only; make the plan again with `thinwire plan`.")
         for name in ("predicted_step_s", "compute_s", "exposed_comm_s", "validation_s"):

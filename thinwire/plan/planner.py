@@ -238,6 +238,8 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                  busy_hop_s=(profile.network.busy_hop_s or 0.0) if profile.network else 0.0,
                  val_items=val_items, eval_every=max(1, opts.eval_every))
     if spec.switch is not None:  # int8 (nearest rounding) may go through the aggregator on the switch
+        from thinwire.compress.schemes.switched import switchable
+
         net = inputs.ring_network(spec, spec.hosts, profile)
         pb.switch_speed, pb.switch_cpu = net.switch_speed, net.switch_cpu
         pb.switch_codecs = {name: inputs.codec_model(name, profile if profile.codecs else None, switch=True)
@@ -248,13 +250,6 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                          "did not measure it (`thinwire profile --cluster SPEC` does, for a spec with `switch:`)")
     return pb, notes
 
-
-def switchable(name: str) -> bool:
-    """Whether codec spec ``name`` can be summed by the switch's aggregator (int8, nearest rounding)."""
-    from thinwire.compress.schemes.switched import Switched
-    from thinwire.compress.spec import parse_codec_spec
-
-    return Switched.accepts(parse_codec_spec(name))
 
 
 def fits_nowhere(spec: ClusterSpec, profile: Profile, opts: PlanOptions, workload: str) -> ThinwireError:

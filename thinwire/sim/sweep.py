@@ -59,10 +59,9 @@ class SimOptions:
         get_device_checked(self.device)
         check(self.aggregation in ("ring", "switch"), "--aggregation", self.aggregation, "ring or switch")
         if self.aggregation == "switch":
-            from thinwire.compress.schemes import SWITCHED
-            from thinwire.compress.spec import parse_codec_spec
+            from thinwire.compress.schemes.switched import switchable
 
-            check(SWITCHED.accepts(parse_codec_spec(self.codec)), "--compression", self.codec,
+            check(switchable(self.codec), "--compression", self.codec,
                   "int8 (nearest rounding) with --aggregation switch", "Other codecs travel around the ring.")
 
 

@@ -105,11 +105,13 @@ class TrainConfig:
         check(self.aggregation in ("ring", "switch"), "aggregation", self.aggregation, "ring or switch")
         if self.aggregation == "ring":
             return
+        from thinwire.compress.schemes.switched import Switched
+
         ring = "Use --aggregation ring (the default) for it."
         check(self.cluster is not None, "aggregation", self.aggregation, "switch with --cluster SPEC",
               "The aggregator runs on the emulated cluster's switch (spec `switch: {cpu: 0.5}`).")
         codec = self.comm.codec if isinstance(self.comm, CodecSpec) else None
-        check(self.plan is not None or (codec is not None and codec.name == "int8" and not codec.config.stochastic),
+        check(self.plan is not None or (codec is not None and Switched.accepts(codec)),
               "compression", self.compression, "int8 (nearest rounding, any block) with --aggregation switch",
               "The switch sums int8 at agreed block scales; other codecs travel around the ring: " + ring)
         check(self.sync_spec.mode == "allreduce", "sync", self.sync, "allreduce with --aggregation switch", ring)

@@ -16,6 +16,14 @@ from thinwire.compress.codecs.base import Codec
 from thinwire.compress.schemes.base import BucketJob, Scheme, Traffic, corrected, feedback_half, remember
 
 
+def switchable(spec: str) -> bool:
+    """Whether the codec of spec string ``spec`` can be summed by the switch's aggregator (int8, nearest
+    rounding): the one test ``simulate``, ``plan``, a plan file and ``train`` ask."""
+    from thinwire.compress.spec import parse_codec_spec
+
+    return Switched.accepts(parse_codec_spec(spec))
+
+
 class Switched(Scheme):
     name = "switch"
 
