@@ -99,6 +99,30 @@ def test_a_nonfinite_gradient_on_one_trainer_makes_every_result_nan_and_the_next
     assert all(torch.allclose(r["small"], exact, atol=float(exact.max()) / 127) for r in results[:3])
 
 
+def _idle(rank: int, world: int) -> dict:
+    import datetime
+    import time
+
+    p = world - 1
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=1))
+    if rank == p:
+        return {"served": switch.serve(group, list(range(p)))}
+    port = switch.SwitchPort(group, aggregator=p)
+    first, _ = port.all_reduce(torch.ones(300))
+    time.sleep(2.5)  # idle for longer than the group's timeout: a validation pass, a checkpoint
+    second, _ = port.all_reduce(torch.ones(300) * 2)
+    port.close()
+    return {"first": first, "second": second}
+
+
+def test_the_aggregator_waits_out_trainers_that_idle_longer_than_the_timeout():
+    results = run_ranks(_idle, 3, timeout=60)
+    assert results[2]["served"] == 2
+    for r in results[:2]:  # the sum, to int8's rounding
+        assert torch.allclose(r["first"], torch.full((300,), 2.0), atol=2 / 127)
+        assert torch.allclose(r["second"], torch.full((300,), 4.0), atol=4 / 127)
+
+
 def _mismatch(rank: int, world: int) -> str:
     p = world - 1
     if rank == p:

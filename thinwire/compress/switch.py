@@ -65,6 +65,11 @@ STOP, INT8 = 0, 1     # header kinds
 # int8 bytes per chunk: a bucket's payload goes up and its sum comes down chunk by chunk, so the way down
 # of chunk j overlaps the way up of chunk j+1 (both directions of every link busy, as on a ring)
 CHUNK_BYTES = 64 * 1024
+# how long the aggregator waits for a bucket's header: trainers may leave it idle for as long as they like
+# (a validation pass, a checkpoint, `auto` sending every bucket around the ring). The job's timeout would
+# end the wait, and gloo then closes the connection, so the group is lost. A trainer that dies closes its
+# connection, which ends the wait at once; a hung one is stopped by its own collectives' timeout.
+IDLE_WAIT = timedelta(days=365)
 
 
 def header_bytes() -> int:
@@ -141,7 +146,7 @@ def serve(group, trainers: list[int]) -> int:
     residuals: dict[tuple[int, int, int], Tensor] = {}
     served = 0
     while True:
-        headers = _gather(group, [torch.empty(4, dtype=torch.int64) for _ in trainers], trainers)
+        headers = _gather(group, [torch.empty(4, dtype=torch.int64) for _ in trainers], trainers, wait=IDLE_WAIT)
         kinds = {int(h[0]) for h in headers}
         if kinds == {STOP}:
             return served
@@ -210,9 +215,10 @@ def _recv(group, t: Tensor, src: int) -> None:
     group.recv([t], src, 0).wait()
 
 
-def _gather(group, bufs: list[Tensor], ranks: list[int]) -> list[Tensor]:
+def _gather(group, bufs: list[Tensor], ranks: list[int], wait: timedelta | None = None) -> list[Tensor]:
+    """``bufs[i]`` from rank ``ranks[i]``; ``wait``: how long (default: the group's timeout)."""
     for w in [group.recv([buf], r, 0) for buf, r in zip(bufs, ranks)]:
-        w.wait()
+        w.wait() if wait is None else w.wait(wait)
     return bufs
 
 
