@@ -151,8 +151,10 @@ def test_train_config_refuses_what_the_switch_cannot_sum():
     ok = dict(workload="digits", cluster="spec.yaml", compression="int8", aggregation="switch")
     assert TrainConfig(**ok).aggregation == "switch"
     assert TrainConfig(**{**ok, "compression": "int8:block=64"}).comm.codec.config.block == 64
+    assert TrainConfig(**{**ok, "compression": "auto"}).aggregation == "switch"  # int8 is a default candidate
     cases = [({"cluster": None}, r"^aggregation: must be switch with --cluster SPEC"),
-             ({"compression": "bf16"}, r"^compression: must be int8 \(nearest rounding, any block\) with --aggregation switch"),
+             ({"compression": "auto:candidates=none|bf16"}, r"^compression: must be int8 .*, or auto with int8 among"),
+             ({"compression": "bf16"}, r"^compression: must be int8 \(nearest rounding, any block\), or auto with int8 among its candidates, with --aggregation switch"),
              ({"compression": "int8:stochastic=true"}, r"^compression: must be int8"),
              ({"sync": "delayed"}, r"^sync: must be allreduce with --aggregation switch"),
              ({"min_hosts": 2, "max_restarts": 1}, r"^min_hosts: must be left out with --aggregation switch"),
@@ -263,3 +265,86 @@ def test_switch_cpu_bench_reports_the_aggregators_cost(capsys):
     out = capsys.readouterr().out
     assert "aggregator:" in out and "ms CPU per bucket" in out and "0.25-core quota" in out
     assert switch_cpu.tensor_work_s(5000, 2, reps=2) > 0
+
+
+def _routed(rank: int, world: int) -> dict:
+    """A policy that sends bucket 0's int8 through the switch and bucket 1's around the ring."""
+    from thinwire.compress.hook import CommState, Policy
+    from thinwire.compress.spec import parse_codec_spec
+
+    class ByBucket(Policy):
+        def codec_for(self, bucket, numel, step):
+            return parse_codec_spec("int8")
+
+        def via_switch(self, bucket):
+            return bucket == 0
+
+        def describe(self):
+            return "int8, bucket 0 through the switch"
+
+    p = world - 1
+    trainers = dist.new_group(list(range(p)))
+    if rank == p:
+        return {"served": switch.serve(dist.group.WORLD, list(range(p)))}
+    state = CommState(ByBucket(), error_feedback=True, warmup_steps=0, min_compress_bytes=0, nonfinite="skip",
+                      group=trainers)
+    state.switch = switch.SwitchPort(dist.group.WORLD, aggregator=p)
+    out = [state.send(torch.full((1000,), float(rank + 1)) * p, i, 0, [(1000,)], ((i, 1000),)).wait() for i in (0, 1)]
+    calls = state.switch.calls
+    state.close()
+    return {"out": out, "calls": calls}
+
+
+def test_a_policy_routes_each_int8_bucket_through_the_switch_or_around_the_ring():
+    results = run_ranks(_routed, 3, timeout=60)
+    assert results[2]["served"] == 1  # bucket 0 only
+    for r in results[:2]:
+        assert r["calls"] == 1
+        for out in r["out"]:  # the mean of 1 and 2, by either route
+            assert torch.allclose(out, torch.full((1000,), 3.0), atol=3 / 127)
+
+
+def test_auto_sends_int8_through_the_switch_where_it_pays_and_around_the_ring_once_the_switch_is_timed_slow():
+    """With an aggregator on the switch, auto's candidates include int8 through it (``int8@switch``), first
+    priced from the link's pace (the aggregator taken to keep up), then from the switch's as timed; without
+    one, int8 goes around the ring as before."""
+    from types import SimpleNamespace
+
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto.agree import Measurements
+
+    link = 8 / 20e6  # 20 Mbit/s
+
+    def window(step_s, switch_beta=None):
+        return Measurements(alpha=1e-4, beta=link, pre_s=0.02, backward_s=0.04, step_s=step_s, errors={0: 0.01},
+                            shadow={0: {"bf16": 0.002, "int8": 0.01}}, window=[step_s] * 5, switch_beta=switch_beta)
+
+    def policy_seeing(windows, port):
+        policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=1,
+                                       candidates=("none", "bf16", "int8")))
+        policy.numels, policy.costs = {0: 400_000}, {"bf16": (1e-10, 1e-11), "int8": (1e-9, 1e-10)}
+        policy._state = SimpleNamespace(wire=SimpleNamespace(world=4), switch=port)
+        seen = iter(windows)
+        policy._measured = lambda: None  # _agree below stands in for every rank's merged record
+        policy._agree = lambda measured: lambda: next(seen)
+        for step in range(1, 1 + len(windows)):
+            policy._check(step)
+            policy.sent(0, step)
+            policy._conclude(step + 1)
+        return policy
+
+    port = SimpleNamespace(bytes_sent=0, all_reduce=lambda *a, **k: None)
+    # 4 hosts: the switch sends 1.5x fewer bytes than int8's ring: chosen; the clock keeps it
+    kept = policy_seeing([window(0.4), window(0.2)], port)
+    assert kept.choices == {0: "int8@switch"}, kept.decisions
+    assert kept.via_switch(0) and kept.codec_for(0, 400_000, 9).name == "int8"
+    # then timed at a quarter of the link's pace (a slow aggregator): decided again, int8 around the ring
+    slow = policy_seeing([window(0.4), window(0.2), window(0.2, switch_beta=4 * link)], port)
+    assert [d["reason"].split(":")[0] for d in slow.decisions] == ["warm-up done", "kept", "the switch timed"]
+    assert slow.choices == {0: "int8"} and not slow.via_switch(0)
+    # timed as fast as it was priced: no change
+    fine = policy_seeing([window(0.4), window(0.2), window(0.2, switch_beta=link)], port)
+    assert fine.choices == {0: "int8@switch"} and len(fine.decisions) == 3
+    # no aggregator: int8 around the ring
+    ring = policy_seeing([window(0.4), window(0.2)], None)
+    assert ring.choices == {0: "int8"} and not ring.via_switch(0)

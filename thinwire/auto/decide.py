@@ -6,10 +6,14 @@ Steps of :func:`decide`:
    cumulative share of values, as DDP fills buckets in the order backward produces them).
 2. **Candidates** as the model sees them (:func:`thinwire.sim.inputs.codec_model`, with the
    parameters' shapes for PowerSGD), their encode and decode priced by the costs every rank agreed
-   on (:func:`codec_costs`, measured once at the largest bucket).
+   on (:func:`codec_costs`, measured once at the largest bucket). Where the job has an aggregator on
+   the switch, each codec it can sum is a candidate twice (:func:`routes`): around the ring (``int8``)
+   and through the switch (``int8@switch``), priced at the switch's pace as timed once it has carried
+   a bucket, before that from the link's with the aggregator taken to keep up (the trial then judges).
 3. **Left out per bucket**: codecs the accuracy guard banned, codecs a trial rejected
-   (:mod:`thinwire.auto.trial`), and lossy candidates whose shadow error is over the cap (unless the
-   convergence guard of ``auto:guard=PROFILE`` says they reach fp32's loss).
+   (:mod:`thinwire.auto.trial`; by route), and lossy candidates whose shadow error is over the cap (unless the
+   convergence guard of ``auto:guard=PROFILE`` says they reach fp32's loss); a codec left out for its
+   error is left out by either route.
 4. **Search** (:func:`thinwire.plan.choose.choose`, the planner's per-bucket coordinate descent)
    from the plan in use, so a change must be predicted ``min_gain`` faster to be made.
 
@@ -26,6 +30,7 @@ import os
 import torch
 
 from thinwire.auto.agree import Measurements
+from thinwire.compress.schemes.switched import base_spec, switchable, via_switch
 from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
 from thinwire.plan.choose import BucketCodecs, choose
 
@@ -46,18 +51,21 @@ class Guards:
 
 def decide(*, numels: dict[int, int], shapes: dict[int, list[tuple]], plan: dict[int, str], candidates: tuple[str, ...],
            costs: dict[str, tuple[float, float]], shared: Measurements, guards: Guards, world: int,
-           min_gain: float) -> tuple[dict[int, str], BucketCodecs]:
+           min_gain: float, switch: bool = False) -> tuple[dict[int, str], BucketCodecs]:
     """The new choice per bucket index and the search's decision (see the module docstring).
-    ``plan``: the spec each bucket is sent with now; ``costs``: the agreed codec costs."""
+    ``plan``: the spec each bucket is sent with now; ``costs``: the agreed codec costs; ``switch``: the
+    job has an aggregator on the switch."""
     order = sorted(numels)
     sizes = [numels[i] for i in order]
     layout = [shapes[i] for i in order] if all(i in shapes for i in order) else None
+    candidates = routes(candidates, switch)
     models = candidate_models(candidates, sizes, layout, costs)
-    left_out = _left_out(order, guards, shared.shadow)
+    left_out = _left_out(order, guards, shared.shadow, candidates)
     current = [plan[i] if plan[i] not in left_out.get(k, ()) else "none" for k, i in enumerate(order)]
     decision = choose(initial=current, buckets=buckets(sizes),
                       compute=Compute(pre_s=shared.pre_s, backward_s=shared.backward_s, post_s=0.0),
-                      speeds=[1.0] * world, network=Network(alpha_s=shared.alpha, beta_s_per_byte=shared.beta),
+                      speeds=[1.0] * world, network=Network(alpha_s=shared.alpha, beta_s_per_byte=shared.beta,
+                                                            switch_beta_s_per_byte=shared.switch_beta),
                       candidates=models, banned=left_out, min_gain=min_gain, codec_steals_compute=_no_spare_core())
     return dict(zip(order, decision.choices)), decision
 
@@ -80,20 +88,31 @@ def buckets(numels: list[int]) -> list[Bucket]:
     return [Bucket(numel=n, ready_frac=sum(numels[: k + 1]) / total) for k, n in enumerate(numels)]
 
 
+def routes(candidates: tuple[str, ...], switch: bool) -> tuple[str, ...]:
+    """The candidates by route: with a ``switch``, each one its aggregator can sum also through it, next
+    to its ring route (``int8``, ``int8@switch``)."""
+    out: list[str] = []
+    for c in candidates:
+        out += [c, via_switch(c)] if switch and switchable(c) else [c]
+    return tuple(out)
+
+
 def candidate_models(candidates: tuple[str, ...], numels: list[int], shapes: list | None,
                      costs: dict[str, tuple[float, float]]) -> dict[str, CodecModel]:
-    """Each candidate's model (light first, as the search wants them), priced with ``costs``."""
+    """Each candidate's model (light first, as the search wants them), priced with ``costs``; one named
+    ``CODEC@switch`` (:func:`routes`) travels through the switch."""
     from thinwire.sim.inputs import codec_model
 
     out = {}
     for c in candidates:
-        model = codec_model(c, None, shapes=shapes)
-        out[c] = dataclasses.replace(model, **costs_for(c, costs))
+        model = codec_model(base_spec(c), None, shapes=shapes, switch=base_spec(c) != c)
+        out[c] = dataclasses.replace(model, name=c, **costs_for(c, costs))
     return out
 
 
 def costs_for(spec: str, costs: dict[str, tuple[float, float]]) -> dict:
     """``spec``'s measured encode/decode seconds per byte as model fields (none: free)."""
+    spec = base_spec(spec)
     if spec == "none" or not costs:
         return {}
     enc, dec = costs[spec]
@@ -113,16 +132,22 @@ def codec_costs(candidates: tuple[str, ...], numel: int) -> dict[str, tuple[floa
     return out
 
 
-def _left_out(order: list[int], guards: Guards, shadow: dict[int, dict[str, float]]) -> dict[int, set[str]]:
-    """Position in ``order`` -> the specs not to try there (see :class:`Guards`)."""
-    out = {order.index(i): set(b) for i, b in guards.banned.items() if i in order}
+def _left_out(order: list[int], guards: Guards, shadow: dict[int, dict[str, float]],
+              candidates: tuple[str, ...] = ()) -> dict[int, set[str]]:
+    """Position in ``order`` -> the specs not to try there (see :class:`Guards`): a codec banned or over
+    the error cap by either route (``candidates``), a route the clock rejected."""
+    out: dict[int, set[str]] = {}
+    for i, banned in guards.banned.items():
+        if i in order:
+            bases = {base_spec(b) for b in banned}
+            out.setdefault(order.index(i), set()).update(c for c in candidates or banned if base_spec(c) in bases)
+    for i, errs in shadow.items():
+        if i in order:
+            over = {c for c, e in errs.items() if e > guards.max_error and c not in guards.trusted}
+            out.setdefault(order.index(i), set()).update(c for c in candidates or over if base_spec(c) in over)
     for i, rejected in guards.tried.items():
         if i in order:
             out.setdefault(order.index(i), set()).update(rejected)
-    for i, errs in shadow.items():
-        if i in order:
-            out.setdefault(order.index(i), set()).update(c for c, e in errs.items()
-                                                         if e > guards.max_error and c not in guards.trusted)
     return out
 
 

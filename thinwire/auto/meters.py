@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from thinwire.perf.collectives import switch_pace
+
 DEFAULT_ALPHA_S = 1e-4
 
 
@@ -21,7 +23,30 @@ class LinkMeter:
 
     def __init__(self, keep: int = 64) -> None:
         self.samples: collections.deque = collections.deque(maxlen=keep)
+        self.switched: collections.deque = collections.deque(maxlen=keep)  # (bytes up, seconds) via the switch
         self._last_done = 0.0  # when the last timed collective completed
+        self._port = None
+
+    def wrap_switch(self, port) -> None:
+        """Time each exchange through ``port`` (a :class:`~thinwire.compress.switch.SwitchPort`), once."""
+        if port is None or port is self._port:
+            return
+        self._port, exchange = port, port.all_reduce
+
+        def timed(*args, **kwargs):
+            before, t0 = port.bytes_sent, time.perf_counter()
+            out = exchange(*args, **kwargs)
+            self.switched.append((port.bytes_sent - before, time.perf_counter() - t0))
+            return out
+        port.all_reduce = timed
+
+    def switch_estimate(self) -> float | None:
+        """The switch's pace (:func:`thinwire.perf.collectives.switch_pace`), the median over the timed
+        exchanges; None before any."""
+        done = [(b, t) for b, t in self.switched if b > 0]
+        if not done:
+            return None
+        return statistics.median(switch_pace(t, b, alpha=DEFAULT_ALPHA_S) for b, t in done)
 
     def wrap(self, wire) -> None:
         for name in ("all_reduce", "all_gather", "all_to_all"):

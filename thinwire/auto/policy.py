@@ -21,6 +21,7 @@ from thinwire.auto.spec import AutoConfig, parse_auto_spec
 from thinwire.auto.trial import Trial, forget_rejections
 from thinwire.compress.codecs import Codec
 from thinwire.compress.hook import Policy
+from thinwire.compress.schemes.switched import base_spec
 from thinwire.compress.spec import parse_codec_spec
 
 log = logging.getLogger("thinwire.plan")
@@ -62,6 +63,7 @@ class AutoPolicy(Policy):
         self._moved: bool | None = None  # the last check saw the link moved past rebalance_change: faster?
         self._early_at: int | None = None  # the step of a trial's early look (EARLY_STEPS after it began)
         self._early = False                # the agreement in flight is that early look's
+        self._switch_timed = True          # the last decision priced the switch at its timed pace (or had none)
         self.link, self.compute, self.errors = LinkMeter(), ComputeMeter(), ErrorMeter()
         self.shadows = ShadowRuns(self.codecs, window=self.config.check_every)
 
@@ -86,10 +88,14 @@ class AutoPolicy(Policy):
                     self._conclude(step)
                 if self._due(step):
                     self._check(step)
-                self.shadows.keep_needed(self.choices, step)
+                self.shadows.keep_needed({i: base_spec(c) for i, c in self.choices.items()}, step)
                 self._aside += time.perf_counter() - now  # auto's own work is not the plan's step time
         self.numels[bucket] = numel
-        return self.codecs[self._plan(bucket)]
+        return self.codecs[self._codec(bucket)]
+
+    def via_switch(self, bucket: int) -> bool:
+        """Whether this bucket's plan is a codec through the switch (``int8@switch``, :mod:`.decide`)."""
+        return self._plan(bucket) != self._codec(bucket)
 
     def busy(self, bucket: int, step: int) -> bool:
         """Shadow runs (the warm-up, a low-rank codec's first window), timing the codecs (the first
@@ -99,7 +105,7 @@ class AutoPolicy(Policy):
             return True
         if step != self._last_step and ((self.costs is None and self._due(step)) or self._deciding()):
             return True
-        return self.shadows.in_first_window(bucket, self._plan(bucket), step)
+        return self.shadows.in_first_window(bucket, self._codec(bucket), step)
 
     def sent(self, bucket: int, step: int) -> None:
         """The step's first bucket is on its way: a check's agreement goes out now, behind it (ahead of
@@ -112,7 +118,7 @@ class AutoPolicy(Policy):
         """Run the bucket's shadows (:class:`~thinwire.auto.shadow.ShadowRuns`) on its gradient."""
         if shapes is not None:
             self.shadows.shapes[bucket] = [tuple(s) for s in shapes]
-        warm, current = step < self.config.warmup_steps, self._plan(bucket)
+        warm, current = step < self.config.warmup_steps, self._codec(bucket)
         if buf.numel() * 4 < 4096 or not self.shadows.wanted(bucket, step, current, warm):
             return
         self.numels.setdefault(bucket, buf.numel())
@@ -127,9 +133,16 @@ class AutoPolicy(Policy):
 
     # -- measuring and deciding ----------------------------------------------------------------------
     def _plan(self, bucket: int) -> str:
-        """The codec spec this bucket is sent with now: its choice, or ``start`` before the first."""
+        """The candidate this bucket is sent with now: its choice, or ``start`` before the first."""
         return self.choices.get(bucket, self.config.start)
 
+    def _codec(self, bucket: int) -> str:
+        """The codec spec of this bucket's plan, by either route (``int8@switch`` -> ``int8``)."""
+        return base_spec(self._plan(bucket))
+
+    def _switch(self) -> bool:
+        """Whether the job has an aggregator on the switch (a port the trainer sets after ``attach``)."""
+        return getattr(self._state, "switch", None) is not None
     def _due(self, step: int) -> bool:
         """The warm-up's end (the baseline window starts), then every ``check_every`` steps from the
         end of the baseline window, and a trial's early look; the same steps on every rank."""
@@ -142,6 +155,7 @@ class AutoPolicy(Policy):
 
     def _check(self, step: int) -> None:
         """Measure the window that ends here and issue its agreement; :meth:`_conclude` acts on it."""
+        self.link.wrap_switch(getattr(self._state, "switch", None))  # its exchanges timed from now on
         if self.costs is None:  # timed in the warm-up's shadows; the rest (low-rank, unshadowed) here
             timed = self.shadows.costs()
             rest = tuple(c for c in self.config.candidates if c not in timed)
@@ -176,23 +190,27 @@ class AutoPolicy(Policy):
             self._decide(step, shared, bps, guard, trial=False)
         elif self.trial is not None:
             self._verify(step, shared, bps)
-        elif reason := self._reason(bps):
+        elif reason := self._reason(bps, shared):
             self._decide(step, shared, bps, reason, trial=True)
 
     def _guard(self, shared: Measurements) -> str | None:
         for i, err in shared.errors.items():
-            current = self._plan(i)
+            current = self._codec(i)  # banned by either route (decide._left_out)
             if err > self.config.max_error and current != "none" and current not in self.trusted:
                 self.banned.setdefault(i, set()).add(current)
                 return f"guard: bucket {i}'s error with error feedback {err:.3f} > cap {self.config.max_error} under {current}"
         return None
 
-    def _reason(self, bps: float) -> str | None:
+    def _reason(self, bps: float, shared: Measurements) -> str | None:
         """Why to decide again, or None. A move of the link rate counts once two checks in a row see
         it, the same way: on a CPU-bound host one window's reading can move 30-45% and back (a window
-        of collectives that waited for a busy core), and each re-decision may cost a trial."""
+        of collectives that waited for a busy core), and each re-decision may cost a trial. The switch's
+        pace, timed for the first time since a decision priced it from the link's, counts at once."""
         if self.decided_bps is None:
             return "warm-up done"
+        if not self._switch_timed and shared.switch_beta is not None:
+            return (f"the switch timed: {8 / shared.switch_beta / 1e6:.1f} Mbit/s per trainer, aggregator included, "
+                    f"where it was priced at the link's {bps / 1e6:.1f}")
         change = abs(bps - self.decided_bps) / self.decided_bps
         moved = None if change <= self.config.rebalance_change else bps > self.decided_bps
         seen, self._moved = self._moved, moved
@@ -204,7 +222,7 @@ class AutoPolicy(Policy):
 
     def _forget_rejections(self, bps: float) -> None:
         forget_rejections(self.tried, bps, self.config.rebalance_change, plan=self._plan,
-                          bytes_of=lambda i, spec: self.codecs[spec].payload_bytes(self.numels.get(i, 1 << 16)))
+                          bytes_of=lambda i, spec: self.codecs[base_spec(spec)].payload_bytes(self.numels.get(i, 1 << 16)))
 
     def _verify(self, step: int, shared: Measurements, bps: float) -> None:
         """A window of the trial has ended: keep, revert, or time the other plan again."""
@@ -238,8 +256,9 @@ class AutoPolicy(Policy):
         self.choices, decision = deciding.decide(
             numels=self.numels, shapes=self.shadows.shapes, plan={i: self._plan(i) for i in self.numels},
             candidates=self.config.candidates, costs=self.costs or {}, shared=shared, guards=guards,
-            world=self._state.wire.world, min_gain=self.config.min_gain)
+            world=self._state.wire.world, min_gain=self.config.min_gain, switch=self._switch())
         self.decided_bps, self._moved = bps, None
+        self._switch_timed = shared.switch_beta is not None or not self._switch()
         start = self.config.start
         if trial and any(old.get(i, start) != c for i, c in self.choices.items()):
             self.trial = Trial(old={i: old.get(i, start) for i in self.choices}, new=dict(self.choices),
@@ -266,6 +285,7 @@ class AutoPolicy(Policy):
         lossy = [s for s in self.config.candidates if s != "none" and not self.codecs[s].lossless]
         return Measurements(alpha=alpha, beta=beta, pre_s=pre, backward_s=backward,
                             step_s=statistics.median(window) if window else 0.0,
-                            errors=self.shadows.in_use_errors(errors, self._plan),
+                            errors=self.shadows.in_use_errors(errors, self._codec),
                             shadow=self.shadows.warmup_errors(keys, lossy), window=window,
-                            costs={s: self.costs[s] for s in self.config.candidates if s != "none"})
+                            costs={s: self.costs[s] for s in self.config.candidates if s != "none"},
+                            switch_beta=self.link.switch_estimate())

@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plan", help="execute a plan from `thinwire plan` (uneven shares, codecs, grouping); needs --cluster")
     p.add_argument("--aggregation", choices=["ring", "switch"], help="with --cluster and --compression int8: switch "
                    "sums the buckets in the aggregator on the cluster's switch (spec `switch:`) instead of around the "
-                   "ring (default ring)")
+                   "ring (default ring); with --compression auto, auto chooses per bucket between the two")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config field, e.g. --set model.width=256 (repeatable)")
     p.set_defaults(func=run)

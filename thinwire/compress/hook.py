@@ -81,6 +81,11 @@ class Policy:
         """Whether ``observe`` or ``codec_for`` does heavy work for this bucket at this step."""
         return False
 
+    def via_switch(self, bucket: int) -> bool:
+        """Where the job has an aggregator on the switch: whether this bucket's int8 goes through it (else
+        around the ring). Asked right after :meth:`codec_for`; every int8 bucket goes through it here."""
+        return True
+
     def sent(self, bucket: int, step: int) -> None:
         """Called once bucket ``bucket``'s collectives at ``step`` are issued, on the thread that issued
         them (the same place in the collective sequence on every rank): a policy may issue a collective
@@ -194,7 +199,8 @@ class CommState:
             return None
         codec = self.policy.codec_for(index, buf.numel(), step)
         self.counts[codec.name] += 1
-        return schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, layout=layout, codec=codec, state=self)
+        return schemes.BucketJob(key=str(index), buf=buf, step=step, shapes=shapes, layout=layout, codec=codec, state=self,
+                                 via_switch=self.switch is not None and self.policy.via_switch(index))
 
     def _reduce(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> Tensor:
         job = self._prepare(buf, index, step, shapes, layout)

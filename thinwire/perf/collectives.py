@@ -90,6 +90,13 @@ def switch_s(nbytes: float, p: int, *, alpha: float, beta: float) -> float:
     return 0.0 if p == 1 else SWITCH_MESSAGES * alpha + (nbytes + min(nbytes, SWITCH_CHUNK_BYTES)) * beta
 
 
+def switch_pace(seconds: float, nbytes: float, *, alpha: float) -> float:
+    """The ``beta`` at which :func:`switch_s` of ``nbytes`` takes ``seconds``: a timed exchange through the
+    switch, its aggregator's work included, as a pace (at least half of it counted as transfer, as
+    ``auto``'s link meter does, should the latencies come out larger than the time)."""
+    return max(seconds - SWITCH_MESSAGES * alpha, 0.5 * seconds) / (nbytes + min(nbytes, SWITCH_CHUNK_BYTES))
+
+
 def halving_doubling_allreduce_s(nbytes: float, p: int, *, alpha: float, beta: float, gamma: float = 0.0) -> float:
     """Rabenseifner's recursive halving (reduce-scatter) then doubling (all-gather).
 

@@ -126,6 +126,9 @@ class Network:
     # the aggregator's CPU per bucket and trainer, measured uncapped (``bucket + value * numel``; profile's
     # ``aggregator``); None: priced from the transport's per-byte CPU and the codec's kernels
     switch_cpu: tuple[float, float] | None = None
+    # exchanges through the switch as timed on the trainers (``auto``'s meter), the aggregator's work
+    # included, as the beta of collectives.switch_s (``switch_pace``); None: priced from its parts
+    switch_beta_s_per_byte: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +183,21 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     """Bytes, wire seconds and codec seconds of one bucket (see the module docstring)."""
     t = codec.traffic(index, numel, p)
     ops = tuple(t.collectives)
-    wire = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=network.beta_s_per_byte) for kind, size in ops)
+    wire = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=_beta(kind, network)) for kind, size in ops)
     cpu = t.bytes_sent * network.cpu_s_per_byte / codec_speed if p > 1 else 0.0
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
-    if p > 1:  # through a capped aggregator: its work joins the chunks' pipeline
+    if p > 1 and network.switch_beta_s_per_byte is None:  # through a capped aggregator: its work joins the chunks' pipeline
         wire += sum(aggregator_lag_s(aggregator_s(codec, numel, size, p, network), size, network)
                     for kind, size in ops if kind == "switch")
     return BucketCost(numel, t.scheme, ops, t.bytes_sent, max(wire, cpu), before / codec_speed, after / codec_speed,
                       t.residual_values, cpu, sum(ring_hops(kind, p) for kind, _ in ops) if p > 1 else 0)
+
+
+def _beta(kind: str, network: Network) -> float:
+    """Seconds per byte of a collective of ``kind``: the link's, or through the switch as measured whole."""
+    if kind == "switch" and network.switch_beta_s_per_byte is not None:
+        return network.switch_beta_s_per_byte
+    return network.beta_s_per_byte
 
 
 def aggregator_s(codec: CodecModel, numel: int, size: int, p: int, network: Network) -> float:

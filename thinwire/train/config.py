@@ -100,19 +100,21 @@ class TrainConfig:
     def _check_aggregation(self) -> None:
         """``switch``: what the aggregator on the switch sums (int8 with nearest rounding, every step's
         buckets of one fixed set of hosts); each other case refused with the way to run it."""
-        from thinwire.commspec import CodecSpec
+        from thinwire.commspec import AutoSpec, CodecSpec
 
         check(self.aggregation in ("ring", "switch"), "aggregation", self.aggregation, "ring or switch")
         if self.aggregation == "ring":
             return
-        from thinwire.compress.schemes.switched import Switched
+        from thinwire.compress.schemes.switched import Switched, switchable
 
         ring = "Use --aggregation ring (the default) for it."
         check(self.cluster is not None, "aggregation", self.aggregation, "switch with --cluster SPEC",
               "The aggregator runs on the emulated cluster's switch (spec `switch: {cpu: 0.5}`).")
         codec = self.comm.codec if isinstance(self.comm, CodecSpec) else None
-        check(self.plan is not None or (codec is not None and Switched.accepts(codec)),
-              "compression", self.compression, "int8 (nearest rounding, any block) with --aggregation switch",
+        auto = isinstance(self.comm, AutoSpec) and any(switchable(c) for c in self.comm.config.candidates)
+        check(self.plan is not None or auto or (codec is not None and Switched.accepts(codec)),
+              "compression", self.compression,
+              "int8 (nearest rounding, any block), or auto with int8 among its candidates, with --aggregation switch",
               "The switch sums int8 at agreed block scales; other codecs travel around the ring: " + ring)
         check(self.sync_spec.mode == "allreduce", "sync", self.sync, "allreduce with --aggregation switch", ring)
         check(self.min_hosts is None, "min_hosts", self.min_hosts, "left out with --aggregation switch",

@@ -200,7 +200,8 @@ class Trainer:
             from thinwire.compress.switch import BLOCK, connect
 
             # the port's default block (each bucket's header names its own): the flag's codec, else int8's
-            block = BLOCK if self.planned else self.cfg.comm.codec.config.block
+            codec = getattr(self.cfg.comm, "codec", None)  # none for a plan or auto
+            block = codec.config.block if codec is not None and not self.planned else BLOCK
             state.switch = connect(self.env.rank, self.env.world, self.env.restart_count, self.cfg.timeout_s, block=block)
         return state
 

@@ -66,8 +66,9 @@ SWITCHED = Switched()
 
 def run(job: BucketJob) -> tuple[Tensor, bool]:
     """Average the bucket across ranks with the job's codec; returns (result, all ranks finite). A job
-    whose state has a port to the switch's aggregator (``state.switch``) sends int8 through it."""
-    if getattr(job.state, "switch", None) is not None and SWITCHED.accepts(job.codec):
+    whose state has a port to the switch's aggregator (``state.switch``) sends int8 through it, unless its
+    policy routes the bucket around the ring (``job.via_switch``, ``Policy.via_switch``)."""
+    if getattr(job.state, "switch", None) is not None and job.via_switch and SWITCHED.accepts(job.codec):
         return SWITCHED.run(job)
     return scheme_for(job.codec).run(job)
 

@@ -24,6 +24,7 @@ class BucketJob:
     layout: tuple        # (parameter index, numel) in bucket order: residuals survive re-bucketing
     codec: Codec
     state: object        # CommState: wire, feedback, compress_s, extra
+    via_switch: bool = True  # where the job has a port to the switch (state.switch) and the codec is int8: use it
 
 
 @dataclasses.dataclass

@@ -16,6 +16,19 @@ from thinwire.compress.codecs.base import Codec
 from thinwire.compress.schemes.base import BucketJob, Scheme, Traffic, corrected, feedback_half, remember
 
 
+VIA = "@switch"  # ``auto``'s name for a codec sent through the switch (its plain name: around the ring)
+
+
+def via_switch(spec: str) -> str:
+    """``spec`` sent through the switch's aggregator, as ``auto`` names it among its candidates: ``int8@switch``."""
+    return spec + VIA
+
+
+def base_spec(spec: str) -> str:
+    """The codec spec of a candidate (``int8@switch`` -> ``int8``; others unchanged)."""
+    return spec.removesuffix(VIA)
+
+
 def switchable(spec: str) -> bool:
     """Whether the codec of spec string ``spec`` can be summed by the switch's aggregator (int8, nearest
     rounding): the one test ``simulate``, ``plan``, a plan file and ``train`` ask."""
