@@ -15,7 +15,10 @@ Steps of :func:`decide`:
    convergence guard of ``auto:guard=PROFILE`` says they reach fp32's loss); a codec left out for its
    error is left out by either route.
 4. **Search** (:func:`thinwire.plan.choose.choose`, the planner's per-bucket coordinate descent)
-   from the plan in use, so a change must be predicted ``min_gain`` faster to be made.
+   from the plan in use, each move at least :data:`SEARCH_GAIN` faster; the plan found replaces the plan
+   in use only if predicted ``min_gain`` faster than it. (With ``min_gain`` on every move, a first move
+   to ``int8`` could block a second to ``int8@switch`` that was not 10% faster again, though the two
+   together were.)
 
 Pure but for :func:`codec_costs` (which times the codecs); the same inputs give the same plan on
 every rank.
@@ -35,6 +38,7 @@ from thinwire.perf.model import Bucket, CodecModel, Compute, LinearCost, Network
 from thinwire.plan.choose import BucketCodecs, choose
 
 log = logging.getLogger("thinwire.plan")
+SEARCH_GAIN = 0.01  # each move of the search: at least this much faster (the model's own noise is smaller)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +66,13 @@ def decide(*, numels: dict[int, int], shapes: dict[int, list[tuple]], plan: dict
     models = candidate_models(candidates, sizes, layout, costs)
     left_out = _left_out(order, guards, shared.shadow, candidates)
     current = [plan[i] if plan[i] not in left_out.get(k, ()) else "none" for k, i in enumerate(order)]
-    decision = choose(initial=current, buckets=buckets(sizes),
-                      compute=Compute(pre_s=shared.pre_s, backward_s=shared.backward_s, post_s=0.0),
-                      speeds=[1.0] * world, network=Network(alpha_s=shared.alpha, beta_s_per_byte=shared.beta,
-                                                            switch_beta_s_per_byte=shared.switch_beta),
-                      candidates=models, banned=left_out, min_gain=min_gain, codec_steals_compute=_no_spare_core())
+    kw = dict(buckets=buckets(sizes), compute=Compute(pre_s=shared.pre_s, backward_s=shared.backward_s, post_s=0.0),
+              speeds=[1.0] * world, network=Network(alpha_s=shared.alpha, beta_s_per_byte=shared.beta,
+                                                    switch_beta_s_per_byte=shared.switch_beta),
+              candidates=models, banned=left_out, codec_steals_compute=_no_spare_core())
+    decision = choose(initial=current, min_gain=SEARCH_GAIN, **kw)
+    if decision.step_s > decision.initial_s * (1 - min_gain):  # not worth a change: the plan in use stays
+        decision = choose(initial=current, min_gain=min_gain, passes=0, **kw)
     return dict(zip(order, decision.choices)), decision
 
 
