@@ -33,16 +33,16 @@ def test_doctor_on_two_local_workers_reports_every_field_within_budget(tmp_path)
     assert (rec["command"] is None) == (rec["action"] == "keep")
 
 
-def _report(comm_s: float, profile, trials: dict | None = None):
+def _report(comm_s: float, profile, trials: dict | None = None, hosts: int = 2, **kw):
     from thinwire.doctor.advise import advise
 
     floor = profile.compute[0].pre_s + profile.compute[0].backward_s + profile.compute[0].post_s
-    ranks = [{"floor_s": floor, "ddp_s": floor + comm_s, "trials": trials or {}} for _ in range(2)]
+    ranks = [{"floor_s": floor, "ddp_s": floor + comm_s, "trials": trials or {}} for _ in range(hosts)]
     nbytes = sum(b.numel for b in profile.buckets) * 4
     beta = comm_s / nbytes  # a 2-rank ring all-reduce sends about the gradient once each way
     net = {"alpha_s": 1e-4, "beta_s_per_byte": beta}
     return advise(ranks=ranks, network=net, pairs=[], profile=profile, per_rank_batch=profile.compute[0].batch,
-                  steals=True, workload="digits")
+                  steals=True, workload="digits", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,25 @@ def test_doctor_refuses_an_existing_folder_and_a_bad_workload(tmp_path):
     assert_refused(thinwire("doctor", "--workload", "digits", "--nproc", "3", "--out", str(tmp_path / "new")),
                    r"batch_size: must be divisible by the number of workers \(3\)")
     assert not (tmp_path / "new").exists()
+
+
+def test_on_a_cluster_with_a_switch_doctor_tries_int8_through_it_and_says_how_to_train_so(digits_profile):
+    """``int8@switch``'s trial (the aggregator on the switch summing int8) is judged like a codec's; when it
+    is the fastest, the command trains with ``--aggregation switch`` on that cluster (no one-line script
+    change: the aggregator is the emulator's); the guard's record of int8 covers it."""
+    from thinwire.compress.spec import default_candidates
+    from thinwire.doctor.advise import apply_guard
+    from thinwire.measure.file import ConvergenceRecord
+
+    codecs = (*default_candidates(), "int8@switch")
+    trials = {c: 1.0 for c in codecs} | {"int8": 0.6, "int8@switch": 0.5}
+    r = _report(5.0, digits_profile, trials, hosts=4, codecs=codecs, cluster="spec.yaml")
+    rec = r["recommendation"]
+    assert rec["codec"] == "int8@switch" and rec["speedup"] == pytest.approx(2.0)
+    assert rec["command"] == "thinwire train --workload digits --cluster spec.yaml --compression int8 --aggregation switch"
+    assert rec["in_your_script"] is None
+    switch, ring = (next(c for c in r["codecs"] if c["codec"] == n) for n in ("int8@switch", "int8"))
+    assert switch["bytes_per_rank"] < 0.8 * ring["bytes_per_rank"]  # priced through the switch: 1.5x fewer at 4 hosts
+    guarded = apply_guard(r, {"int8": ConvergenceRecord(factor=1.02, loss=1.004, reference_loss=1.0, steps=60, world=4,
+                                                         gap=0.004, orders=3)}, "p.yaml")
+    assert guarded["recommendation"]["codec"] == "int8@switch" and "--aggregation switch" in guarded["recommendation"]["command"]

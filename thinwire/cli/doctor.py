@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     if cfg.cluster:
         from thinwire.train.cluster_launch import launch_cluster
 
-        launch_cluster(cfg, out / "config.yaml", module="thinwire.doctor.worker")
+        # with a `switch:` in the spec its aggregator runs too, and int8 is tried through it
+        launch_cluster(cfg, out / "config.yaml", module="thinwire.doctor.worker",
+                       aggregator=load_cluster_spec(cfg.cluster).switch is not None)
     else:
         from thinwire.train.launch import launch_local
 
@@ -164,4 +166,5 @@ def show(r: dict, *, as_json: bool = False) -> None:
     rec = r["recommendation"]
     con.print(f"[bold]recommendation[/]: {rec['why']}.")
     if rec.get("command"):
-        con.print(f"  run: {rec['command']}\n  or in your DDP script: {rec['in_your_script']}")
+        con.print(f"  run: {rec['command']}" + (f"\n  or in your DDP script: {rec['in_your_script']}"
+                                                 if rec.get("in_your_script") else ""))

@@ -15,6 +15,9 @@ performance model, the model checked against the DDP fp32 step it can be compare
   does not price: gloo's copies and reductions on half a core cost more than the wire at 1 Gbit/s) is
   charged per byte sent, to every codec by its own bytes. Its speed-up is the calibrated DDP fp32
   step over its calibrated step; its step, the measured DDP fp32 step divided by that speed-up.
+* **Through the switch** (a cluster spec with ``switch:``, ``thinwire doctor --cluster SPEC``): int8 is
+  tried a second time, summed by the aggregator on the switch (``int8@switch``, as ``auto`` names it), and
+  judged by its trial like the codecs; the command it recommends trains with ``--aggregation switch``.
 * **Sync modes**, each priced by the class that runs it (:meth:`SyncMode.step_s`) with the best codec
   (gossip, which sends fp32 parameters, with fp32's).
   Their loss at equal samples is not predicted, so they are shown, never recommended.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import statistics
 
+from thinwire.compress.schemes.switched import VIA, base_spec
 from thinwire.compress.spec import default_candidates
 from thinwire.compress.sync import StepParts, kind
 from thinwire.perf.model import Network, predict_step
@@ -45,7 +49,9 @@ GOSSIP = ("gossip:topology=exp2", "gossip:topology=ring")
 
 
 def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_rank_batch: int,
-           steals: bool, workload: str, codecs: tuple[str, ...] | None = None) -> dict:
+           steals: bool, workload: str, codecs: tuple[str, ...] | None = None, cluster: str | None = None) -> dict:
+    """The report (module docstring); ``codecs`` may name ``CODEC@switch`` (tried through the aggregator on
+    ``cluster``'s switch)."""
     codecs = codecs or default_candidates()
     p = len(ranks)
     floors = [r["floor_s"] for r in ranks]
@@ -56,7 +62,8 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
     net = Network(alpha_s=network["alpha_s"], beta_s_per_byte=network["beta_s_per_byte"])
     buckets = buckets_of(profile)
     preds = {c: predict_step(buckets=buckets, compute=comp, speeds=speeds, network=net,
-                             codec=codec_model(c, profile), codec_steals_compute=steals) for c in codecs}
+                             codec=codec_model(base_spec(c), profile, switch=c != base_spec(c)),
+                             codec_steals_compute=steals) for c in codecs}
     pn = preds["none"]
     # the measured communication cost the model does not explain, charged per byte (module docstring)
     unexplained = (ddp - max(floors)) - (pn.step_s - pn.compute_s)
@@ -98,18 +105,28 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
     slow_links = [] if not rates else [q for q in pairs if q["bps"] < SLOW_LINK * statistics.median(rates)]
     worth = best["codec"] != "none" and best["speedup"] >= WORTH
     report = {
-        "workload": workload, "world_size": p, "per_rank_batch": per_rank_batch,
+        "workload": workload, "world_size": p, "per_rank_batch": per_rank_batch, "cluster": cluster,
         "measured": {"ddp_fp32_step_s": ddp, "no_comm_step_s": max(floors), "comm_share": comm_share,
                      "per_rank": ranks, "allreduce": network, "pairs": pairs},
         "model": {"ddp_fp32_step_s": pn.step_s, "error_vs_measured": pn.step_s / ddp - 1, "speeds": speeds,
                   "unexplained_comm_s": unexplained, "charged_per_byte_s": per_byte},
         "codecs": rows, "sync_modes": sync_rows, "slow_hosts": slow_hosts, "slow_links": slow_links,
-        "recommendation": _recommend(worth, best, comm_share, workload),
+        "recommendation": _recommend(worth, best, comm_share, workload, cluster),
     }
     return report
 
 
-def _recommend(worth: bool, best: dict, comm_share: float, workload: str) -> dict:
+def _commands(c: str, workload: str, cluster: str | None) -> dict:
+    """How to train with candidate ``c``: ``thinwire train``'s command and, but through the switch, the line in
+    the user's own DDP script."""
+    if c.endswith(VIA):
+        return {"command": f"thinwire train --workload {workload} --cluster {cluster} --compression {base_spec(c)} "
+                           "--aggregation switch", "in_your_script": None}
+    return {"command": f"thinwire train --workload {workload} --compression {c}",
+            "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
+
+
+def _recommend(worth: bool, best: dict, comm_share: float, workload: str, cluster: str | None = None) -> dict:
     if not worth:
         return {"action": "keep", "codec": "none",
                 "why": f"communication is {comm_share:.0%} of the step and no codec makes it more than "
@@ -121,8 +138,7 @@ def _recommend(worth: bool, best: dict, comm_share: float, workload: str) -> dic
             "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step than "
                    f"DDP fp32 ({how}). Its loss at equal samples is not measured here: `thinwire profile` runs the "
                    "convergence guard and `thinwire plan` ranks codecs by time to fp32's loss",
-            "command": f"thinwire train --workload {workload} --compression {c}",
-            "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
+            **_commands(c, workload, cluster)}
 
 
 def apply_guard(report: dict, records: dict, source: str) -> dict:
@@ -131,7 +147,7 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
     time to fp32's loss among the codecs the guard lets through (module docstring)."""
     for row in report["codecs"]:
         c = row["codec"]
-        r = None if c == "none" else records.get(c)
+        r = None if c == "none" else records.get(base_spec(c))  # int8@switch: int8's rounding
         row["guard"] = ({"reaches": True, "gap": 0.0, "factor": 1.0} if c == "none" else None if r is None else
                         {"reaches": r.reaches and r.factor is not None, "gap": r.relative_gap, "factor": r.factor})
         g = row["guard"]
@@ -154,8 +170,7 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
                "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step "
                       f"than DDP fp32 and needs {best['guard']['factor']:.2f}x its samples by the convergence guard "
                       f"({source}): {best['time_speedup']:.2f}x sooner to fp32's loss.{left}",
-               "command": f"thinwire train --workload {report['workload']} --compression {c}",
-               "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
+               **_commands(c, report["workload"], report.get("cluster"))}
     report["recommendation"] = rec
     report["guard"] = source
     return report

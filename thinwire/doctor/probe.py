@@ -128,17 +128,26 @@ def pairs(nbytes: int, device, reps: int = 2) -> list[dict]:
     return out
 
 
-def codec_trials(make_model, loss_fn, batch, codecs, device, *, bucket_mb: float) -> dict[str, float]:
-    """This rank's median step with thinwire's hook and each codec (module docstring)."""
+def codec_trials(make_model, loss_fn, batch, codecs, device, *, bucket_mb: float,
+                 timeout_s: float = 300.0) -> dict[str, float]:
+    """This rank's median step with thinwire's hook and each codec (module docstring); ``CODEC@switch``:
+    that codec summed by the aggregator on the switch (its address in the environment, as ``thinwire train
+    --aggregation switch`` has it; one group with it per such trial)."""
     import gc
 
     from thinwire.api import attach
+    from thinwire.compress.schemes.switched import base_spec
+    from thinwire.compress.switch import connect
 
     out = {}
+    switched = 0
     for codec in codecs:
         model = DistributedDataParallel(make_model().to(device), bucket_cap_mb=bucket_mb,
                                         device_ids=[device.index] if device.type == "cuda" else None)
-        comm = attach(model, codec)
+        comm = attach(model, base_spec(codec))
+        if codec != base_spec(codec):
+            comm.switch = connect(dist.get_rank(), dist.get_world_size(), switched, timeout_s)
+            switched += 1
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         first = steps(model, loss_fn, opt, batch, n=WARMUP, sync=True)
         slowest = torch.tensor([max(first[-1], 1e-4)], dtype=torch.float64)

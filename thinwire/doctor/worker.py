@@ -26,7 +26,9 @@ REPORT = "report.json"
 
 def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
     """Measure on every rank, advise on rank 0; rank 0 returns the report (written to ``out``)."""
+    from thinwire.compress.schemes.switched import switchable, via_switch
     from thinwire.compress.spec import default_candidates
+    from thinwire.compress.switch import ENV as SWITCH_ENV
     from thinwire.doctor.advise import advise
     from thinwire.doctor.probe import allreduce, codec_trials, pairs, step_times
     from thinwire.precision.setup import sample_from
@@ -55,10 +57,12 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
         net = allreduce(steps["grad_bytes"], device)
         links = pairs(steps["grad_bytes"], device) if env.world > 1 else []
         codecs = default_candidates()
-        log.info("doctor: trying each codec for a few steps: %s", ", ".join(codecs))
+        # with an aggregator on the switch (`thinwire doctor --cluster SPEC`, spec `switch:`): int8 through it too
+        routed = codecs + tuple(via_switch(c) for c in codecs if switchable(c)) if os.environ.get(SWITCH_ENV) else codecs
+        log.info("doctor: trying each codec for a few steps: %s", ", ".join(routed))
         batch = sample_from(wl.train, collate, device, cfg.seed + env.rank)(per_rank)
-        trials = codec_trials(lambda: copy.deepcopy(pristine), wl.loss, batch, codecs, device,
-                              bucket_mb=cfg.bucket_mb) if env.world > 1 else {}
+        trials = codec_trials(lambda: copy.deepcopy(pristine), wl.loss, batch, routed, device,
+                              bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s) if env.world > 1 else {}
         log.info("doctor: measuring the codecs' costs and the model's buckets")
         # on every rank at once: the profile wraps the model in DDP, whose constructor is a collective
         prof = profile_workload(workload=cfg.workload, model=cfg.model, data=cfg.data, batch_sizes=[per_rank],
@@ -70,7 +74,8 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
         report = None
         if env.rank == 0:
             report = advise(ranks=ranks, network=net, pairs=links, profile=prof, per_rank_batch=per_rank,
-                            steals=device.type == "cpu", workload=cfg.workload, codecs=codecs)
+                            steals=device.type == "cpu", workload=cfg.workload, codecs=routed if trials else codecs,
+                            cluster=cfg.cluster)
             report["elapsed_s"] = time.perf_counter() - start
             report["device"] = str(device)
             from thinwire.measure.file import save_profile

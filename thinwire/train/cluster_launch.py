@@ -41,12 +41,14 @@ class AggregatorGone(ThinwireError):
     """The aggregator on the switch stopped while the workers still needed it."""
 
 
-def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.train.worker") -> None:
+def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.train.worker",
+                   aggregator: bool | None = None) -> None:
     """Run the job on the emulated cluster (module docstring). With ``--aggregation switch`` and restarts
     left, a dead aggregator costs one restart: the job goes on around the ring from its last checkpoint
-    (the config it then runs with is ``OUT/config-ring.yaml``)."""
+    (the config it then runs with is ``OUT/config-ring.yaml``). ``aggregator``: start the aggregator on the
+    switch (default: with ``--aggregation switch``; ``thinwire doctor`` asks for it to try int8 through it)."""
     try:
-        _launch(cfg, config_path, module)
+        _launch(cfg, config_path, module, cfg.aggregation == "switch" if aggregator is None else aggregator)
     except AggregatorGone as e:
         if cfg.max_restarts < 1:
             raise AggregatorGone(f"{e} Go on around the ring with `thinwire train --resume {cfg.out} --cluster "
@@ -61,10 +63,10 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
         save_config(ring, path)
         console.print(f"[yellow]{e} Going on around the ring from the last checkpoint (one of --max-restarts; "
                       f"config {path}).[/yellow]")
-        _launch(ring, path, module)
+        _launch(ring, path, module, False)
 
 
-def _launch(cfg: TrainConfig, config_path: Path, module: str) -> None:
+def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: bool) -> None:
     spec = load_cluster_spec(cfg.cluster)
     cluster = EmulatedCluster(spec)
     if not cluster.is_up():
@@ -87,7 +89,7 @@ def _launch(cfg: TrainConfig, config_path: Path, module: str) -> None:
     # elastic: a rendezvous round closes this long after the smallest allowed group has joined
     last_call = f",last_call_timeout={ELASTIC_LAST_CALL_S}" if cfg.min_hosts else ""
     agents = {}
-    aggregator = _start_aggregator(cluster, len(hosts), cfg, logs, pythonpath) if cfg.aggregation == "switch" else None
+    aggregator = _start_aggregator(cluster, len(hosts), cfg, logs, pythonpath) if with_aggregator else None
     for i, h in enumerate(hosts):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}",
