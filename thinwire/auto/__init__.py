@@ -18,7 +18,10 @@ Why each step and each default is what it is, with the runs that showed it: ``do
    candidate that minimizes the predicted step, per bucket. It decides after the baseline window,
    again when the measured link rate has moved by more than ``rebalance_change`` (30%) from the rate
    of the last decision at two checks in a row (one window's reading on a busy host can jump and come
-   back), and when the accuracy guard bans a codec from a bucket.
+   back), and when the accuracy guard bans a codec from a bucket. Where the job has an aggregator on the
+   switch (``thinwire train --aggregation switch``), int8 is a candidate both around the ring and through
+   the switch (``int8@switch``), the switch priced from the link until its exchanges are timed, then
+   decided again once at the timed pace.
 4. **Guard accuracy**, before and after. The guarded quantity is the relative compression error
    with error feedback, ``||r|| / ||g + r_prev||``, capped at ``max_error``
    (:data:`~thinwire.plan.choose.MAX_EF_ERROR`, 0.1, the planner's cap too). Before any codec is
