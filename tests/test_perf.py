@@ -300,11 +300,17 @@ def test_aggregator_probe_measures_its_cpu_per_bucket_and_the_profile_keeps_it(t
     # bucket (the slope between the sizes is only sure on a quiet machine: not asserted here)
     assert got["trainers"] == 2 and got["sizes"] == [65_536, 524_288] and len(got["cpu_s"]) == 2, got
     assert all(0 < c < 0.5 for c in got["cpu_s"]) and got["per_bucket_s"] >= 0 and 0 <= got["per_value_s"] < 1e-6, got
+    # each trainer's own CPU per exchange: quantizing, a send and a receive per chunk, decoding
+    assert len(got["trainer_cpu_s"]) == 2 and all(0 < c < 0.5 for c in got["trainer_cpu_s"]), got
+    assert got["trainer_per_bucket_s"] >= 0 and 0 <= got["trainer_per_value_s"] < 1e-6, got
     prof = profile_workload(workload="digits", model={"channels": 4, "hidden": 64}, batch_sizes=[4],
                             codecs=["none"], reps=2, warmup=1, corun=False)
-    rec = AggregatorRecord(trainers=2, per_bucket_s=got["per_bucket_s"], per_value_s=got["per_value_s"])
+    rec = AggregatorRecord(trainers=2, per_bucket_s=got["per_bucket_s"], per_value_s=got["per_value_s"],
+                           trainer_per_bucket_s=got["trainer_per_bucket_s"], trainer_per_value_s=got["trainer_per_value_s"])
     back = load_profile(save_profile(dataclasses.replace(prof, aggregator=rec), tmp_path / "p.yaml"))
-    assert back.aggregator == rec
+    assert back.aggregator == rec and back.aggregator.trainer_cpu == (got["trainer_per_bucket_s"], got["trainer_per_value_s"])
+    old = AggregatorRecord(trainers=2, per_bucket_s=0.001, per_value_s=1e-8)  # a profile from before: not measured
+    assert old.trainer_cpu is None
     from thinwire.errors import ConfigError
     with pytest.raises(ConfigError, match="aggregator.per_value_s"):
         AggregatorRecord(trainers=2, per_bucket_s=0.0, per_value_s=-1.0)
@@ -322,6 +328,26 @@ def test_a_measured_aggregator_is_priced_per_trainer_at_its_cores():
     assert aggregator_s(cm, n, n, 4, net) == pytest.approx((0.004 + 8e-9 * n) / 0.25)
     assert aggregator_s(cm, n, n, 8, net) == pytest.approx(2 * (0.004 + 8e-9 * n) / 0.25)  # twice the trainers
     assert aggregator_s(cm, n, n, 4, dataclasses.replace(net, switch_speed=None)) == 0.0  # uncapped: keeps up
+
+
+def test_a_trainers_measured_cpu_through_the_switch_is_its_buckets_host_cpu():
+    """Measured whole (profile's ``aggregator.trainer_*``), less the codec kernels the model prices apart, at
+    the trainer's codec speed; without the measurement, the bytes at the collectives' CPU per byte. The ring
+    is not touched."""
+    from thinwire.sim.inputs import codec_model
+
+    n, line = 445_952, (0.001, 1.5e-8)
+    net = Network(alpha_s=1e-4, beta_s_per_byte=BETA_100M, cpu_s_per_byte=1e-9)
+    timed = dataclasses.replace(net, switch_trainer_cpu=line)
+    switch = codec_model("int8", None, switch=True)  # no kernel costs: the line is all transport
+    plain = bucket_cost(switch, 0, n, 4, net, codec_speed=0.5)
+    assert plain.comm_cpu_s == pytest.approx(plain.bytes_sent * 1e-9 / 0.5)
+    assert bucket_cost(switch, 0, n, 4, timed, codec_speed=0.5).comm_cpu_s == pytest.approx((0.001 + 1.5e-8 * n) / 0.5)
+    costed = dataclasses.replace(switch, encode=LinearCost(per_byte_s=1e-9))  # the kernels priced apart come off
+    c = bucket_cost(costed, 0, n, 4, timed)
+    assert c.comm_cpu_s == pytest.approx(0.001 + 1.5e-8 * n - c.encode_s - c.decode_s)
+    ring = codec_model("int8", None)
+    assert bucket_cost(ring, 0, n, 4, timed) == bucket_cost(ring, 0, n, 4, net)
 
 
 def test_scheme_dispatch_and_bytes():

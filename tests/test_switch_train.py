@@ -98,3 +98,21 @@ def test_with_restarts_left_a_dead_aggregator_costs_one_and_the_run_finishes_on_
     events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in l]
     resumed = [e for e in events if e["event"] in ("resume", "restart")]
     assert resumed and resumed[-1]["step"] >= 20  # from the last checkpoint, not from scratch
+
+
+def test_auto_with_the_switch_sends_through_the_aggregator_exactly_the_buckets_it_chose_to(cluster, tmp_path):
+    """``--compression auto --aggregation switch``: auto's candidates include int8 through the switch; the run
+    ends, every decision names a candidate by route, and the aggregator summed buckets if and only if some
+    decision sent int8 through it."""
+    spec, _ = cluster
+    out = tmp_path / "auto"
+    proc = _train(spec, out, "--aggregation", "switch", "--compression", "auto:candidates=none|int8,min_gain=0")
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    decisions = summary["auto_decisions"]
+    chosen = {c for d in decisions for c in d["choices"].values()}
+    assert decisions and chosen <= {"none", "int8", "int8@switch"}, decisions
+    log = (out / "hosts" / "switch.log").read_text()
+    served = int(log.split("generation 0 done, ")[1].split()[0])
+    assert (served > 0) == ("int8@switch" in chosen), (served, decisions)

@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
         agg = aggregator_cpu(len(network_spec.hosts))
         prof = dataclasses.replace(prof, aggregator=AggregatorRecord(
-            trainers=agg["trainers"], per_bucket_s=agg["per_bucket_s"], per_value_s=agg["per_value_s"]))
+            trainers=agg["trainers"], per_bucket_s=agg["per_bucket_s"], per_value_s=agg["per_value_s"],
+            trainer_per_bucket_s=agg["trainer_per_bucket_s"], trainer_per_value_s=agg["trainer_per_value_s"]))
     path = save_profile(prof, args.out)
     _show(prof, path)
     return 0
@@ -144,7 +145,9 @@ def _show(prof, path: Path) -> None:
     if prof.aggregator:
         a = prof.aggregator
         console.print(f"the switch's aggregator: {a.per_bucket_s * 1e3:.2f} ms + {a.per_value_s * 1e9:.2f} ns per value of "
-                      f"CPU per bucket from {a.trainers} trainers (uncapped)")
+                      f"CPU per bucket from {a.trainers} trainers (uncapped)" + (
+                          "" if a.trainer_cpu is None else f"; each trainer's own: {a.trainer_cpu[0] * 1e3:.2f} ms + "
+                          f"{a.trainer_cpu[1] * 1e9:.2f} ns per value"))
     if prof.corun_speed:
         console.print("n copies of the step at once each run at " +
                       ", ".join(f"{v:.2f} (n={k})" for k, v in prof.corun_speed.items()) +

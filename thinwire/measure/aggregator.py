@@ -16,6 +16,11 @@ round). The aggregator's process CPU time (its thread and gloo's) per bucket at 
 uncapped). The model scales it by ``p`` for other host counts (every trainer's messages and bytes pass
 through the aggregator) and divides by the aggregator's cores (:func:`thinwire.perf.model.aggregator_s`).
 
+The trainers' side is timed the same way (each trainer's process CPU per exchange, the mean over the
+trainers): the agreed scales, quantizing, a send and a receive per chunk, decoding. It came to about 7.5 ms
+for charlm's bucket where an all-reduce's per-byte CPU and the int8 kernels say about 2
+(``switch_cpu.md``); the model charges it as the bucket's host CPU (:func:`thinwire.perf.model.bucket_cost`).
+
 Run as a module it is one rank: ``python -m thinwire.measure.aggregator --rank R --world W ...``.
 """
 
@@ -46,22 +51,29 @@ def _rank(args) -> None:
     try:
         cpu = []
         for size, calls in rounds:
+            c0 = time.process_time()
             if args.rank == args.world - 1:
-                c0 = time.process_time()
                 served = switch.serve(dist.group.WORLD, trainers)
                 cpu.append((time.process_time() - c0) / max(1, served))
             else:
                 port = switch.SwitchPort(dist.group.WORLD, aggregator=args.world - 1)
                 x = torch.randn(size, generator=torch.Generator().manual_seed(args.rank))
+                c0 = time.process_time()
                 for _ in range(calls):
                     port.all_reduce(x, key=0)
+                cpu.append((time.process_time() - c0) / calls)
                 port.close()
+        # the trainers' CPU per exchange, summed over them (the aggregator adds zeros), for their mean
+        mine = torch.tensor(cpu if args.rank < args.world - 1 else [0.0] * len(rounds), dtype=torch.float64)
+        dist.all_reduce(mine)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     if args.rank == args.world - 1:  # each size's median over the rounds
-        per = {n: statistics.median(c for (m, _), c in zip(rounds[1:], cpu[1:]) if m == n) for n in SIZES}
-        print(json.dumps({"sizes": list(SIZES), "cpu_s": [per[n] for n in SIZES]}), flush=True)
+        def medians(per_round: list[float]) -> list[float]:
+            return [statistics.median(c for (m, _), c in zip(rounds[1:], per_round[1:]) if m == n) for n in SIZES]
+        print(json.dumps({"sizes": list(SIZES), "cpu_s": medians(cpu),
+                          "trainer_cpu_s": medians([c / len(trainers) for c in mine.tolist()])}), flush=True)
 
 
 def fit(sizes: list[int], cpu_s: list[float]) -> tuple[float, float]:
@@ -72,13 +84,16 @@ def fit(sizes: list[int], cpu_s: list[float]) -> tuple[float, float]:
 
 
 def aggregator_cpu(trainers: int, reps: int = CALLS, timeout: float = 120.0) -> dict:
-    """``{"trainers", "per_bucket_s", "per_value_s", "sizes", "cpu_s"}`` for ``trainers`` trainers (module docstring)."""
+    """``{"trainers", "per_bucket_s", "per_value_s", "trainer_per_bucket_s", "trainer_per_value_s", "sizes",
+    "cpu_s", "trainer_cpu_s"}`` for ``trainers`` trainers (module docstring)."""
     world = trainers + 1
     out = run_ranks("thinwire.measure.aggregator", ["--reps", str(reps), "--world", str(world)], timeout,
                     what="the switch aggregator's CPU probe", world=world, rank=trainers)
     result = json.loads(out.strip().splitlines()[-1])
     per_bucket, per_value = fit(result["sizes"], result["cpu_s"])
-    return {"trainers": trainers, "per_bucket_s": per_bucket, "per_value_s": per_value, **result}
+    own_bucket, own_value = fit(result["sizes"], result["trainer_cpu_s"])
+    return {"trainers": trainers, "per_bucket_s": per_bucket, "per_value_s": per_value,
+            "trainer_per_bucket_s": own_bucket, "trainer_per_value_s": own_value, **result}
 
 
 def main(argv: list[str] | None = None) -> None:

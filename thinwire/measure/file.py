@@ -28,8 +28,9 @@ A YAML mapping, plain values in SI units (seconds, bytes, bit/s, FLOPs)::
     network: {alpha_s: 1e-4, efficiency: 0.93, ...}   # only with --cluster
     host_speed: {cluster: lab, threads: 1, batch: 8, speed: {h0: 0.41, h1: 0.23}}  # only with --cluster: each
                                  # host's step speed there, all at once, over this profile's (measure.hostspeed)
-    aggregator: {trainers: 4, per_bucket_s: 3.6e-3, per_value_s: 8.3e-9}  # only with --cluster of a spec with
-                                 # `switch:`: the aggregator's CPU per bucket, uncapped (measure.aggregator)
+    aggregator: {trainers: 4, per_bucket_s: 3.6e-3, per_value_s: 8.3e-9,   # only with --cluster of a spec with
+                 trainer_per_bucket_s: 1.0e-3, trainer_per_value_s: 1.4e-8}  # `switch:`: the aggregator's CPU
+                                 # per bucket, uncapped, and each trainer's own (measure.aggregator)
 
 All costs are one core's (``threads``) on the machine in ``machine``.
 """
@@ -191,16 +192,29 @@ class NetworkRecord:
 @dataclasses.dataclass(kw_only=True)
 class AggregatorRecord:
     """The switch's aggregator's CPU per bucket of n values from ``trainers`` trainers, at this machine's
-    speed 1: ``per_bucket_s + per_value_s * n`` (:mod:`thinwire.measure.aggregator`)."""
+    speed 1: ``per_bucket_s + per_value_s * n``; and one trainer's own CPU per such exchange, likewise
+    (``trainer_*``; None in profiles made before it was measured). :mod:`thinwire.measure.aggregator`."""
 
     trainers: int
     per_bucket_s: float
     per_value_s: float
+    trainer_per_bucket_s: float | None = None
+    trainer_per_value_s: float | None = None
 
     def __post_init__(self) -> None:
         check_range("aggregator.trainers", self.trainers, 1, 2**20, kind="an integer")
         check_range("aggregator.per_bucket_s", self.per_bucket_s, 0, MAX_SECONDS)
         check_range("aggregator.per_value_s", self.per_value_s, 0, 1e-3)
+        if self.trainer_per_bucket_s is not None or self.trainer_per_value_s is not None:
+            check_range("aggregator.trainer_per_bucket_s", self.trainer_per_bucket_s, 0, MAX_SECONDS)
+            check_range("aggregator.trainer_per_value_s", self.trainer_per_value_s, 0, 1e-3)
+
+    @property
+    def trainer_cpu(self) -> tuple[float, float] | None:
+        """One trainer's CPU per exchange, ``(per bucket, per value)``, where measured."""
+        if self.trainer_per_bucket_s is None or self.trainer_per_value_s is None:
+            return None
+        return self.trainer_per_bucket_s, self.trainer_per_value_s
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -129,6 +129,10 @@ class Network:
     # exchanges through the switch as timed on the trainers (``auto``'s meter), the aggregator's work
     # included, as the beta of collectives.switch_s (``switch_pace``); None: priced from its parts
     switch_beta_s_per_byte: float | None = None
+    # a trainer's own CPU per exchange through the switch at speed 1 (``bucket + value * numel``: the agreed
+    # scales, quantizing, a send and a receive per chunk, decoding; profile's ``aggregator``); None: the
+    # bytes it sends at ``cpu_s_per_byte``, as for a collective, and the codec's kernels
+    switch_trainer_cpu: tuple[float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +190,9 @@ def bucket_cost(codec: CodecModel, index: int, numel: int, p: int, network: Netw
     wire = sum(_TIME[kind](size, p, alpha=network.alpha_s, beta=_beta(kind, network)) for kind, size in ops)
     cpu = t.bytes_sent * network.cpu_s_per_byte / codec_speed if p > 1 else 0.0
     before, after = (codec.work_s(t.before), codec.work_s(t.after)) if p > 1 else (0.0, 0.0)
+    if p > 1 and network.switch_trainer_cpu is not None and any(kind == "switch" for kind, _ in ops):
+        per_bucket, per_value = network.switch_trainer_cpu  # measured whole: less the kernels priced apart
+        cpu = max(cpu, (per_bucket + per_value * numel - before - after) / codec_speed)
     if p > 1 and network.switch_beta_s_per_byte is None:  # through a capped aggregator: its work joins the chunks' pipeline
         wire += sum(aggregator_lag_s(aggregator_s(codec, numel, size, p, network), size, network)
                     for kind, size in ops if kind == "switch")

@@ -241,7 +241,7 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
         from thinwire.compress.schemes.switched import switchable
 
         net = inputs.ring_network(spec, spec.hosts, profile)
-        pb.switch_speed, pb.switch_cpu = net.switch_speed, net.switch_cpu
+        pb.switch_speed, pb.switch_cpu, pb.switch_trainer_cpu = net.switch_speed, net.switch_cpu, net.switch_trainer_cpu
         pb.switch_codecs = {name: inputs.codec_model(name, profile if profile.codecs else None, switch=True)
                             for name in codecs if switchable(name)}
         if pb.switch_codecs and profile.aggregator is None and spec.switch.cpu is not None:

@@ -89,6 +89,7 @@ class Problem:
     switch_codecs: dict[str, CodecModel] = dataclasses.field(default_factory=dict)
     switch_speed: float | None = None
     switch_cpu: tuple[float, float] | None = None
+    switch_trainer_cpu: tuple[float, float] | None = None  # a trainer's own CPU per exchange, measured
     val_items: int = 0                   # validation items per evaluation (0: validation not priced)
     eval_every: int = 1                  # steps between evaluations
     scored: int = 0                      # candidates priced so far
@@ -149,7 +150,8 @@ def ring_network(pb: Problem, idx: Sequence[int]) -> Network:
     hs = [pb.hosts[i] for i in idx]
     rates = coll.ring_edge_rates([h.bandwidth for h in hs], [h.group for h in hs], pb.links)
     return Network(alpha_s=pb.alpha_s, beta_s_per_byte=coll.ring_beta(rates, pb.efficiency),
-                   cpu_s_per_byte=pb.cpu_s_per_byte, switch_speed=pb.switch_speed, switch_cpu=pb.switch_cpu)
+                   cpu_s_per_byte=pb.cpu_s_per_byte, switch_speed=pb.switch_speed, switch_cpu=pb.switch_cpu,
+                   switch_trainer_cpu=pb.switch_trainer_cpu)
 
 
 def _bucket(pb: Problem, lay: Layout, i: int, codec_speed: float) -> tuple[float, float, float, int, int, float, int]:

@@ -138,7 +138,8 @@ def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile, bus
     switch_speed = min(1.0, spec.switch.cpu or 1.0) if spec.switch is not None else None
     return Network(alpha_s=alpha + latency, beta_s_per_byte=coll.ring_beta(rates, efficiency),
                    cpu_s_per_byte=profile.collective_cpu_s_per_byte, busy_hop_s=busy_hop_s, switch_speed=switch_speed,
-                   switch_cpu=_per_trainer(profile.aggregator))
+                   switch_cpu=_per_trainer(profile.aggregator),
+                   switch_trainer_cpu=profile.aggregator.trainer_cpu if profile.aggregator else None)
 
 
 def compute_at(profile: Profile, batch: float) -> Compute:
