@@ -143,6 +143,7 @@ class AutoPolicy(Policy):
     def _switch(self) -> bool:
         """Whether the job has an aggregator on the switch (a port the trainer sets after ``attach``)."""
         return getattr(self._state, "switch", None) is not None
+
     def _due(self, step: int) -> bool:
         """The warm-up's end (the baseline window starts), then every ``check_every`` steps from the
         end of the baseline window, and a trial's early look; the same steps on every rank."""
