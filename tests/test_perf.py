@@ -896,6 +896,8 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     ("auto:trial_windows=0", r"auto\.trial_windows: must be an integer >= 1, got 0\. 1 judges a trial on its first window alone"),
     ("auto:start=int4", r"auto\.start: must be one of the candidates \(none\|bf16\|int8.*\), got 'int4'"),
     ("auto:baseline_steps=-1", r"auto\.baseline_steps: must be an integer >= 0, got -1\. 0 decides at the warm-up's end"),
+    ("auto:candidates=none|int8@switch", r"auto\.candidates: must be codec specs \(int8, not int8@switch\), got "
+                                         r"'int8@switch'\. Where the job has an aggregator on the switch"),
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
     from thinwire.errors import ConfigError

@@ -53,6 +53,9 @@ class AutoConfig:
     def __post_init__(self) -> None:
         check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
         for c in self.candidates:
+            check(not c.endswith("@switch"), "auto.candidates", c, "codec specs (int8, not int8@switch)",
+                  "Where the job has an aggregator on the switch (--aggregation switch), auto tries every int8 "
+                  "candidate both around the ring and through the switch by itself.")
             parse_codec_spec(c)
         if not self.start:
             object.__setattr__(self, "start", "bf16" if "bf16" in self.candidates else "none")
