@@ -1296,3 +1296,56 @@ def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_o
     assert rec.alpha_s == pytest.approx(alpha) and rec.alpha_s > 1e-3  # the fastest rep would give ~0.2 ms
     assert rec.measured_bps == pytest.approx(8 / beta)
     assert rec.p2p_latency_s == pytest.approx(0.0003)  # the median one-way time, a pipeline hand-off's latency
+
+
+def test_auto_state_round_trips_through_a_checkpoint_and_a_run_without_it_warms_up_again(tmp_path, caplog):
+    import torch
+
+    from thinwire.auto import AutoConfig, AutoPolicy
+    from thinwire.auto.trial import Trial
+
+    config = AutoConfig(warmup_steps=3, baseline_steps=5, check_every=10)
+    decided = AutoPolicy(config)
+    assert decided.state_dict() == {}  # before the first decision there is nothing to keep
+    decided.origin, decided.numels, decided.choices = 0, {0: 100_000}, {0: "int8"}
+    decided.decided_bps, decided.costs = 1e8, {"bf16": (1e-5, 1e-9), "int8": (2e-5, 2e-9)}
+    decided.banned, decided.tried = {0: {"topk:ratio=0.01"}}, {0: {"powersgd:rank=8": 5e7}}
+    decided.shadows.errors = {0: {"bf16": 0.002, "int8": 0.008, "topk:ratio=0.01": 0.78}}
+    decided.decisions = [{"step": 9, "reason": "warm-up done", "choices": {"0": "int8"}}]
+    path = tmp_path / "sd.pt"
+    torch.save(decided.state_dict(), path)  # as the checkpoint holds it: plain values
+    sd = torch.load(path, weights_only=True)
+
+    resumed = AutoPolicy(config)
+    resumed.load_state_dict(sd)
+    assert resumed.choices == {0: "int8"} and resumed.banned == {0: {"topk:ratio=0.01"}}
+    assert resumed.shadows.errors == decided.shadows.errors and resumed.decisions == decided.decisions
+    assert resumed.codec_for(0, 100_000, 205).name == "int8"
+    assert not resumed.busy(0, 206)               # no warm-up: it goes on with the plan
+    assert not resumed._due(208)                  # its schedule (checks at 8 + 10k), once this run has a window
+    assert resumed._due(218) and not resumed._due(219)
+
+    fresh = AutoPolicy(config)                    # resumed without auto's state (an older checkpoint)
+    assert fresh.busy(0, 200) and fresh.busy(0, 202) and not fresh.busy(0, 204)  # a warm-up of its own
+    fresh.observe(0, torch.randn(100_000), 200)
+    assert fresh.shadows.errors[0]["topk:ratio=0.01"] > 0.5  # the shadows run: the guard sees topk's error
+    assert fresh._due(203) and fresh._due(208) and not fresh._due(211)  # baseline window, then every 10
+
+    mid = AutoPolicy(config)                      # a checkpoint during a trial: the plan before it, decided again
+    mid.origin, mid.numels, mid.decided_bps, mid.choices = 0, {0: 100_000}, 1e8, {0: "int8"}
+    mid.trial = Trial(old={0: "bf16"}, new={0: "int8"}, steps={"old": [0.1], "new": []})
+    again = AutoPolicy(config)
+    again.load_state_dict(mid.state_dict())
+    assert again.choices == {0: "bf16"} and again.decided_bps is None
+    assert again._reason(1e8, None) == "resumed from a checkpoint taken during a trial"
+
+    switched = AutoPolicy(config)                 # restarted on the ring: no switch to send through
+    switched.origin, switched.numels, switched.decided_bps, switched.choices = 0, {0: 100_000}, 1e8, {0: "int8@switch"}
+    ring = AutoPolicy(config)
+    ring.load_state_dict(switched.state_dict())
+    assert ring.choices == {0: "int8"} and ring.decided_bps is None
+
+    other = AutoPolicy(AutoConfig(candidates=("none", "bf16")))
+    with caplog.at_level("WARNING", logger="thinwire.plan"):
+        other.load_state_dict(sd)
+    assert other.choices == {} and "measuring and deciding again" in caplog.text

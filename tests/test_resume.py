@@ -166,3 +166,28 @@ def test_resume_extending_steps_keeps_the_lr_horizon_unless_rescheduled(tmp_path
     assert lr_refit[31] == pytest.approx(0.00096, rel=1e-3)
     assert _final_model(kept)["lr_horizon"] == 30 and _final_model(refit)["lr_horizon"] == 40
     assert json.loads((refit / "summary.json").read_text())["lr_horizon"] == 40
+
+
+def test_auto_resumes_on_its_plan_and_keeps_its_decisions(tmp_path):
+    """``--compression auto`` after ``--resume``: the plan and the guard's shadow errors come from the checkpoint,
+    so no warm-up runs again and nothing the warm-up's shadows ruled out is tried. Before, a resumed run
+    decided at once, with no shadow errors (every candidate's read 0), and went through PowerSGD, int8 and
+    top-k, each banned a window later, to fp32."""
+    run = tmp_path / "run"
+    common = ["--workload", "charlm", "--nproc", "2", "--compression", "auto", "--eval-every", "1000",
+              "--set", "model.context=32", "--set", "model.width=64"]
+    first = thinwire("train", *common, "--steps", "20", "--checkpoint-every", "10", "--out", str(run))
+    assert first.returncode == 0, first.stderr
+    before = json.loads((run / "summary.json").read_text())["auto_decisions"]
+    assert before and before[0]["reason"] == "warm-up done", before
+    second = thinwire("train", "--resume", str(run), "--steps", "40")
+    assert second.returncode == 0, second.stderr
+    assert "auto: resumed on its plan" in second.stdout + second.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    decisions = summary["auto_decisions"]
+    assert decisions[:len(before)] == before  # the log goes on across the resume
+    assert all(d["reason"] != "warm-up done" for d in decisions[len(before):]), decisions
+    shadow = before[0]["shadow_errors"]["0"]
+    over = {spec for spec, err in shadow.items() if err > 0.1}
+    sent = {spec.split(":")[0] for spec in over}
+    assert over and not sent & set(summary["compression_stats"]["counts"]), (over, summary["compression_stats"])

@@ -41,6 +41,12 @@ Why each step and each default is what it is, with the runs that showed it: ``do
    not surely, the two plans are timed in alternating windows for up to ``trial_windows`` (3).
    The trial's first ``EARLY_STEPS`` (4) steps get an early look: surely slower, it is reverted then.
 
+7. **Resume where it was.** The hook's checkpoint state (``CommState.state_dict``) holds the plan, what the
+   guards banned and the clock rejected, the codec costs, the warm-up's shadow errors and the decisions
+   (:meth:`AutoPolicy.state_dict`); a resumed run goes on with them, its checks on the same steps. Without them
+   (a checkpoint before the first decision, or other candidates) it starts over: warm-up and checks count
+   from the first step it sees.
+
 Costs: one all-reduce of a few hundred float64 values per check, off the step's critical path;
 encode and decode of every lossy candidate per bucket in the warm-up (which also times them), and
 one fp32 residual per candidate and bucket while its shadow runs; timing a low-rank codec once.

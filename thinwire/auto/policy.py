@@ -64,6 +64,9 @@ class AutoPolicy(Policy):
         self._early_at: int | None = None  # the step of a trial's early look (EARLY_STEPS after it began)
         self._early = False                # the agreement in flight is that early look's
         self._switch_timed = True          # the last decision priced the switch at its timed pace (or had none)
+        self.origin: int | None = None    # the hook's step at which this policy started: its warm-up and checks count from it
+        self._resumed: str | None = None  # why a resumed run decides again at its first check (load_state_dict)
+        self._resumed_at: int | None = None  # a resumed run's first step (-1: resumed, not yet stepped)
         self.link, self.compute, self.errors = LinkMeter(), ComputeMeter(), ErrorMeter()
         self.shadows = ShadowRuns(self.codecs, window=self.config.check_every)
 
@@ -78,6 +81,7 @@ class AutoPolicy(Policy):
             self.compute.attach(model)
 
     def codec_for(self, bucket: int, numel: int, step: int) -> Codec:
+        self._start(step)
         if step != self._last_step:
             now = time.perf_counter()
             if step == self._last_step + 1 and self._step_t0 is not None:  # one whole step since the last
@@ -101,7 +105,7 @@ class AutoPolicy(Policy):
         """Shadow runs (the warm-up, a low-rank codec's first window), timing the codecs (the first
         check) and deciding (the step after a check) are heavy: the hook runs them on its
         communication thread, off the backward pass. A check itself only issues its agreement."""
-        if step < self.config.warmup_steps:
+        if self._start(step) < self.config.warmup_steps:
             return True
         if step != self._last_step and ((self.costs is None and self._due(step)) or self._deciding()):
             return True
@@ -118,7 +122,7 @@ class AutoPolicy(Policy):
         """Run the bucket's shadows (:class:`~thinwire.auto.shadow.ShadowRuns`) on its gradient."""
         if shapes is not None:
             self.shadows.shapes[bucket] = [tuple(s) for s in shapes]
-        warm, current = step < self.config.warmup_steps, self._codec(bucket)
+        warm, current = self._start(step) < self.config.warmup_steps, self._codec(bucket)
         if buf.numel() * 4 < 4096 or not self.shadows.wanted(bucket, step, current, warm):
             return
         self.numels.setdefault(bucket, buf.numel())
@@ -130,6 +134,55 @@ class AutoPolicy(Policy):
         if not self.choices:
             return "auto (measuring)"
         return "auto[" + ", ".join(f"{i}:{c}" for i, c in sorted(self.choices.items())) + "]"
+
+    def state_dict(self) -> dict:
+        """What a resumed run goes on from (plain values, the same on every rank, as every decision is): the
+        plan, what the accuracy guard banned and the clock rejected, the link rate it was decided at, the codec
+        costs, the warm-up's shadow errors and the decisions so far. A trial in flight is not kept: the run
+        resumes on the plan before it and decides again at its first check. Before the first decision there
+        is nothing to keep: a run resumed then measures from a warm-up of its own (:meth:`_start`)."""
+        if self.decided_bps is None and self.trial is None:
+            return {}
+        plan = self.trial.old if self.trial is not None else self.choices
+        return {"kind": "auto", "candidates": list(self.config.candidates), "origin": self.origin,
+                "numels": dict(self.numels), "choices": dict(plan),
+                "banned": {i: sorted(specs) for i, specs in self.banned.items()},
+                "tried": {i: dict(rates) for i, rates in self.tried.items()},
+                "decided_bps": None if self.trial is not None else self.decided_bps,
+                "costs": {spec: list(cost) for spec, cost in (self.costs or {}).items()},
+                "shadow_errors": {i: dict(errors) for i, errors in self.shadows.errors.items()},
+                "shapes": {i: [list(shape) for shape in shapes] for i, shapes in self.shadows.shapes.items()},
+                "since": {i: list(v) for i, v in self.shadows.since.items()},
+                "switch_timed": self._switch_timed, "decisions": list(self.decisions)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Go on from a checkpoint's :meth:`state_dict`: the same plan from the first step, checks on the same
+        steps, no warm-up. Made with other candidates, it is set aside and the run decides afresh."""
+        if not sd:
+            return
+        if sd.get("kind") != "auto" or sd.get("candidates") != list(self.config.candidates):
+            log.warning("auto: the checkpoint's plan was made with the candidates %s, this run has %s: measuring "
+                        "and deciding again from a warm-up", "|".join(sd.get("candidates") or []),
+                        "|".join(self.config.candidates))
+            return
+        self.origin, self.numels = sd["origin"], {int(i): int(n) for i, n in sd["numels"].items()}
+        self.choices = {int(i): str(c) for i, c in sd["choices"].items()}
+        self.banned = {int(i): set(specs) for i, specs in sd["banned"].items()}
+        self.tried = {int(i): dict(rates) for i, rates in sd["tried"].items()}
+        self.decided_bps = sd["decided_bps"]
+        self.costs = {spec: tuple(cost) for spec, cost in sd["costs"].items()} or None
+        self.shadows.errors = {int(i): dict(errors) for i, errors in sd["shadow_errors"].items()}
+        self.shadows.shapes = {int(i): [tuple(shape) for shape in shapes] for i, shapes in sd["shapes"].items()}
+        self.shadows.since = {int(i): (str(v[0]), int(v[1])) for i, v in sd["since"].items()}
+        self._switch_timed, self.decisions = bool(sd["switch_timed"]), list(sd["decisions"])
+        self._resumed_at = -1
+        if self.decided_bps is None:
+            self._resumed = "resumed from a checkpoint taken during a trial"
+        if not self._switch() and any(base_spec(c) != c for c in self.choices.values()):
+            # restarted on the ring (the aggregator gone): those buckets go around it, and the plan is decided again
+            self.choices = {i: base_spec(c) for i, c in self.choices.items()}
+            self.decided_bps, self._resumed = None, "resumed without the switch its plan sent through"
+        log.info("auto: resumed on its plan %s", self.describe())
 
     # -- measuring and deciding ----------------------------------------------------------------------
     def _plan(self, bucket: int) -> str:
@@ -149,8 +202,20 @@ class AutoPolicy(Policy):
         end of the baseline window, and a trial's early look; the same steps on every rank."""
         return self._regular(step) or (self.trial is not None and step == self._early_at)
 
+    def _start(self, step: int) -> int:
+        """Steps since this policy started (its first step seen: 0 in a new run, the checkpoint's step when
+        a run resumed without auto's state, which then measures and decides again from its warm-up)."""
+        if self.origin is None:
+            self.origin = step
+        if self._resumed_at == -1:
+            self._resumed_at = step
+        return step - self.origin
+
     def _regular(self, step: int) -> bool:
         c = self.config
+        if self._resumed_at is not None and step < self._resumed_at + max(1, c.baseline_steps):
+            return False  # resumed: the meters start empty, and a check needs a window of this run's steps
+        step -= self.origin or 0
         first = c.warmup_steps + c.baseline_steps
         return (c.baseline_steps > 0 and step == c.warmup_steps) or (step >= first and (step - first) % c.check_every == 0)
 
@@ -161,7 +226,7 @@ class AutoPolicy(Policy):
             timed = self.shadows.costs()
             rest = tuple(c for c in self.config.candidates if c not in timed)
             self.costs = {**deciding.codec_costs(rest, max(self.numels.values(), default=1 << 16)), **timed}
-        if self.config.baseline_steps > 0 and step == self.config.warmup_steps:
+        if self.config.baseline_steps > 0 and step - (self.origin or 0) == self.config.warmup_steps:
             self.step_times = []  # the warm-up's steps (start-up, shadow runs) are no baseline
             return
         self._early = step == self._early_at
@@ -208,7 +273,7 @@ class AutoPolicy(Policy):
         of collectives that waited for a busy core), and each re-decision may cost a trial. The switch's
         pace, timed for the first time since a decision priced it from the link's, counts at once."""
         if self.decided_bps is None:
-            return "warm-up done"
+            return self._resumed or "warm-up done"
         if not self._switch_timed and shared.switch_beta is not None:
             return (f"the switch timed: {8 / shared.switch_beta / 1e6:.1f} Mbit/s per trainer, aggregator included, "
                     f"where it was priced at the link's {bps / 1e6:.1f}")

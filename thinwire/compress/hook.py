@@ -91,6 +91,13 @@ class Policy:
         them (the same place in the collective sequence on every rank): a policy may issue a collective
         of its own here, behind the gradient's rather than ahead of it."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the policy (plain values, the same on every rank; nothing here)."""
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Go on from :meth:`state_dict`'s output, from a checkpoint (called before the first step)."""
+
 
 class StaticPolicy(Policy):
     """The same codec for every bucket."""
@@ -249,6 +256,7 @@ class CommState:
             "residuals": self.feedback.state_dict() if self.feedback else {},
             "extra": {k: v.detach().cpu().clone() for k, v in self.extra.items()},
             "policy": self.policy.describe(),
+            "policy_state": self.policy.state_dict(),
             "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls},
         }
 
@@ -257,6 +265,7 @@ class CommState:
         if self.feedback is not None:
             self.feedback.load_state_dict(sd.get("residuals", {}))
         self.extra = {k: v.clone() for k, v in sd.get("extra", {}).items()}
+        self.policy.load_state_dict(sd.get("policy_state") or {})  # older checkpoints have none
         counters = sd.get("counters", {})  # totals continue across a resume
         self.bytes_raw = int(counters.get("bytes_raw", 0))
         self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
