@@ -1349,3 +1349,24 @@ def test_auto_state_round_trips_through_a_checkpoint_and_a_run_without_it_warms_
     with caplog.at_level("WARNING", logger="thinwire.plan"):
         other.load_state_dict(sd)
     assert other.choices == {} and "measuring and deciding again" in caplog.text
+
+
+def test_auto_holds_a_new_codec_to_its_own_error_not_the_old_codecs():
+    """A change of plan applies from the step after the check, so the check's own step ran the old codec and
+    its error is already in the next window. Counted there, PowerSGD's (its distributed residual reads ~0.9 a
+    step) is held against int8 (~0.01): over a trial's 4-step early look that alone is ~0.19, past the cap (0.1),
+    and the guard bans int8 from the bucket for good."""
+    from types import SimpleNamespace
+
+    from thinwire.auto import AutoConfig, AutoPolicy
+
+    policy = AutoPolicy(AutoConfig(warmup_steps=1, baseline_steps=0, check_every=10,
+                                   candidates=("none", "bf16", "int8", "powersgd:rank=8")))
+    policy.numels, policy.choices = {0: 400_000, 1: 400_000}, {0: "powersgd:rank=8", 1: "int8"}
+    policy.errors.errors = {"0": [0.9], "1": [0.01]}  # the check's step, sent with the plan in use
+
+    def act(step, shared):
+        policy.choices = {0: "int8", 1: "int8"}
+    policy._act, policy._pending = act, (lambda: SimpleNamespace(costs={}))
+    policy._conclude(12)
+    assert policy.errors.window_errors(["0", "1"]) == [0.0, 0.01]  # bucket 1 kept its codec and its error

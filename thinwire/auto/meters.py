@@ -173,6 +173,11 @@ class ErrorMeter:
                 self.errors.setdefault(key, []).append(float(feedback.residuals[key][1].norm()) / norm)
         feedback.update = observed
 
+    def forget(self, keys: list[str]) -> None:
+        """Drop these keys' errors so far in the window (their bucket changed codec: they were the old one's)."""
+        for k in keys:
+            self.errors.pop(k, None)
+
     def window_errors(self, keys: list[str]) -> list[float]:
         """Each key's mean error over the window since the last call (0 when nothing was compressed); resets."""
         out = [sum(self.errors[k]) / len(self.errors[k]) if self.errors.get(k) else 0.0 for k in keys]

@@ -242,11 +242,13 @@ class AutoPolicy(Policy):
         trial, or re-decide. A changed plan applies from this step; its window starts here."""
         shared, self._pending = self._pending(), None
         self.costs = shared.costs
-        before = dict(self.choices)
+        before, codecs = dict(self.choices), {i: self._codec(i) for i in self.numels}
         self._act(step, shared)
         self._early = False
         if self.choices != before:
             self.step_times = []  # the step that just ended ran the old plan
+            # and its buckets' errors are the old codecs': not to be held against the new ones at the next check
+            self.errors.forget([str(i) for i, codec in codecs.items() if self._codec(i) != codec])
 
     def _act(self, step: int, shared: Measurements) -> None:
         bps = 8 / shared.beta
