@@ -83,6 +83,7 @@ def kill_a_worker_mid_run(train_args: list[str], out: Path, *, at_step: int, ste
     os.kill(victims[-1], signal.SIGKILL)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]  # the survivors say in one line that they lost a peer
     return killed_at
 
 
@@ -120,6 +121,7 @@ def test_sigkill_restarts_a_sync_mode_from_its_checkpoint(tmp_path, sync):
     os.kill(victims[1], signal.SIGKILL)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["restarts"] == 1
     restart = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in l]

@@ -47,3 +47,44 @@ def test_deferred_holds_a_signal_until_cleanup_is_done():
                     pass
                 done.append("cleanup finished")
     assert done == ["cleanup finished"]
+
+
+def test_a_lost_peer_is_told_from_gloo_and_nccl_messages():
+    from thinwire.errors import lost_peer
+
+    gloo = RuntimeError("Unable to cast [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                        "error [127.0.0.1]:44707: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application. GLHF! to Tensor")
+    assert lost_peer(gloo) == "Read error [127.0.0.1]:44707: Connection reset by peer"
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 300000ms "
+                           "for recv operation to complete")
+    assert lost_peer(timeout) == "Timed out waiting 300000ms for recv operation to complete"
+    assert lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error")) is not None
+    assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert lost_peer(KeyError("x")) is None
+
+
+def test_a_failed_job_is_named_by_the_worker_that_caused_it(tmp_path):
+    """Once a worker dies the others lose their connections to it (exit LOST_PEER_EXIT) or are stopped by the
+    agent (SIGTERM), often before the agent sees the first: the earliest failure is then not the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from thinwire.errors import LOST_PEER_EXIT
+    from thinwire.train.launch import _worker_failed
+
+    def failure(rank, code):
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(tmp_path / "none"))
+
+    survivor, killed = failure(0, LOST_PEER_EXIT), failure(1, -signal.SIGKILL)
+    survivor.timestamp, killed.timestamp = 1, 2  # the survivor's exit was seen first
+    msg = str(_worker_failed(ChildFailedError("w", {0: survivor, 1: killed}), 0, "runs/x"))
+    assert msg.startswith("worker 1 was killed by SIGKILL after 0 allowed restart(s); worker 0 then lost its "
+                          "connection to it"), msg
+    assert "thinwire train --resume runs/x" in msg and "To enable traceback" not in msg
+    stopped = failure(0, -signal.SIGTERM)  # stopped by the agent after worker 1 failed on its own
+    own = failure(1, 1)
+    own.message = "ValueError: bad batch"
+    msg = str(_worker_failed(ChildFailedError("w", {0: stopped, 1: own}), 2))
+    assert msg == "worker 1 failed (exit code 1) after 2 allowed restart(s): ValueError: bad batch", msg
+    both = {0: failure(0, LOST_PEER_EXIT), 1: failure(1, LOST_PEER_EXIT)}  # a cut link: nobody died
+    assert str(_worker_failed(ChildFailedError("w", both), 0)).startswith("the workers lost their connections to each other")

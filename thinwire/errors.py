@@ -66,3 +66,24 @@ class Missing:
 
 
 MISSING = Missing()
+
+
+#: What gloo and NCCL say when the process at the other end of a connection has gone or stopped answering.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting",
+             "remote process exited", "NCCL communicator was aborted")
+#: A worker's exit code when it stopped because another worker had gone (``thinwire.train.worker``).
+LOST_PEER_EXIT = 3
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """What ``error`` (a collective's RuntimeError) says of a peer that has gone, without gloo's source
+    location and advice (``Read error [10.0.0.2]:4471: Connection reset by peer``), or None."""
+    text = str(error)
+    for marker in PEER_GONE:
+        at = text.find(marker)
+        if at >= 0:
+            start = text.rfind("] ", 0, at)  # gloo's "[.../pair.cc:537] " before the message
+            start = start + 2 if start >= 0 else 0
+            ends = [i for i in (text.find(". ", at), text.find("\n", at)) if i >= 0]
+            return _cut(text[start:min(ends, default=len(text))].strip(), 300)
+    return None

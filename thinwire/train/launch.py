@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from thinwire.errors import ThinwireError
+from thinwire.errors import LOST_PEER_EXIT, ThinwireError
 from thinwire.signals import Stopped, handlers_restored
 from thinwire.train.config import TrainConfig
 
@@ -142,15 +143,34 @@ def launch_local(cfg: TrainConfig, config_path: Path, module: str = "thinwire.tr
     except SignalException as e:
         raise Stopped(int(e.sigval)) from None
     except ChildFailedError as e:
-        raise _worker_failed(e, cfg.max_restarts) from None
+        raise _worker_failed(e, cfg.max_restarts, cfg.out) from None
 
 
-def _worker_failed(e, max_restarts: int) -> ThinwireError:
-    rank, failure = e.get_first_failure()
+def _worker_failed(e, max_restarts: int, out: str | None = None) -> ThinwireError:
+    """The job's failure, named by the worker that caused it. Once one worker dies the others lose their
+    connections to it (they exit with ``LOST_PEER_EXIT``) or are stopped by the agent (SIGTERM), often before
+    the agent has noticed the first: the earliest failure is then not the cause."""
+    failures = dict(e.failures)
+    collateral = {r for r, f in failures.items() if f.exitcode in (LOST_PEER_EXIT, -signal.SIGTERM)}
+    causes = [r for r in failures if r not in collateral]
+    rank = min(causes, key=lambda r: failures[r].timestamp) if causes else e.get_first_failure()[0]
+    failure = failures[rank]
     detail = failure.message
     if isinstance(detail, dict):
         detail = detail.get("message", str(detail))
-    return ThinwireError(
-        f"worker {rank} failed (exit code {failure.exitcode}) after {max_restarts} allowed restart(s): "
-        f"{detail.strip()[:800] or 'see its output above'}"
-    )
+    detail = "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
+    lost = sorted(r for r, f in failures.items() if f.exitcode == LOST_PEER_EXIT and r != rank)
+    if failure.exitcode < 0:
+        what = f"worker {rank} was killed by {failure.signal_name()}"
+    elif failure.exitcode == LOST_PEER_EXIT:
+        what = (f"the workers lost their connections to each other (worker {rank} first; a network fault, or a "
+                f"worker that hung past the collective timeout)")
+    else:
+        what = f"worker {rank} failed (exit code {failure.exitcode})"
+    others = (f"; worker{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} then lost "
+              f"{'their' if len(lost) > 1 else 'its'} connection to it") if lost and causes else ""
+    if failure.exitcode < 0 and not detail:  # a signal leaves no message: say what to do instead
+        again = f"`thinwire train --resume {out}`" if out else "--resume"
+        return ThinwireError(f"{what} after {max_restarts} allowed restart(s){others}, and the job stopped. Go on from "
+                             f"its last checkpoint with {again}; --max-restarts N restarts by itself.")
+    return ThinwireError(f"{what} after {max_restarts} allowed restart(s){others}: {detail or 'see its output above'}")

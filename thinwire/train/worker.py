@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from thinwire.config import from_dict, load_yaml
-from thinwire.errors import ThinwireError
+from thinwire.errors import LOST_PEER_EXIT, ThinwireError, lost_peer
 from thinwire.signals import signum_of, stop_signals_raise
 from thinwire.train.config import TrainConfig
 
@@ -34,9 +34,13 @@ def main(argv: list[str]) -> int:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # stopped by the agent (or a terminal), which reports it once: leave quietly
-        if signum_of(e) is None:
+        if signum_of(e) is not None:
+            leave(signum_of(e) + 128)
+        if (gone := lost_peer(e)) is None:
             raise
-        leave(signum_of(e) + 128)
+        # another worker died or hung: the agent names it and restarts or stops the job; no traceback of ours
+        print(f"thinwire[{rank}]: stopped: lost another worker ({gone})", file=sys.stderr)
+        leave(LOST_PEER_EXIT)
     leave(0)
 
 
