@@ -162,6 +162,22 @@ def test_a_model_without_a_layer_list_is_refused_with_the_fix():
     assert [layer.name for layer in layer_list(seq, None)] == ["0", "1"]
 
 
+def test_the_chain_check_takes_a_batchnorm_model_and_leaves_it_as_it_was():
+    """One sample through BatchNorm in training mode is refused ("Expected more than 1 value per channel"):
+    the check runs in eval mode, so a model that trains fine is not taken for a list that does not chain,
+    and the probe moves no running statistics."""
+    from thinwire.pipeline.stages import check_chain
+
+    seq = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in seq.state_dict().items()}
+    check_chain(layer_list(seq, None), torch.randn(1, 4), [[0, 1], [2, 3]], ["fp32"])
+    assert seq.training and all(m.training for m in seq.modules())
+    assert all(torch.equal(v, seq.state_dict()[k]) for k, v in before.items())
+    seq[2].eval()  # a mode the user set stays
+    check_chain(layer_list(seq, None), torch.randn(1, 4), [[0, 1], [2, 3]], ["fp32"])
+    assert not seq[2].training and seq[1].training
+
+
 SMALL = ["--set", "model.layers=2", "--set", "model.width=32", "--set", "model.heads=2", "--set", "model.context=16",
          "--set", "model.max_bytes=200000", "--batch-size", "8"]
 

@@ -59,7 +59,20 @@ def layer_list(model: nn.Module, layers: Callable[[nn.Module], list[tuple[str, n
 def check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]) -> None:
     """Run one sample through the layer list in order (every rank, before the stages are cut): a list that
     does not chain, or a stage output a compressed link cannot carry, is refused with the layer's name on
-    every rank at once, not as one stage's crash in the middle of a schedule."""
+    every rank at once, not as one stage's crash in the middle of a schedule. In eval mode, so that the probe
+    changes nothing (a BatchNorm's running statistics) and a layer that needs a batch to train on (BatchNorm
+    in training refuses one sample) is not taken for a list that does not chain."""
+    modes = [(m, m.training) for layer in layers for m in layer.module.modules()]
+    for layer in layers:
+        layer.module.eval()
+    try:
+        _check_chain(layers, x, runs, links)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]) -> None:
     ends = {run[-1]: k for k, run in enumerate(runs[:-1])}  # last layer of each stage but the last -> its link
     for i, layer in enumerate(layers):
         try:
