@@ -1370,3 +1370,32 @@ def test_auto_holds_a_new_codec_to_its_own_error_not_the_old_codecs():
     policy._act, policy._pending = act, (lambda: SimpleNamespace(costs={}))
     policy._conclude(12)
     assert policy.errors.window_errors(["0", "1"]) == [0.0, 0.01]  # bucket 1 kept its codec and its error
+
+
+USER_WORKLOAD = '''
+import torch
+from torch import nn
+import thinwire
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    data = [(x, int(x.sum() > 0)) for x in torch.randn(64, 8, generator=g)]
+    return thinwire.Workload(model=nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), train=data, val=data,
+                             loss=nn.functional.cross_entropy, task="classification", batch_size=8)
+'''
+
+
+def test_probes_of_a_users_workload_find_it_on_the_callers_pythonpath(tmp_path, monkeypatch):
+    """The co-run copies (and every child thinwire starts) keep the caller's PYTHONPATH: they replaced it with
+    thinwire's own, so `thinwire profile --workload mine:build` died in an IndexError on the copies' empty output."""
+    import thinwire.child as child
+    from thinwire.errors import ThinwireError
+    from thinwire.measure.corun import corun_speed
+
+    (tmp_path / "mine.py").write_text(USER_WORKLOAD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), child.ROOT, ""]))
+    assert child.pythonpath().split(os.pathsep) == [child.ROOT, str(tmp_path)]
+    assert corun_speed(workload="mine:build", model={}, data=None, batch=8, steps=2, tries=1) > 0
+    monkeypatch.setenv("PYTHONPATH", child.ROOT)  # the module nowhere on the path: a clear error, not an IndexError
+    with pytest.raises(ThinwireError, match="a copy of the workload's step .* failed .*--no-corun"):
+        corun_speed(workload="mine:build", model={}, data=None, batch=8, steps=2, tries=1)

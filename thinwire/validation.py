@@ -32,6 +32,7 @@ from typing import Callable
 
 import yaml
 
+from thinwire.child import pythonpath
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec, spec_to_dict
 from thinwire.config import check
@@ -140,7 +141,7 @@ def run_real(spec: ClusterSpec, out: Path, *, skip: int, timeout: float, **train
     try:
         with ForeignCpu() as foreign:
             proc = subprocess.Popen(train_argv(spec_path, out / "run", **train), stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                                    env={**os.environ, "PYTHONPATH": pythonpath()})
             _wait(proc, foreign, timeout)
     finally:
         log.close()

@@ -37,8 +37,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from itertools import combinations
-from pathlib import Path
 
+from thinwire.child import pythonpath
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.errors import ThinwireError
 
@@ -167,7 +167,6 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
     ``sizes`` are bytes; each all-reduce sums a tensor of ``dtype`` (a ``torch`` dtype name) of that
     many bytes."""
     master = f"{cluster.host(hosts[0]).address}:{random.randint(20000, 60000)}"
-    pythonpath = str(Path(__file__).resolve().parents[2])
     procs = []
     places = [cluster.host(name) for name in hosts] + ([switch] if switch is not None else [])
     try:
@@ -176,7 +175,7 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
                     "--world", str(len(places)), "--master", master, "--reps", str(reps),
                     "--sizes", ",".join(map(str, sizes)), "--dtype", dtype, *(["--busy"] if busy else []),
                     *(["--switch"] if switch is not None else []), *(["--p2p"] if p2p else [])]
-            procs.append(place.spawn(argv, env={"PYTHONPATH": pythonpath}, stdout=subprocess.PIPE,
+            procs.append(place.spawn(argv, env={"PYTHONPATH": pythonpath()}, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:

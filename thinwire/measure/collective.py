@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from thinwire.child import pythonpath
+from thinwire.errors import ThinwireError
 from thinwire.measure.corun import collect, kill_all
 
 SIZES = (1 << 20, 16 << 20)  # bytes of fp32 all-reduced: a small and a large message
@@ -85,7 +87,7 @@ def run_ranks(module: str, args: list[str], timeout: float, *, what: str, world:
     loopback = next((n for n in ("lo", "lo0") if n in names), None)  # as thinwire.train.launch's workers
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1",
                **({"GLOO_SOCKET_IFNAME": loopback} if loopback else {})}
         cmd = [sys.executable, "-m", module, "--store", store, *args]
         procs = []
@@ -97,7 +99,7 @@ def run_ranks(module: str, args: list[str], timeout: float, *, what: str, world:
             kill_all(procs)
     for p in procs:
         if p.returncode != 0:
-            raise RuntimeError(f"{what} failed (exit {p.returncode}; its error is above). "
+            raise ThinwireError(f"{what} failed (exit {p.returncode}; its error is above). "
                                "Skip it with `thinwire profile --no-corun`.")
     return outs[rank]
 

@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from thinwire.child import pythonpath
+from thinwire.errors import ThinwireError
+
 
 def _copy(args: argparse.Namespace) -> None:
     import torch
@@ -50,13 +53,18 @@ def _copy(args: argparse.Namespace) -> None:
 def _run(n: int, argv: list[str], timeout: float) -> float:
     with tempfile.TemporaryDirectory() as barrier:
         cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(n), "--barrier", barrier]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1"}
         procs = []
         try:
             procs += [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
             outs = collect(procs, time.monotonic() + timeout)
         finally:  # timeout, error or stop signal: no copy outlives the measurement
             kill_all(procs)
+    failed = [p.returncode for p in procs if p.returncode != 0]
+    if failed or not all(o.strip() for o in outs):
+        raise ThinwireError(f"profile: a copy of the workload's step (the co-run speed) failed (exit code "
+                            f"{failed[0] if failed else 0}; its error is above). Skip it with `thinwire profile "
+                            "--no-corun`.")
     return statistics.median(json.loads(o.strip().splitlines()[-1])["median_s"] for o in outs)
 
 

@@ -26,8 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from thinwire.child import pythonpath
 from thinwire.errors import ThinwireError
 from thinwire.measure.corun import _run, kill_all
 from thinwire.measure.file import HostSpeedRecord
@@ -45,7 +45,7 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
     # a quota's pauses come every 10 ms: half a second of work alone (a few seconds on a slow host) averages them
     steps = max(steps, math.ceil(MIN_WORK_S / alone))
     argv += ["--steps", str(steps)]
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": str(threads)}
+    env = {"PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory() as barrier:
         os.chmod(barrier, 0o777)
         cmd = [sys.executable, "-m", "thinwire.measure.corun", *argv, "--n", str(len(hosts)), "--barrier", barrier]

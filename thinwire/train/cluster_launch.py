@@ -18,13 +18,13 @@ rendezvous store (c10d): it cannot leave, as with torchrun on real machines.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from thinwire.child import pythonpath as child_pythonpath
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.compress.switch import ENV as SWITCH_ENV
 from thinwire.cluster.spec import load_cluster_spec
@@ -84,7 +84,7 @@ def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: b
                             f"{'it' if len(down) == 1 else 'them'} back first: thinwire cluster restore {cfg.cluster} HOST")
     logs = Path(cfg.out) / "hosts"
     logs.mkdir(parents=True, exist_ok=True)
-    pythonpath = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")] if p)
+    pythonpath = child_pythonpath()
     nnodes = f"{cfg.min_hosts}:{len(hosts)}" if cfg.min_hosts else str(len(hosts))
     # elastic: a rendezvous round closes this long after the smallest allowed group has joined
     last_call = f",last_call_timeout={ELASTIC_LAST_CALL_S}" if cfg.min_hosts else ""
