@@ -1399,3 +1399,16 @@ def test_probes_of_a_users_workload_find_it_on_the_callers_pythonpath(tmp_path, 
     monkeypatch.setenv("PYTHONPATH", child.ROOT)  # the module nowhere on the path: a clear error, not an IndexError
     with pytest.raises(ThinwireError, match="a copy of the workload's step .* failed .*--no-corun"):
         corun_speed(workload="mine:build", model={}, data=None, batch=8, steps=2, tries=1)
+
+
+def test_simulate_and_plan_take_the_workload_from_the_profile_when_none_is_named(tmp_path, capsys):
+    """`thinwire simulate --profile P` of a user's workload, without --workload: the profile's workload and model
+    options (it refused, asking for charlm). Naming another workload is still refused."""
+    prof = _profile_file(tmp_path, workload="tests.test_pipeline:wrong_order")
+    cluster = ROOT / "examples/clusters/pair-100mbit.yaml"
+    assert _cli("simulate", "--cluster", cluster, "--profile", prof, "--out", tmp_path / "sim", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["workload"] == "tests.test_pipeline:wrong_order"
+    assert _cli("plan", "--cluster", cluster, "--profile", prof, "--out", tmp_path / "plan.yaml") == 0
+    assert "tests.test_pipeline:wrong_order" in (tmp_path / "plan.yaml").read_text()
+    assert _cli("simulate", "--cluster", cluster, "--profile", prof, "--workload", "charlm") == 2
+    assert "measured workload 'tests.test_pipeline:wrong_order'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, model_options
+from thinwire.cli.common import add_workload_args, workload_of
 from thinwire.compress.spec import default_candidates
 from thinwire.config import check
 from thinwire.errors import ConfigError
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan batch shares, hosts, grouping and codecs for a cluster, and explain why",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML (the one the emulator and simulator read)")
-    add_workload_args(p)
+    add_workload_args(p, from_profile=True)
     p.add_argument("--batch-size", type=int, help="global batch per step (default: the workload's)")
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure this machine now)")
     p.add_argument("--codecs", help="candidate codecs, lightest first, comma-separated "
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.plan.planner import PlanOptions, make_plan
     from thinwire.workloads.registry import check_workload_name
 
+    args.workload, model = workload_of(args)
     check_workload_name(args.workload)
-    model = model_options(args.set)
     spec = load_cluster_spec(args.cluster)
     codecs = codec_list(args.codecs)
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")

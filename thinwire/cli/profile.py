@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
+    args.workload = args.workload or "charlm"
     check_workload_name(args.workload)
     model = model_options(args.set)
     codecs = [c.strip() for c in args.codecs.split(",")] if args.codecs else REGISTRY.names()

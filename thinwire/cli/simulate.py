@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, model_options
+from thinwire.cli.common import add_workload_args, workload_of
 from thinwire.config import check
 from thinwire.errors import ConfigError
 
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict step time, scaling and energy before running",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML")
-    add_workload_args(p)
+    add_workload_args(p, from_profile=True)
     p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
     p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
     p.add_argument("--aggregation", default="ring", choices=["ring", "switch"],
@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.sim.sweep import SimOptions
     from thinwire.workloads.registry import check_workload_name
 
+    args.workload, model = workload_of(args)
     check_workload_name(args.workload)
-    model = model_options(args.set)
     spec = load_cluster_spec(args.cluster)
     from thinwire.commspec import CodecSpec, parse_comm_spec
 
