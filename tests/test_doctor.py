@@ -14,7 +14,7 @@ BUDGET_S = 60
 
 
 @pytest.mark.slow
-def test_doctor_on_two_local_workers_reports_every_field_within_budget(tmp_path):
+def test_doctor_on_two_local_workers_reports_every_field_within_budget(tmp_path, capsys):
     out = tmp_path / "doc"
     proc = thinwire("doctor", "--workload", "digits", "--nproc", "2", "--out", str(out), "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,6 +31,16 @@ def test_doctor_on_two_local_workers_reports_every_field_within_budget(tmp_path)
     rec = r["recommendation"]
     assert rec["action"] in ("keep", "compress") and rec["why"]
     assert (rec["command"] is None) == (rec["action"] == "keep")
+    from thinwire.cli.doctor import show
+
+    # a gradient too small for the wire to show: no bandwidth from the fit's noise (it printed 8000000000 Mbit/s)
+    r["measured"]["allreduce"].update(times_s=[3e-4, 2.5e-4], beta_s_per_byte=1e-15, bus_bps=8e15)
+    show(r)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the bandwidth does not show" in text and "Mbit/s bus bandwidth" not in text
+    r["measured"]["allreduce"].update(times_s=[3e-4, 3e-3], beta_s_per_byte=8e-8, bus_bps=1e8)
+    show(r)
+    assert "100 Mbit/s bus bandwidth" in " ".join(capsys.readouterr().out.split())
 
 
 def _report(comm_s: float, profile, trials: dict | None = None, hosts: int = 2, **kw):

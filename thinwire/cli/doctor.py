@@ -132,7 +132,13 @@ def show(r: dict, *, as_json: bool = False) -> None:
               f"rank, measured in {r['elapsed_s']:.0f} s")
     con.print(f"step with DDP fp32 {_ms(m['ddp_fp32_step_s'])}; without communication {_ms(m['no_comm_step_s'])} "
               f"(slowest rank): communication is [bold]{m['comm_share']:.0%}[/] of the step")
-    if ar.get("bus_bps"):
+    (small, large), (t_small, t_large) = ar.get("sizes") or (0, 0), ar.get("times_s") or (0.0, 0.0)
+    if ar.get("bus_bps") and t_large < 1.5 * t_small:  # the fit's bandwidth is noise: the wire did not show
+        con.print(f"all-reduce: {ar['alpha_s'] * 1e6:.0f} us latency; at this model's size the bandwidth does not "
+                  f"show ({large / 1024:.0f} KiB took {t_large * 1e3:.2f} ms, {small / 1024:.0f} KiB {t_small * 1e3:.2f} "
+                  f"ms); the model predicts DDP fp32 at {_ms(r['model']['ddp_fp32_step_s'])} "
+                  f"({r['model']['error_vs_measured']:+.0%} against measured)")
+    elif ar.get("bus_bps"):
         con.print(f"all-reduce: {ar['bus_bps'] / 1e6:.0f} Mbit/s bus bandwidth, {ar['alpha_s'] * 1e6:.0f} us latency; "
                   f"the model predicts DDP fp32 at {_ms(r['model']['ddp_fp32_step_s'])} "
                   f"({r['model']['error_vs_measured']:+.0%} against measured); the "
