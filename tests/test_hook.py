@@ -206,6 +206,18 @@ def test_error_feedback_invariant():
     torch.testing.assert_close(other.corrected("b", torch.zeros(1000), layout), fb.residuals["b"][1])
 
 
+def test_a_residual_of_another_size_is_not_added_to_a_parameter(caplog):
+    """Pieces kept by parameter index (a checkpoint, a re-bucketing) whose size is not the parameter's belong to
+    another parameter (a checkpoint that indexed them otherwise): dropped with a warning, not a size clash."""
+    from thinwire.compress.feedback import ErrorFeedback
+
+    fb = ErrorFeedback()
+    fb.load_state_dict({"params": {"0": torch.ones(6), "1": torch.full((4,), 2.0)}, "buckets": {}})
+    with caplog.at_level("WARNING", logger="thinwire.compress"):
+        got = fb.corrected("b", torch.zeros(7), ((0, 3), (1, 4)))  # parameter 0 now has 3 values, not 6
+    assert got.tolist() == [0.0] * 3 + [2.0] * 4 and "does not fit bucket b's parameters" in caplog.text
+
+
 def test_all_finite_sees_nan_and_both_infinities_in_any_float_dtype():
     from thinwire.compress.schemes import all_finite
 

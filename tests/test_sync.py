@@ -734,3 +734,32 @@ def test_auto_chooses_by_the_median_with_a_margin_for_staleness():
     with pytest.raises(ConfigError, match="sync.trial"):
         parse_sync_spec("auto:trial=2")
     assert parse_sync_spec("auto").text == "auto:trial=20,warmup=10"
+
+
+def _frozen_first(rank: int, world: int, mode: str) -> list[tuple]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 3))  # 17 KB trained: compressed, so residuals are kept
+    net[0].requires_grad_(False)  # a frozen layer ahead of the trained ones (fine-tuning a head)
+    ddp = DistributedDataParallel(net)
+    sync = thinwire.sync(ddp, mode, codec="int8")
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=LR)
+    for step in range(16):  # auto: 1 untimed step, 5 timed in allreduce, then 5 in delayed
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+    layouts = [layout for layout, _ in sync.comm.feedback.residuals.values()]
+    sync.close()
+    return layouts
+
+
+def test_a_frozen_layer_keeps_the_hook_and_a_modes_residuals_on_the_same_parameters():
+    """``--sync auto`` runs the DDP hook, then ``delayed``, on one error feedback: a residual the hook kept for a
+    parameter is picked up by delayed's bucket. Delayed indexed the parameters among the trainable ones only,
+    the hook among all: with a frozen layer first, the residuals went to the wrong parameters and the sizes
+    clashed ("The size of tensor a (8320) must match the size of tensor b (4355)")."""
+    layouts = run_ranks(_frozen_first, 2, "auto:trial=5,warmup=1")[0]
+    trained = {2: 4096, 3: 64, 4: 192, 5: 3}  # model.parameters(): 0, 1 the frozen layer's weight and bias
+    assert layouts and all(dict(layout) == trained for layout in layouts if layout), layouts

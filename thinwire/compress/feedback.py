@@ -43,6 +43,11 @@ class ErrorFeedback:
             return grad.to(torch.float32, copy=True)
         self._unbucket()
         pieces = [self.pending.pop(i, None) for i, _ in layout]
+        if any(p is not None and p.numel() != n for p, (_, n) in zip(pieces, layout)):
+            # a piece of another size is another parameter's (a checkpoint that indexed them otherwise): not this one's
+            log.warning("error feedback: a held residual does not fit bucket %s's parameters (indexed otherwise when it "
+                        "was kept); theirs start empty", key)
+            pieces = [p if p is not None and p.numel() == n else None for p, (_, n) in zip(pieces, layout)]
         if all(p is None for p in pieces):
             return grad.to(torch.float32, copy=True)
         flat = torch.cat([p.to(grad.device) if p is not None else torch.zeros(n, device=grad.device)

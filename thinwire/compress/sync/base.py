@@ -44,6 +44,16 @@ class Buckets:
             self.groups[-1].append(i)
             size += p.numel() * 4
 
+    @classmethod
+    def trainable(cls, model, cap_bytes: int) -> "Buckets":
+        """Buckets of ``model``'s trainable parameters, each indexed by its place in ``model.parameters()``,
+        frozen ones counted, as the DDP hook indexes its layouts: a residual the hook held for a parameter is
+        found again by a mode's bucket (``--sync auto`` shares one error feedback between them). Indexed among
+        the trainable ones only, a model with a frozen layer paired residuals with the wrong parameters."""
+        module = getattr(model, "module", model)
+        pairs = [(i, p) for i, p in enumerate(module.parameters()) if p.requires_grad]
+        return cls([p for _, p in pairs], cap_bytes, [i for i, _ in pairs])
+
     def layout(self, b: int) -> tuple:
         return tuple((self.indices[i], self.params[i].numel()) for i in self.groups[b])
 
@@ -214,7 +224,7 @@ class Averaged(SyncMode):
 
     def __init__(self, model, comm: CommState, spec=None, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec)
-        self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
+        self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
 
     def before_step(self) -> None:
         params = self.buckets.params
@@ -237,11 +247,6 @@ class Unwrapped:
 
     def parameters(self):
         return self.module.parameters()
-
-
-def params_of(model) -> list[torch.nn.Parameter]:
-    module = getattr(model, "module", model)
-    return [p for p in module.parameters() if p.requires_grad]
 
 
 def cpu_list(tensors: list[Tensor] | None) -> list[Tensor] | None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
 from thinwire.perf.sync import delayed_step_s
 
 
@@ -59,7 +59,7 @@ class Delayed(SyncMode):
 
     def __init__(self, model, comm, spec=None, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec)
-        self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
+        self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
         self.pending: list = []           # futures (in flight) or tensors (done) of the last step's averages
         self.started = False              # whether any step's average exists (after a resume: loaded)
         self.predict = bool(getattr(spec, "predict", 1))

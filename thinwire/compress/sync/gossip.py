@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.codecs import Meta
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
 from thinwire.compress.wire import pack, unpack
 from thinwire.errors import ConfigError
 from thinwire.perf.sync import gossip_step_s
@@ -127,7 +127,7 @@ class Gossip(SyncMode):
         super().__init__(model, comm, spec)
         self.topology = spec.topology
         check_topology(self.topology, comm.wire.world)
-        self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
+        self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
         self.steps = 0
         self.codecs = [comm.policy.codec_for(b, sum(n for _, n in self.buckets.layout(b)), 0)
                        for b in range(len(self.buckets.groups))]

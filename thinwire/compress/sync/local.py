@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device, params_of
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
 from thinwire.perf.sync import periodic_step_s
 
 
@@ -33,7 +33,7 @@ class LocalSGD(SyncMode):
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec)
         self.period, self.warmup = spec.period, spec.warmup
-        self.buckets = Buckets(params_of(model), int(bucket_mb * 2**20))
+        self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
         self.steps = 0                        # optimizer steps taken
         self.anchor: list[Tensor] | None = None  # flat parameters at the last average
 

@@ -60,7 +60,7 @@ class StreamingDiLoCo(LocalSGD):
         self.lr, self.mu, self.delay, self.alpha = spec.outer_lr, spec.outer_momentum, spec.delay, spec.alpha
         self.every = spec.period // spec.fragments
         cap = int(bucket_mb * 2**20)
-        self.fragments = [Buckets([params[i] for i in g], cap, g)
+        self.fragments = [Buckets([params[i] for i in g], cap, [self.buckets.indices[i] for i in g])
                           for g in split_even([p.numel() for p in params], spec.fragments)]
         self.first = [sum(len(f.groups) for f in self.fragments[:k]) for k in range(len(self.fragments))]
         self.anchors: list[list[Tensor]] | None = None
