@@ -72,6 +72,15 @@ def test_build_codec_takes_typed_params():
         build_codec("int8", {"block": "128"})
 
 
+@pytest.mark.parametrize("spec, field", [("int8:block=7", "int8.block"), ("topk:ratio=2", "topk.ratio"),
+                                         ("powersgd:rank=0", "powersgd.rank"), ("bfp:block=0", "bfp.block")])
+def test_a_codec_parameter_out_of_range_is_named_once(spec, field):
+    """The codec's own check names ``int8.block``; the spec's parser used to prefix it again (``int8.int8.block``)."""
+    with pytest.raises(ConfigError) as e:
+        parse_codec_spec(spec)
+    assert str(e.value).startswith(f"{field}: must be"), str(e.value)
+
+
 @pytest.mark.parametrize("spec,message", [
     ("zstd", f"compression: must be one of {ALL_NAMES}, got 'zstd'"),
     ("", "compression: must be name or name:key=value,key=value (e.g. 'int8:block=64'), got ''"),

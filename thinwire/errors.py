@@ -54,8 +54,10 @@ class ConfigError(ThinwireError, ValueError):
         super().__init__(msg)
 
     def within(self, where: str) -> "ConfigError":
-        """The same error with its field prefixed by ``where`` (``hosts`` -> ``plan.chosen.hosts``)."""
-        return ConfigError(f"{where}.{self.field}" if where else self.field, self.value, self.allowed, self.fix)
+        """The same error with its field prefixed by ``where`` (``hosts`` -> ``plan.chosen.hosts``), unless it is
+        already (a codec's own check names ``int8.block``, which read ``int8.int8.block``)."""
+        field = self.field if not where or self.field.startswith(f"{where}.") else f"{where}.{self.field}"
+        return ConfigError(field, self.value, self.allowed, self.fix)
 
 
 class Missing:
