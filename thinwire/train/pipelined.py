@@ -120,7 +120,10 @@ class PipelineTrainer(Trainer):
                                 warmup_steps=cfg.compression_warmup, process_group=self.pipe.dp_group,
                                 bucket_mb=cfg.bucket_mb)
         self.comm = self.sync.comm
-        self.opt = torch.optim.AdamW(stage.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        # a stage of layers without parameters (an activation, a pooling, a reshape: the planner may give a slow
+        # host such a stage) steps an empty placeholder, so that its schedule and checkpoints are the others'
+        params = list(stage.parameters()) or [torch.nn.Parameter(torch.zeros(0, device=device))]
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         self.acts = ActivationBytes(stage, self.pipe.first, self.pipe.last)
 
     # -- a step --------------------------------------------------------------------------------------
