@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_cli import ROOT
 from thinwire.cluster import netns
@@ -140,3 +141,44 @@ def test_stop_signal_leaves_nothing_running_in_the_hosts(cluster, tmp_path, sign
     assert f"thinwire: stopped by {signal.Signals(signum).name}" in err
     assert c.is_up()
     ckpt.load(ckpt.latest(out))
+
+
+class _FailsOnRank2(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = torch.nn.Linear(16, 2), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "2" and self.training and self.calls > 6:
+            raise ValueError("rank 2's data had a bad sample")
+        return self.lin(x)
+
+
+def failing_rank():
+    """A user workload whose third worker fails on its own at its seventh step."""
+    from thinwire.workloads.base import Workload
+
+    g = torch.Generator().manual_seed(0)
+    data = [(x, int(x.sum() > 0)) for x in torch.randn(256, 16, generator=g)]
+    return Workload(model=_FailsOnRank2(), train=data, val=data, loss=torch.nn.functional.cross_entropy,
+                    task="classification", batch_size=12, steps=40)
+
+
+def test_a_failed_run_names_the_host_whose_worker_failed_not_one_that_lost_it(tmp_path):
+    """Once h2's worker fails, the others' workers lose their connections to it and leave first (in one line):
+    the host named, and the log lines shown, must be h2's, with its error."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: tg{os.getpid()}\ndefaults: {{bandwidth: 1gbit, cpu: 0.6}}\nhosts:\n"
+                    "  - {name: h0}\n  - {name: h1}\n  - {name: h2}\n")
+    c = EmulatedCluster(load_cluster_spec(spec))
+    c.up()
+    try:
+        r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--cluster", str(spec), "--workload",
+                            "tests.test_cluster_train:failing_rank", "--threads", "1", "--out", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        c.down()
+    assert r.returncode == 2, r.stderr[-3000:]
+    error = r.stderr[r.stderr.index("thinwire: error:"):]
+    assert "host h2 (" in error and "rank 2's data had a bad sample" in error, error

@@ -28,7 +28,7 @@ from thinwire.child import pythonpath as child_pythonpath
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.compress.switch import ENV as SWITCH_ENV
 from thinwire.cluster.spec import load_cluster_spec
-from thinwire.errors import ThinwireError
+from thinwire.errors import LOST_PEER_SAYS, ThinwireError
 from thinwire.train.distenv import HOST_CPUS_ENV
 from thinwire.signals import deferred
 from thinwire.train.config import TrainConfig
@@ -168,6 +168,9 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                     continue
                 left = [b for b in agents if not b.gone and b is not a and b.proc.poll() is None]
                 if not min_hosts or a is agents[0] or len(left) < min_hosts:
+                    if not min_hosts:
+                        a = _first_cause(agents, a, logs)
+                        code = a.proc.poll()
                     why = "" if not min_hosts else (
                         " It holds the rendezvous store, so it cannot leave." if a is agents[0] else
                         f" {len(left)} host(s) left, fewer than min_hosts {min_hosts}.")
@@ -234,6 +237,24 @@ def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
     elif named:
         parts.append(f"the workers' errors name {', '.join(named)}:")
     return " ".join(parts) + " " if parts else ""
+
+
+CAUSE_GRACE_S = 3.0  # once one host's agent fails, how long the others get to fail too before one is named
+
+
+def _first_cause(agents: list, failed, logs: Path):
+    """The host whose worker failed first, not one that only lost its connection to it: the agent of a worker
+    that lost a peer may exit before the agent of the worker that failed, so the first agent to exit is
+    often not the cause. Waits up to ``CAUSE_GRACE_S`` for the others to fail, then prefers a host whose
+    log does not say it lost a peer."""
+    deadline = time.monotonic() + CAUSE_GRACE_S
+    while time.monotonic() < deadline and any(b.proc.poll() is None for b in agents if not b.gone):
+        time.sleep(0.1)
+    def lost(b) -> bool | None:  # None: its output went to the console, unread
+        return None if b.log is None or not b.log.is_file() else LOST_PEER_SAYS in b.log.read_text(errors="replace")
+
+    failed_ones = [b for b in agents if not b.gone and b.proc.poll() not in (None, 0)]
+    return next((b for b in failed_ones if lost(b) is False), next((b for b in failed_ones if lost(b) is None), failed))
 
 
 def _tail(path: Path, lines: int = 6) -> str:

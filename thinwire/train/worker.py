@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from thinwire.config import from_dict, load_yaml
-from thinwire.errors import LOST_PEER_EXIT, ThinwireError, lost_peer
+from thinwire.errors import LOST_PEER_EXIT, LOST_PEER_SAYS, ThinwireError, lost_peer
 from thinwire.signals import signum_of, stop_signals_raise
 from thinwire.train.config import TrainConfig
 
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         if (gone := lost_peer(e)) is None:
             raise
         # another worker died or hung: the agent names it and restarts or stops the job; no traceback of ours
-        print(f"thinwire[{rank}]: stopped: lost another worker ({gone})", file=sys.stderr)
+        print(f"thinwire[{rank}]: {LOST_PEER_SAYS} ({gone})", file=sys.stderr)
         leave(LOST_PEER_EXIT)
     leave(0)
 
