@@ -431,8 +431,9 @@ def test_planner_gives_a_slow_host_fewer_layers_and_says_what_it_buys():
 
 def test_planner_takes_fewer_microbatches_where_their_fixed_cost_outweighs_the_bubble():
     """A micro-batch's fixed cost (hand-offs, a slow host's per-call overhead) times 16 micro-batches paced a small
-    model's pipeline: the planner tried only 16 and more. Measured on the emulator (a 12-layer conv net, 4 uneven
-    hosts): 16 micro-batches 58 ms per step, the 4 the planner now chooses 22 ms."""
+    model's pipeline: the planner tried only 16 and more. In a scratch run on the emulator (a 12-layer conv net on
+    examples/clusters/uneven-4.yaml, two runs each, not a benchmark): 16 micro-batches 58 ms per step, the 4 the
+    planner now chooses 22 ms."""
     import dataclasses as dc
 
     from thinwire.plan.pipeline import microbatch_counts
