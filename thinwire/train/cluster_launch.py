@@ -168,7 +168,7 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                     continue
                 left = [b for b in agents if not b.gone and b is not a and b.proc.poll() is None]
                 if not min_hosts or a is agents[0] or len(left) < min_hosts:
-                    if not min_hosts:
+                    if not min_hosts and all(h.link_up for h in cluster.status()):  # a cut link is named as such
                         a = _first_cause(agents, a, logs)
                         code = a.proc.poll()
                     why = "" if not min_hosts else (
@@ -239,22 +239,25 @@ def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
     return " ".join(parts) + " " if parts else ""
 
 
-CAUSE_GRACE_S = 3.0  # once one host's agent fails, how long the others get to fail too before one is named
+CAUSE_GRACE_S = 1.5  # once one host's agent fails, how long the others get to fail too before one is named
 
 
 def _first_cause(agents: list, failed, logs: Path):
     """The host whose worker failed first, not one that only lost its connection to it: the agent of a worker
     that lost a peer may exit before the agent of the worker that failed, so the first agent to exit is
-    often not the cause. Waits up to ``CAUSE_GRACE_S`` for the others to fail, then prefers a host whose
-    log does not say it lost a peer."""
-    deadline = time.monotonic() + CAUSE_GRACE_S
-    while time.monotonic() < deadline and any(b.proc.poll() is None for b in agents if not b.gone):
-        time.sleep(0.1)
+    often not the cause. Prefers a failed host whose log does not say it lost a peer, waiting up to
+    ``CAUSE_GRACE_S`` for one (a cut link, where every worker lost its peers, waits it out)."""
     def lost(b) -> bool | None:  # None: its output went to the console, unread
         return None if b.log is None or not b.log.is_file() else LOST_PEER_SAYS in b.log.read_text(errors="replace")
 
-    failed_ones = [b for b in agents if not b.gone and b.proc.poll() not in (None, 0)]
-    return next((b for b in failed_ones if lost(b) is False), next((b for b in failed_ones if lost(b) is None), failed))
+    deadline = time.monotonic() + CAUSE_GRACE_S
+    while True:
+        failed_ones = [b for b in agents if not b.gone and b.proc.poll() not in (None, 0)]
+        cause = next((b for b in failed_ones if lost(b) is False), None)
+        if cause is not None or time.monotonic() >= deadline or all(b.proc.poll() is not None for b in agents):
+            break
+        time.sleep(0.1)
+    return cause or next((b for b in failed_ones if lost(b) is None), failed)
 
 
 def _tail(path: Path, lines: int = 6) -> str:
