@@ -62,6 +62,7 @@ def test_a_lost_peer_is_told_from_gloo_and_nccl_messages():
     assert lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error")) is not None
     assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert lost_peer(KeyError("x")) is None
+    assert lost_peer(BrokenPipeError(32, "Broken pipe")) is None  # the console's pipe, not a peer
 
 
 def test_a_failed_job_is_named_by_the_worker_that_caused_it(tmp_path):

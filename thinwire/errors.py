@@ -81,6 +81,8 @@ LOST_PEER_SAYS = "stopped: lost another worker"
 def lost_peer(error: BaseException) -> str | None:
     """What ``error`` (a collective's RuntimeError) says of a peer that has gone, without gloo's source
     location and advice (``Read error [10.0.0.2]:4471: Connection reset by peer``), or None."""
+    if not isinstance(error, RuntimeError):  # gloo's and NCCL's (DistBackendError is one); not an OSError's "Broken pipe"
+        return None
     text = str(error)
     for marker in PEER_GONE:
         at = text.find(marker)
