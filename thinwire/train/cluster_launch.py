@@ -169,7 +169,7 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                 left = [b for b in agents if not b.gone and b is not a and b.proc.poll() is None]
                 if not min_hosts or a is agents[0] or len(left) < min_hosts:
                     if not min_hosts and all(h.link_up for h in cluster.status()):  # a cut link is named as such
-                        a = _first_cause(agents, a, logs)
+                        a = _first_cause(agents, a)
                         code = a.proc.poll()
                     why = "" if not min_hosts else (
                         " It holds the rendezvous store, so it cannot leave." if a is agents[0] else
@@ -242,11 +242,11 @@ def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
 CAUSE_GRACE_S = 1.5  # once one host's agent fails, how long the others get to fail too before one is named
 
 
-def _first_cause(agents: list, failed, logs: Path):
+def _first_cause(agents: list, failed):
     """The host whose worker failed first, not one that only lost its connection to it: the agent of a worker
     that lost a peer may exit before the agent of the worker that failed, so the first agent to exit is
     often not the cause. Prefers a failed host whose log does not say it lost a peer, waiting up to
-    ``CAUSE_GRACE_S`` for one (a cut link, where every worker lost its peers, waits it out)."""
+    ``CAUSE_GRACE_S`` for one (where every worker lost its peers, a network fault, it waits that long)."""
     def lost(b) -> bool | None:  # None: its output went to the console, unread
         return None if b.log is None or not b.log.is_file() else LOST_PEER_SAYS in b.log.read_text(errors="replace")
 
