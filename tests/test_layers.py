@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "thinwire"
 
 # lowest first; a unit may import only units of strictly lower layers
 LAYERS: list[set[str]] = [
-    {"errors", "signals"},                  # errors and stop signals: what every layer may raise
+    {"errors", "signals", "child"},         # errors and stop signals: what every layer may raise; children's environment
     {"config"},
     {"units", "syncspec", "pipespec"},      # plain parsers (--sync, --pipeline into typed specs)
     {"perf"},                               # pure model: imports no other thinwire layer
