@@ -95,6 +95,14 @@ def test_a_profile_from_before_the_gap_keeps_its_verdict():
     assert ConvergenceRecord(factor=1.1, loss=2.03, reference_loss=2.0, steps=60, world=4, gap=0.004).reaches
 
 
+def test_a_gap_near_a_zero_loss_reads_as_a_multiple_of_fp32s():
+    near_zero = ConvergenceRecord(factor=None, loss=5.8e-3, reference_loss=1.0e-6, steps=60, world=4)
+    assert near_zero.gap_text() == "5,800x fp32's loss" and not near_zero.reaches
+    assert ConvergenceRecord(factor=1.1, loss=2.03, reference_loss=2.0, steps=60, world=4, gap=0.004).gap_text() == "+0.4%"
+    assert ConvergenceRecord(factor=None, loss=4.0, reference_loss=2.0, steps=60, world=4).gap_text(2) == "+100.00%"
+    assert ConvergenceRecord(factor=None, loss=25.0, reference_loss=2.0, steps=60, world=4).gap_text() == "12.5x fp32's loss"
+
+
 def test_sample_factor_rule():
     ref = [(10, 4.0), (20, 3.0), (30, 2.5), (40, 2.0)]
     assert sample_factor(ref, 2.0) == 1.0 and sample_factor(ref, 1.0) == 1.0  # at or below fp32's end

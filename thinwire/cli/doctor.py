@@ -13,6 +13,7 @@ from rich.table import Table
 
 from thinwire.cli.common import add_workload_args
 from thinwire.errors import ThinwireError
+from thinwire.measure.file import gap_text
 
 EPILOG = """examples:
   thinwire doctor --nproc 2                                   # charlm on 2 local workers
@@ -158,7 +159,7 @@ def show(r: dict, *, as_json: bool = False) -> None:
         g = c.get("guard")
         verdict = () if not guarded else (
             ("no record", "-") if g is None else
-            (f"{g['gap']:+.1%}, {g['factor']:.2f}x samples" if g["reaches"] else f"does not reach ({g['gap']:+.1%})",
+            (f"{gap_text(g['gap'])}, {g['factor']:.2f}x samples" if g["reaches"] else f"does not reach ({gap_text(g['gap'])})",
              "-" if c["time_speedup"] is None else f"{c['time_speedup']:.2f}x"))
         t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x" + ("" if c["source"] == "trial" else " (model)"),
                   f"{c['model_speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}", *verdict)

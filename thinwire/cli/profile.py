@@ -138,7 +138,7 @@ def _show(prof, path: Path) -> None:
     for name, c in prof.codecs.items():
         g = c.convergence
         guard = "" if g is None else (
-            f"; guard: {g.relative_gap:+.2%} vs fp32 over the second half of {g.steps} steps "
+            f"; guard: {g.gap_text(2)} vs fp32 over the second half of {g.steps} steps "
             f"({'reaches' if g.reaches else 'does not reach'} fp32's loss, median of {g.orders} data orders), "
             + (f"{g.factor:.2f}x fp32's samples" if g.factor is not None else "worse than fp32 after its first steps"))
         console.print(f"  {name:>12}: encode {c.encode.per_byte_s * 1e9:.3f} ns/B + {c.encode.fixed_s * 1e6:.0f} us, "

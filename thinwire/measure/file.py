@@ -64,6 +64,13 @@ class Cost:
         check_range("per_byte_s", self.per_byte_s, 0, MAX_SECONDS)
 
 
+def gap_text(gap: float, digits: int = 1) -> str:
+    """A relative gap to fp32's loss as people read it: ``+3.2%``, or ``57.7x fp32's loss`` from 10x up."""
+    if gap < 9:
+        return f"{gap:+.{digits}%}"
+    return f"{1 + gap:,.0f}x fp32's loss" if gap >= 99 else f"{1 + gap:.1f}x fp32's loss"
+
+
 @dataclasses.dataclass(kw_only=True)
 class ConvergenceRecord:
     """The convergence guard's short run of this codec against fp32 (:mod:`thinwire.measure.convergence`)."""
@@ -86,6 +93,11 @@ class ConvergenceRecord:
     @property
     def relative_gap(self) -> float:
         return self.gap if self.gap is not None else self.loss / self.reference_loss - 1
+
+    def gap_text(self, digits: int = 1) -> str:
+        """The gap for people: a percentage, or a multiple of fp32's loss where fp32's is near 0 (a toy task's
+        +576680% says less than 5,768x)."""
+        return gap_text(self.relative_gap, digits)
 
     def __post_init__(self) -> None:
         check_range("factor", self.factor, 1, 1e6)

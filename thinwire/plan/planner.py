@@ -188,7 +188,7 @@ def codec_models(profile: Profile, codecs: tuple[str, ...], max_error: float = M
                 continue
             if not record.reaches:
                 notes.append(f"codec {name} left out: the convergence guard says it does not reach fp32's loss "
-                             f"({record.relative_gap:+.1%} over the second half of {record.steps} steps, tolerance "
+                             f"({record.gap_text()} over the second half of {record.steps} steps, tolerance "
                              f"{REACH_TOL:.0%}); its gap need not stay constant, so its time to the target is not "
                              f"predicted (as `auto` never tries it; --rank step ranks it by step time)")
                 continue
