@@ -228,6 +228,29 @@ def test_bad_workload_names(name):
         check_workload_name(name)
 
 
+def not_a_workload():
+    return torch.nn.Linear(2, 2)
+
+
+def failing_workload(path="/data/mine"):
+    raise FileNotFoundError(f"no such folder: {path}")
+
+
+@pytest.mark.parametrize("name, options, match", [
+    ("tests.nowhere:f", {}, r"workload: cannot import module 'tests.nowhere'.*Check that it is on PYTHONPATH"),
+    ("tests.test_inputs:nothing", {}, r"workload: module 'tests.test_inputs' has no function 'nothing'"),
+    ("tests.test_inputs:failing_workload", {"size": 3}, r"model: options \['size'\] do not fit"),
+    ("tests.test_inputs:not_a_workload", {}, r"must return a thinwire.Workload, got Linear"),
+    ("tests.test_inputs:failing_workload", {"path": "/x"}, r"^workload: tests.test_inputs:failing_workload\(path='/x'\) raised "
+     r"FileNotFoundError: no such folder: /x \(at .*test_inputs.py:\d+, in failing_workload\)"),
+])
+def test_a_user_workload_that_cannot_be_built_says_why_in_one_paragraph(name, options, match):
+    from thinwire.workloads.registry import build_workload
+
+    with pytest.raises(ThinwireError, match=match):
+        build_workload(name, options, None)
+
+
 @pytest.mark.parametrize("spec_text, match", [
     pytest.param("torch:powersgd:rank=²", r"compression: must be torch:powersgd:rank=R with an integer R in \[1, 4096\]",
                  id="peer-superscript"),

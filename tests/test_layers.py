@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "thinwire"
 LAYERS: list[set[str]] = [
     {"errors", "signals", "child"},         # errors and stop signals: what every layer may raise; children's environment
     {"config"},
-    {"units", "syncspec", "pipespec"},      # plain parsers (--sync, --pipeline into typed specs)
+    {"units", "syncspec", "pipespec", "batch"},  # plain parsers (--sync, --pipeline into typed specs); a batch's tensors
     {"perf"},                               # pure model: imports no other thinwire layer
     {"workloads", "precision", "compress", "pipeline"},  # what runs on a host: models and data, numerics, the wire, stages
     {"cluster"},                            # the one cluster spec, and the emulator of it

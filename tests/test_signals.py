@@ -87,5 +87,10 @@ def test_a_failed_job_is_named_by_the_worker_that_caused_it(tmp_path):
     own.message = "ValueError: bad batch"
     msg = str(_worker_failed(ChildFailedError("w", {0: stopped, 1: own}), 2))
     assert msg == "worker 1 failed (exit code 1) after 2 allowed restart(s): ValueError: bad batch", msg
+    raised = failure(0, -signal.SIGTERM)  # raised, then stopped by the agent while gloo was still tearing down
+    raised.message = "AttributeError: 'dict' object has no attribute 'to'"
+    msg = str(_worker_failed(ChildFailedError("w", {0: raised, 1: failure(1, -signal.SIGTERM)}), 0))
+    assert msg == ("worker 0 failed (stopped by SIGTERM while leaving) after 0 allowed restart(s): AttributeError: 'dict' object has no "
+                   "attribute 'to'"), msg
     both = {0: failure(0, LOST_PEER_EXIT), 1: failure(1, LOST_PEER_EXIT)}  # a cut link: nobody died
     assert str(_worker_failed(ChildFailedError("w", both), 0)).startswith("the workers lost their connections to each other")

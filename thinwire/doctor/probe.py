@@ -45,6 +45,7 @@ P2P_MAX_BYTES = 4 * 2**20
 def steps(model: DistributedDataParallel, loss_fn, opt, batch, *, n: int, sync: bool) -> list[float]:
     """Seconds of ``n`` training steps (forward, backward, optimizer), communicating or not."""
     x, y = batch
+    device = next(model.parameters()).device
     out = []
     for _ in range(n):
         start = time.perf_counter()
@@ -55,8 +56,8 @@ def steps(model: DistributedDataParallel, loss_fn, opt, batch, *, n: int, sync: 
             with model.no_sync():
                 loss_fn(model(x), y).backward()
         opt.step()
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         out.append(time.perf_counter() - start)
     return out
 

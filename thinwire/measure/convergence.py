@@ -72,6 +72,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from thinwire import batch as B
 from thinwire.compress.codecs import Meta
 from thinwire.compress.codecs.powersgd import local_approx
 from thinwire.compress.spec import parse_codec_spec, spec_string
@@ -189,7 +190,7 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
         x, y = collate(wl.train, sampler.global_indices(step))
         if stale:
             held = predict_weights(params, held)
-        grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(B.tensor_split(x, world), B.tensor_split(y, world))]
         if stale:
             with torch.no_grad():
                 for p, h in zip(params, held):
@@ -223,8 +224,9 @@ def _held_out(wl: Workload, evals: list[int], batch: int) -> float:
     total, count = 0.0, 0
     for i in range(0, len(evals), batch):
         x, y = collate(wl.val, evals[i : i + batch])
-        total += float(wl.loss(wl.model(x), y)) * len(y)
-        count += len(y)
+        n = B.batch_len(y)
+        total += float(wl.loss(wl.model(x), y)) * n
+        count += n
     loss = total / max(1, count)
     return loss if math.isfinite(loss) else math.inf
 

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from thinwire import batch as B
 from thinwire.measure.file import LayerRecord
 from thinwire.workloads.base import collate
 
@@ -37,27 +38,31 @@ def _saved_bytes(fn, params: set[int]) -> tuple[object, int]:
 
 
 def _one_pass(layers, x, y, loss_fn) -> tuple[list[float], list[float], list, list[int]]:
+    """A layer's input and output may be a tensor or a structure of them (a dict batch, a tuple between
+    layers, unpacked into the next layer's arguments as a pipeline stage does)."""
     ins, outs, fwd, saved = [], [], [], []
     for layer in layers:
-        inp = x.detach().requires_grad_(x.is_floating_point())
+        inp = B.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
         params = {p.untyped_storage().data_ptr() for p in layer.module.parameters()}
         t0 = time.perf_counter()
-        out, nbytes = _saved_bytes(lambda: layer.module(inp), params)
+        out, nbytes = _saved_bytes(lambda: layer.module(*inp) if isinstance(inp, tuple) else layer.module(inp), params)
         fwd.append(time.perf_counter() - t0)
         saved.append(nbytes)
         ins.append(inp)
         outs.append(out)
         x = out
     bwd = [0.0] * len(layers)
-    grad = None
+    grads = None
     for i in range(len(layers) - 1, -1, -1):
         t0 = time.perf_counter()
-        if grad is None:
+        if grads is None:
             loss_fn(outs[i], y).backward()
         else:
-            outs[i].backward(grad)
+            pairs = [(o, g) for o, g in zip(B.tensors(outs[i]), grads) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         bwd[i] = time.perf_counter() - t0
-        grad = ins[i].grad
+        grads = [t.grad for t in B.tensors(ins[i])]
     return fwd, bwd, outs, saved
 
 
@@ -74,7 +79,7 @@ def measure_layers(workload, layers, batch: int, *, reps: int = 5, warmup: int =
     records = []
     for k, layer in enumerate(layers):
         out = outs[k]
-        out_bytes = out.numel() * out.element_size() if torch.is_tensor(out) else 0
+        out_bytes = sum(t.numel() * t.element_size() for t in B.tensors(out))
         records.append(LayerRecord(
             name=layer.name, parameters=sum(p.numel() for p in layer.module.parameters()),
             forward_s=statistics.median(f[k] for f, _ in times) / batch,

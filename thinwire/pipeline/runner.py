@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from thinwire import batch as B
 from thinwire.errors import ThinwireError
 from thinwire.pipeline.stages import Layer, StageModule, full_names, shared_parameters
 from thinwire.pipeline.wire import Decode, Encode
@@ -110,7 +111,7 @@ class PipelineRank:
         self.group = group
         self.first, self.last = stage == 0, stage == stages - 1
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def train_step(self, x, y: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one replica batch; the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
         with _our_errors():
@@ -121,13 +122,20 @@ class PipelineRank:
         return torch.stack(losses).mean().detach() if self.last else None
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def evaluate(self, x, y: torch.Tensor) -> torch.Tensor | None:
         """The model's output for a replica batch, on the last stage (else None); forward only."""
         with _our_errors():
             return self.schedule.eval(*self._inputs(x), target=y if self.last else None)
 
-    def _inputs(self, x: torch.Tensor) -> tuple:
-        return (x,) if self.first else ()
+    def _inputs(self, x) -> tuple:
+        """The first stage's arguments: ``x``, or the tensors of a structured batch (a dict, a tuple: the
+        schedule takes tensors only), which the stage puts back together before its first layer."""
+        if not self.first:
+            return ()
+        if torch.is_tensor(x):
+            return (x,)
+        self.stage.submod.structure = x  # the template StageModule.forward rebuilds each micro-batch's from
+        return tuple(B.tensors(x))
 
     def grad_norm(self, params: list[nn.Parameter]) -> float:
         """The whole model's gradient 2-norm: squares summed over this replica's stages, shared ones once."""

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from thinwire import batch as B
 from thinwire.errors import ThinwireError
 from thinwire.perf.pipeline import split_for_speeds
 
@@ -127,9 +128,12 @@ class StageModule(nn.Module):
         self.names = [layer.name for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.decode, self.encode = decode, encode
+        self.structure = None  # the first stage of a batch of dicts or tuples: a batch to rebuild inputs after
 
     def forward(self, *args):
         x = args if len(args) > 1 else args[0]
+        if self.structure is not None:  # the first stage of a structured batch: its tensors, put back together
+            x = B.rebuild(self.structure, args)
         if self.decode is not None:
             x = self.decode(x)
         for layer in self.layers:

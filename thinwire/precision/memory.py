@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from thinwire import batch as B
 from thinwire.errors import ThinwireError
 from thinwire.precision.int8 import DITHER
 from thinwire.units import parse_size  # noqa: F401  (the one size parser, re-exported for precision's users)
@@ -164,10 +165,10 @@ def step_peak(model: nn.Module, micro_sizes: Sequence[int], *, sample: Callable[
     opt = optimizer_fn(m.parameters())
     _create_optimizer_state(m, opt)
     x, y = sample(sum(micro_sizes))  # one batch, split into views, as the training loop does
-    with PeakMemory(device, m, opt, x, y, *DITHER.tensors()) as meter:
-        for xm, ym in zip(x.split(list(micro_sizes)), y.split(list(micro_sizes))):
+    with PeakMemory(device, m, opt, *B.tensors(x), *B.tensors(y), *DITHER.tensors()) as meter:
+        for xm, ym in zip(B.split(x, list(micro_sizes)), B.split(y, list(micro_sizes))):
             with context() if context else contextlib.nullcontext():
-                loss = loss_fn(m(xm), ym) * (len(ym) / len(y))
+                loss = loss_fn(m(xm), ym) * (B.batch_len(ym) / B.batch_len(y))
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from thinwire import batch as B
 from thinwire.errors import ThinwireError
 from thinwire.precision.auto import PrecisionChoice, choose_precision
 from thinwire.precision.convert import conversion_report, convert
@@ -144,6 +145,6 @@ def sample_from(dataset, collate: Callable, device: torch.device, seed: int = 0)
     def sample(n: int, i: int = 0) -> tuple:
         g = torch.Generator().manual_seed(seed * 7919 + i)
         x, y = collate(dataset, torch.randint(0, len(dataset), (n,), generator=g).tolist())
-        return x.to(device), y.to(device)
+        return B.to(x, device), B.to(y, device)
 
     return sample

@@ -146,25 +146,35 @@ def launch_local(cfg: TrainConfig, config_path: Path, module: str = "thinwire.tr
         raise _worker_failed(e, cfg.max_restarts, cfg.out) from None
 
 
+def _raised(failure) -> str:
+    """The exception a failed worker's error file records (torch's ``@record``), or ''."""
+    detail = failure.message
+    if isinstance(detail, dict):
+        detail = detail.get("message", str(detail))
+    return "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
+
+
 def _worker_failed(e, max_restarts: int, out: str | None = None) -> ThinwireError:
     """The job's failure, named by the worker that caused it. Once one worker dies the others lose their
     connections to it (they exit with ``LOST_PEER_EXIT``) or are stopped by the agent (SIGTERM), often before
     the agent has noticed the first: the earliest failure is then not the cause."""
     failures = dict(e.failures)
-    collateral = {r for r, f in failures.items() if f.exitcode in (LOST_PEER_EXIT, -signal.SIGTERM)}
+    # a worker the agent stopped while it was still leaving after its own exception (its error file says so)
+    # is a cause too, not collateral
+    collateral = {r for r, f in failures.items()
+                  if f.exitcode == LOST_PEER_EXIT or (f.exitcode == -signal.SIGTERM and not _raised(f))}
     causes = [r for r in failures if r not in collateral]
     rank = min(causes, key=lambda r: failures[r].timestamp) if causes else e.get_first_failure()[0]
     failure = failures[rank]
-    detail = failure.message
-    if isinstance(detail, dict):
-        detail = detail.get("message", str(detail))
-    detail = "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
+    detail = _raised(failure)
     lost = sorted(r for r, f in failures.items() if f.exitcode == LOST_PEER_EXIT and r != rank)
-    if failure.exitcode < 0:
+    if failure.exitcode < 0 and not detail:
         what = f"worker {rank} was killed by {failure.signal_name()}"
     elif failure.exitcode == LOST_PEER_EXIT:
         what = (f"the workers lost their connections to each other (worker {rank} first; a network fault, or a "
                 f"worker that hung past the collective timeout)")
+    elif failure.exitcode < 0:  # raised, then stopped by the agent before it had left
+        what = f"worker {rank} failed (stopped by {failure.signal_name()} while leaving)"
     else:
         what = f"worker {rank} failed (exit code {failure.exitcode})"
     others = (f"; worker{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} then lost "

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from thinwire import batch as B
 from thinwire.api import attach
 from thinwire.cluster.emulator import NIC_ENV
 from thinwire.config import to_dict
@@ -244,15 +245,15 @@ class Trainer:
         else:
             indices = self.sampler.rank_indices(self.step, self.env.rank, self.shares)
         x, y = collate(self._sets(self.step)[0], indices)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = B.to(x, self.device, non_blocking=True), B.to(y, self.device, non_blocking=True)
         t1 = time.perf_counter()
         bytes_before = self.comm.wire.bytes_sent
-        with self.prec.measure(self.opt, x, y):  # peak memory of the first steps, for the summary
-            loss, n = torch.zeros((), device=self.device), len(self.prec.micro_sizes)
-            for i, (xm, ym) in enumerate(zip(x.split(self.prec.micro_sizes), y.split(self.prec.micro_sizes))):
+        with self.prec.measure(self.opt, *B.tensors(x), *B.tensors(y)):  # peak memory of the first steps
+            loss, n, total = torch.zeros((), device=self.device), len(self.prec.micro_sizes), B.batch_len(y)
+            for i, (xm, ym) in enumerate(zip(B.split(x, self.prec.micro_sizes), B.split(y, self.prec.micro_sizes))):
                 with self.ddp.no_sync() if i < n - 1 else self.sync.no_sync():  # all-reduce once, at the end
                     with self._autocast():
-                        part = self.wl.loss(self.ddp(xm), ym) * (len(ym) / len(y) * self.loss_weight)
+                        part = self.wl.loss(self.ddp(xm), ym) * (B.batch_len(ym) / total * self.loss_weight)
                     t2 = time.perf_counter()
                     self.prec.runner.backward(part)
                 loss += part.detach()
@@ -332,11 +333,12 @@ class Trainer:
                 bar.log(f"step {self.step}: validating, {i} of {len(mine)} items on this rank")
                 said = time.perf_counter()
             x, y = collate(val, mine[i : i + per])
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = B.to(x, self.device), B.to(y, self.device)
             out = self._eval_forward(x, y)
             if out is None:  # a pipeline stage before the last
                 continue
-            totals += torch.tensor([float(self.wl.loss(out, y)) * len(y), self._correct(out, y), len(y)], dtype=torch.float64,
+            n = B.batch_len(y)
+            totals += torch.tensor([float(self.wl.loss(out, y)) * n, self._correct(out, y), n], dtype=torch.float64,
                                    device=totals.device)
         model.train()
         dist.all_reduce(totals)

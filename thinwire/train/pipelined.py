@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from thinwire import batch as B
 from thinwire.compress.sync import Unwrapped, create as create_sync
 from thinwire.errors import ThinwireError
 from thinwire.pipeline.layout import layout_of
@@ -103,7 +104,7 @@ class PipelineTrainer(Trainer):
         self.signature = ckpt.model_signature(self.wl.model)
         links = cfg.pipeline_spec.link_formats(self.layout.stages)
         x, _ = collate(self.wl.train, [0])
-        check_chain(self.layers, x.to(device), self.layout.runs, links)
+        check_chain(self.layers, B.to(x, device), self.layout.runs, links)
         self.pipe, stage, self.cut = build_rank(
             self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
@@ -131,7 +132,7 @@ class PipelineTrainer(Trainer):
         t0 = time.perf_counter()
         indices = self.sampler.rank_indices(self.step, self.place.replica, self.shares)
         x, y = collate(self._sets(self.step)[0], indices)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = B.to(x, self.device, non_blocking=True), B.to(y, self.device, non_blocking=True)
         t1 = time.perf_counter()
         sent, acts = self.comm.wire.bytes_sent, self.acts.total
         self.acts.counting = True
@@ -180,9 +181,9 @@ class PipelineTrainer(Trainer):
         return self.place.replica, self.layout.replicas, self.layout.replica_batch
 
     def _eval_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        k, per = len(x), self.layout.replica_batch
+        k, per = B.batch_len(x), self.layout.replica_batch
         if k < per:  # the schedule's buffers have the training batch's shape: pad, then drop the padding
-            x, y = (torch.cat([t, t[-1:].expand(per - k, *t.shape[1:])]) for t in (x, y))
+            x, y = (B.tree_map(lambda t: torch.cat([t, t[-1:].expand(per - k, *t.shape[1:])]), v) for v in (x, y))
         with self._autocast():
             out = self.pipe.evaluate(x, y)
         return out[:k] if out is not None else None

@@ -11,6 +11,7 @@ import enum
 import importlib
 import inspect
 import re
+import traceback
 from typing import Callable
 
 from thinwire.config import from_dict
@@ -69,7 +70,13 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
         raise ThinwireError(f"model: options {sorted(kwargs)} do not fit {name}: {e}.") from None
-    wl = fn(**kwargs)
+    try:
+        wl = fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's own code: where it failed, in one paragraph
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ThinwireError(f"workload: {name}{'(' + ', '.join(f'{k}={v!r}' for k, v in kwargs.items()) + ')'} raised "
+                            f"{type(e).__name__}: {str(e)[:300]} (at {where.filename}:{where.lineno}, in "
+                            f"{where.name}). Call it in Python to see the whole traceback.") from None
     if not isinstance(wl, Workload):
         raise ThinwireError(f"workload: {name} must return a thinwire.Workload, got {type(wl).__name__}.")
     return wl
