@@ -84,6 +84,11 @@ def test_a_codecs_trial_outranks_the_models_price(digits_profile):
     r = _report(5.0, digits_profile, trials)
     assert r["recommendation"]["action"] == "keep"
     assert all(c["source"] == "trial" for c in r["codecs"]) and max(c["model_speedup"] for c in r["codecs"]) > 2
+    why = " ".join(r["recommendation"]["why"].split())  # no codec helps, but averaging less often would
+    best_sync = max(r["sync_modes"], key=lambda m: m["speedup"])
+    assert best_sync["speedup"] > 2 and "nothing thinwire offers" not in why
+    assert f"measure a sync mode that communicates less often: {best_sync['sync']} is priced" in why
+    assert f"--sync {best_sync['sync']}" in why and "not predicted" in why
     trials["int8"] = 0.5
     r = _report(5.0, digits_profile, trials)
     assert r["recommendation"]["codec"] == "int8" and r["codecs"][0]["speedup"] == pytest.approx(2.0)

@@ -20,7 +20,8 @@ performance model, the model checked against the DDP fp32 step it can be compare
   judged by its trial like the codecs; the command it recommends trains with ``--aggregation switch``.
 * **Sync modes**, each priced by the class that runs it (:meth:`SyncMode.step_s`) with the best codec
   (gossip, which sends fp32 parameters, with fp32's).
-  Their loss at equal samples is not predicted, so they are shown, never recommended.
+  Their loss at equal samples is not predicted, so they are shown, never recommended; where no codec is
+  worth a change but a sync mode is priced faster, the advice says so and how to measure it.
 * **The recommendation**: the codec with the largest speed-up, when it is at least
   :data:`WORTH` (5%); otherwise "keep DDP fp32", said plainly. Lossy codecs change the loss at equal
   samples: the recommendation says how to check that (``thinwire profile`` runs the convergence guard
@@ -111,7 +112,7 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
         "model": {"ddp_fp32_step_s": pn.step_s, "error_vs_measured": pn.step_s / ddp - 1, "speeds": speeds,
                   "unexplained_comm_s": unexplained, "charged_per_byte_s": per_byte},
         "codecs": rows, "sync_modes": sync_rows, "slow_hosts": slow_hosts, "slow_links": slow_links,
-        "recommendation": _recommend(worth, best, comm_share, workload, cluster),
+        "recommendation": _recommend(worth, best, comm_share, workload, cluster, sync_rows),
     }
     return report
 
@@ -126,11 +127,24 @@ def _commands(c: str, workload: str, cluster: str | None) -> dict:
             "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
 
 
-def _recommend(worth: bool, best: dict, comm_share: float, workload: str, cluster: str | None = None) -> dict:
+def _sync_instead(sync_rows: list[dict], workload: str) -> str:
+    """Where no codec is worth it, the fastest sync mode that would be (fewer collectives help where a
+    collective's latency, not its bytes, is the cost): shown with its price, not recommended."""
+    best = max(sync_rows, key=lambda r: r["speedup"], default=None)
+    if best is None or best["speedup"] < WORTH:
+        return "nothing thinwire offers will help this job here; keep DDP fp32"
+    return (f"keep DDP fp32's averaging, or measure a sync mode that communicates less often: {best['sync']} is priced "
+            f"{best['speedup']:.2f}x faster per step, but its loss at equal samples is not predicted (compare "
+            f"`thinwire train --workload {workload} --sync {best['sync']} --compression {best['codec']}` with "
+            "`--sync allreduce --compression none` at equal steps)")
+
+
+def _recommend(worth: bool, best: dict, comm_share: float, workload: str, cluster: str | None = None,
+               sync_rows: list[dict] = ()) -> dict:
     if not worth:
         return {"action": "keep", "codec": "none",
                 "why": f"communication is {comm_share:.0%} of the step and no codec makes it more than "
-                       f"{WORTH - 1:.0%} faster: nothing thinwire offers will help this job here; keep DDP fp32",
+                       f"{WORTH - 1:.0%} faster: {_sync_instead(list(sync_rows), workload)}",
                 "command": None}
     c = best["codec"]
     how = "in its trial" if best["source"] == "trial" else "by the model"
@@ -162,7 +176,8 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
     if not worth:
         rec = {"action": "keep", "codec": "none",
                "why": f"communication is {comm_share:.0%} of the step and no codec the convergence guard ({source}) "
-                      f"lets through reaches DDP fp32's loss more than {WORTH - 1:.0%} sooner: keep DDP fp32.{left}",
+                      f"lets through reaches DDP fp32's loss more than {WORTH - 1:.0%} sooner: "
+                      f"{_sync_instead(report['sync_modes'], report['workload'])}.{left}",
                "command": None}
     else:
         c = best["codec"]
