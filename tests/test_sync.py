@@ -450,6 +450,10 @@ def test_validation_waits_for_the_next_average_and_survives_a_resume(tmp_path):
     proc = cli("train", "--resume", str(src), "--steps", "14", "--out", str(resumed))
     assert proc.returncode == 0, proc.stderr
     assert vals(resumed) == [8, 12, 14]
+    # on another number of ranks the ranks' own states cannot be handed out: it starts from their average, and says so
+    proc = cli("train", "--resume", str(src), "--steps", "8", "--nproc", "1", "--out", str(tmp_path / "one"))
+    assert proc.returncode == 0, proc.stderr
+    assert "every rank starts from the ranks' average, and local's own state afresh" in " ".join(proc.stdout.split())
 
 
 def _straight_and_resumed(common: list[str], straight: Path, split: Path) -> tuple[dict, dict]:

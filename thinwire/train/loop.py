@@ -457,8 +457,10 @@ class Trainer:
         elif self.env.is_main:
             kind = "pipelined ranks" if state.get("shards") else "ranks"
             other = " in another layout" if len(ranks) == self.env.world else ""
+            mode = (f"; every rank starts from the ranks' average, and {self.cfg.sync_spec.mode}'s own state afresh"
+                    if self.sync.diverges and "model" in (ranks[0] or {}) else "")
             console.print(f"[yellow]checkpoint has {len(ranks)} {kind}, this job {self.env.world}{other}: "
-                          "error-feedback residuals and RNG streams start fresh[/yellow]")
+                          f"error-feedback residuals and RNG streams start fresh{mode}[/yellow]")
 
     def _load_model(self, state: dict) -> None:
         self.ddp.module.load_state_dict(ckpt.model_state(self.resumed_from, state))  # a pipeline's: its stages merged
