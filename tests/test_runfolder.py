@@ -188,3 +188,51 @@ def test_own_torchrun_restart_continues_its_own_run(tmp_path):
     events = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event")]
     assert [e["event"] for e in events] == ["start", "restart"] and events[1]["step"] % 25 == 0
     assert json.loads((out / MARKER).read_text())["run_id"] == json.loads(marker)["run_id"]
+
+
+def test_a_checkpoint_that_does_not_fit_the_disk_is_one_paragraph_and_leaves_the_last_one(tmp_path, monkeypatch):
+    """torch.save on a full disk raises a RuntimeError ("unexpected pos 704 vs 598") raised while handling
+    the OSError; it was a traceback, and the half-written temporary file stayed."""
+    import errno
+
+    import torch
+
+    from thinwire.train import checkpoint as ckpt
+
+    path = tmp_path / "checkpoints" / "step_000000010.pt"
+    ckpt.save_atomic({"x": torch.ones(3)}, path)
+    before = path.read_bytes()
+
+    def full(obj, f):
+        f.write(b"partial")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(ThinwireError, match=rf"cannot write {path}: No space left on device\. Free space"):
+        ckpt.save_atomic({"x": torch.zeros(3)}, path)
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == [path.name]
+    monkeypatch.setattr(torch, "save", lambda obj, f: (_ for _ in ()).throw(RuntimeError("a bug of ours")))
+    with pytest.raises(RuntimeError, match="a bug of ours"):  # not a disk's: not dressed as one
+        ckpt.save_atomic({"x": torch.zeros(3)}, path)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_run_on_a_full_disk_stops_with_one_line_and_says_where_to_go_on(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], check=True)
+    try:
+        r = thinwire("train", "--workload", "digits", "--nproc", "2", "--steps", "60", "--checkpoint-every", "10",
+                     "--out", str(disk / "run"))
+        text = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 2 and "Traceback" not in text, text[-3000:]
+        assert f"cannot write {disk / 'run' / 'checkpoints' / 'step_000000010.pt'}: No space left on device" in text
+        assert "The run stopped at step 10; it had written no checkpoint yet" in text
+        assert "worker 0 failed (exit code 2)" in text
+        assert not list((disk / "run" / "checkpoints").iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

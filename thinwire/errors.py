@@ -78,6 +78,13 @@ LOST_PEER_EXIT = 3
 LOST_PEER_SAYS = "stopped: lost another worker"
 
 
+def cannot_write(path, error: OSError) -> ThinwireError:
+    """A file that could not be written (a full disk, a read-only folder), as one paragraph."""
+    why = error.strerror or str(error)
+    return ThinwireError(f"cannot write {path}: {why}. Free space on that disk, or make the folder writable; files "
+                         "already written there are unchanged.")
+
+
 def lost_peer(error: BaseException) -> str | None:
     """What ``error`` (a collective's RuntimeError) says of a peer that has gone, without gloo's source
     location and advice (``Read error [10.0.0.2]:4471: Connection reset by peer``), or None."""

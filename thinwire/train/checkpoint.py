@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from thinwire.errors import ThinwireError
+from thinwire.errors import ThinwireError, cannot_write
 
 FORMAT = "thinwire-checkpoint-1"
 NAME = re.compile(r"^step_(\d{9})\.pt$")
@@ -38,23 +38,42 @@ def list_checkpoints(out: Path) -> list[Path]:
     return sorted((p for p in d.iterdir() if NAME.match(p.name)), key=lambda p: p.name)
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint ``step_N.pt`` was taken at."""
+    return int(NAME.match(path.name).group(1))
+
+
 def latest(out: Path) -> Path | None:
     found = list_checkpoints(out)
     return found[-1] if found else None
 
 
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError in ``e``'s chain (itself, its cause or the error it was raised while handling), if any."""
+    for _ in range(8):
+        if e is None or isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def save_atomic(obj: dict, path: Path) -> None:
     """Write ``obj`` to ``path`` so that ``path`` is never seen half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise cannot_write(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if (os_error := _os_error(e)) is not None:  # torch.save wraps a full disk in a RuntimeError
+            raise cannot_write(path, os_error) from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

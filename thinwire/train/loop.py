@@ -232,6 +232,13 @@ class Trainer:
                     self.eval_due = False
                 if self._checkpoints_now():
                     self._checkpoint()
+        except ThinwireError as e:
+            if str(e).startswith("cannot write"):  # a full disk: the run's last checkpoint is whole
+                last = ckpt.latest(self.out)
+                raise ThinwireError(f"{e} The run stopped at step {self.step}; " + (
+                    f"go on from its last checkpoint (step {ckpt.step_of(last)}) with `thinwire train --resume "
+                    f"{self.out}`." if last else "it had written no checkpoint yet.")) from None
+            raise
         finally:
             bar.close()
             self.sync.flush()

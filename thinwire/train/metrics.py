@@ -33,7 +33,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, cannot_write
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -72,7 +72,10 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         if self._f is not None:
-            self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            try:
+                self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            except OSError as e:
+                raise cannot_write(self._f.name, e) from None
         if self._tb is not None:
             self._board(record)
 
@@ -104,8 +107,12 @@ class MetricsWriter:
 
 def write_summary(out: Path, summary: dict) -> None:
     tmp = out / (SUMMARY + ".tmp")
-    tmp.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2, default=str))
-    os.replace(tmp, out / SUMMARY)
+    try:
+        tmp.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2, default=str))
+        os.replace(tmp, out / SUMMARY)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise cannot_write(out / SUMMARY, e) from None
 
 
 def read_metrics(out: Path) -> list[dict]:
