@@ -42,6 +42,27 @@ def test_bad_input_is_refused(tmp_path, args, pattern):
     assert not (tmp_path / "run").exists()
 
 
+CLUSTER_YAML = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
+
+
+@pytest.mark.parametrize("command, args, kind", [
+    ("train", ["--workload", "digits", "--steps", "2"], "folder"),
+    ("profile", ["--workload", "digits", "--batch-sizes", "8"], "file"),
+    ("plan", ["--workload", "digits", "--cluster", CLUSTER_YAML], "file"),
+    ("simulate", ["--workload", "digits", "--cluster", CLUSTER_YAML], "folder"),
+    ("doctor", ["--workload", "digits"], "folder"),
+])
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, command, args, kind):
+    """A profile or a doctor run took its minutes, then died with a traceback on a path it could not write."""
+    (tmp_path / "a_file").write_text("kept")
+    proc = thinwire(command, *args, "--out", str(tmp_path / "a_file" / "out"))
+    assert_refused(proc, rf"out: must be a {kind} that can be written, got '{tmp_path / 'a_file' / 'out'}'\. "
+                         rf"'{tmp_path / 'a_file'}' cannot take new files \(it is not a folder\)")
+    assert (tmp_path / "a_file").read_text() == "kept" and [p.name for p in tmp_path.iterdir()] == ["a_file"]
+    if kind == "file":
+        assert_refused(thinwire(command, *args, "--out", str(tmp_path)), rf"out: must be a file to write, got '{tmp_path}'")
+
+
 def test_empty_data_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     assert_refused(thinwire("train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "r")),

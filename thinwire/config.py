@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from thinwire.errors import MISSING, ConfigError, ThinwireError, short
+from thinwire.errors import MISSING, ConfigError, ThinwireError, cannot_write, short
 
 T = TypeVar("T")
 
@@ -346,11 +346,39 @@ def save_yaml(obj: Any, path: str | Path) -> Path:
     """Write config dataclass ``obj`` as YAML, atomically: a temporary file in the same folder, then a
     rename, so a crash leaves the old file or the new one, never half of one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(dump_yaml(to_dict(obj)))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(dump_yaml(to_dict(obj)))
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        raise cannot_write(path, e) from None
     return path
+
+
+def check_writable(path: str | Path, field: str, *, folder: bool) -> None:
+    """Refuse an output path that cannot be written before any work is done for it (a profile that took
+    minutes, lost to a typo in ``--out``): the nearest folder that exists on the way to it must take a
+    new file (tried with a temporary one, which is gone at once), and a file's path must not be a folder."""
+    import tempfile
+
+    path = Path(path)
+    if not folder and path.is_dir():
+        raise ConfigError(field, str(path), "a file to write", f"{short(str(path))} is a folder; name a file in it, "
+                          f"e.g. {path / 'out.yaml'}")
+    base = path if folder else path.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    why = "it is not a folder" if not base.is_dir() else None
+    if why is None:
+        try:
+            tempfile.TemporaryFile(dir=base).close()
+        except OSError as e:
+            why = e.strerror or str(e)
+    if why is not None:
+        raise ConfigError(field, str(path), f"a {'folder' if folder else 'file'} that can be written",
+                          f"{short(str(base))} cannot take new files ({why}); choose another path")
 
 
 def load_dataclass(cls: type[T], path: str | Path, *, what: str, make: str) -> T:

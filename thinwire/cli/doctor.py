@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args
+from thinwire.config import check_writable
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import gap_text
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise ThinwireError(f"nproc: must be at least 1, got {cfg.nproc}")
     env = read_env()
     out = Path(cfg.out or Path("runs") / f"doctor-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    check_writable(out, "out", folder=True)
     if out.exists() and any(out.iterdir()) and not env.launched:
         raise ThinwireError(f"out: {str(out)!r} exists and is not empty; doctor never writes over a folder. "
                             "Pass a new --out.")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, workload_of
 from thinwire.compress.spec import default_candidates
-from thinwire.config import check
+from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
 from thinwire.plan.choose import MAX_EF_ERROR
 from thinwire.train.config import TrainConfig
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.plan.planner import PlanOptions, make_plan
     from thinwire.workloads.registry import check_workload_name
 
+    check_writable(args.out, "--out", folder=False)
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, model_options
-from thinwire.config import check
+from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
 
 EPILOG = """examples:
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
+    check_writable(args.out, "--out", folder=False)
     args.workload = args.workload or "charlm"
     check_workload_name(args.workload)
     model = model_options(args.set)

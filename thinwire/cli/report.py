@@ -13,7 +13,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from thinwire.config import check_writable
     from thinwire.report import report
+
+    if args.out:
+        check_writable(args.out, "--out", folder=True)
 
     for path in report(args.runs, args.out):
         print(path)

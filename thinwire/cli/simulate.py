@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, workload_of
-from thinwire.config import check
+from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
 
 EPILOG = """examples:
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.sim.sweep import SimOptions
     from thinwire.workloads.registry import check_workload_name
 
+    check_writable(args.out or "runs", "--out", folder=True)  # the default folder goes under runs/
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)

@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+from thinwire.config import check_writable
 from thinwire.errors import ConfigError, ThinwireError
 from thinwire.train import checkpoint as ckpt
 from thinwire.train import runfolder
@@ -164,6 +165,7 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(cfg.workload)
+    check_writable(cfg.out or "runs", "out", folder=True)  # the default run folder goes under runs/
     _check_compression(cfg)
     if cfg.offload_core is not None:  # a core of this machine: workers (and emulated hosts) run here
         from thinwire.compress.engine import check_core

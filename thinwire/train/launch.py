@@ -151,6 +151,7 @@ def _raised(failure) -> str:
     detail = failure.message
     if isinstance(detail, dict):
         detail = detail.get("message", str(detail))
+    detail = detail.removeprefix("ThinwireError: ")  # a worker's own one-paragraph error
     return "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
 
 

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from thinwire.config import from_dict, load_yaml
 from thinwire.errors import LOST_PEER_EXIT, LOST_PEER_SAYS, ThinwireError, lost_peer
@@ -32,7 +32,10 @@ def main(argv: list[str]) -> int:
             train(cfg, Path(cfg.out))
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
-        return 2
+        # in the agent's error file, so the job's error names this worker even when a peer that lost it exits
+        # first and the agent stops this one (SIGTERM) before it has left; then out at once, as every path does
+        ErrorHandler().record_exception(e)
+        leave(2)
     except BaseException as e:  # stopped by the agent (or a terminal), which reports it once: leave quietly
         if signum_of(e) is not None:
             leave(signum_of(e) + 128)
