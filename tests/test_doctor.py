@@ -136,6 +136,12 @@ def test_doctor_refuses_an_existing_folder_and_a_bad_workload(tmp_path):
     (out / "keep.txt").write_text("mine")
     assert_refused(thinwire("doctor", "--out", str(out)), "exists and is not empty")
     assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()  # a doctor stopped before its report (Ctrl-C): the same command runs again there
+    (out / "config.yaml").write_text("workload: digits\n")
+    proc = thinwire("doctor", "--data", "/nonexistent/corpus", "--out", str(out))  # checked after the folder
+    assert "exists and is not empty" not in proc.stderr and "data: path '/nonexistent/corpus'" in proc.stderr
+    (out / "report.json").write_text("{}")  # a finished one is kept
+    assert_refused(thinwire("doctor", "--out", str(out)), "exists and is not empty")
     assert_refused(thinwire("doctor", "--workload", "nosuch", "--out", str(tmp_path / "new")), "nosuch")
     assert not (tmp_path / "new").exists()
     assert_refused(thinwire("doctor", "--workload", "digits", "--nproc", "3", "--out", str(tmp_path / "new")),

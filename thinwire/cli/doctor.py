@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     env = read_env()
     out = Path(cfg.out or Path("runs") / f"doctor-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     check_writable(out, "out", folder=True)
-    if out.exists() and any(out.iterdir()) and not env.launched:
+    # a folder of doctor's own files without its report (a doctor stopped before it finished) is taken over
+    unfinished = out.is_dir() and {p.name for p in out.iterdir()} <= {"config.yaml", "profile.yaml"}
+    if out.exists() and any(out.iterdir()) and not unfinished and not env.launched:
         raise ThinwireError(f"out: {str(out)!r} exists and is not empty; doctor never writes over a folder. "
                             "Pass a new --out.")
     wl = build_workload(cfg.workload, cfg.model, cfg.data)  # a bad workload or data path fails here, before launch
