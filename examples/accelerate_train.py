@@ -10,6 +10,7 @@ Needs ``pip install 'thinwire[accelerate]'``. thinwire adds one line after ``acc
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -19,8 +20,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import thinwire
-from thinwire.integrations.accelerate import attach
+from thinwire.integrations.accelerate import attach, sync
 
 
 def main():
@@ -38,8 +38,8 @@ def main():
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     model, opt, loader = accelerator.prepare(net, opt, loader)
-    if args.sync:
-        mode = thinwire.sync(model, args.sync, codec=args.codec)          # <- thinwire (a sync mode)
+    if args.sync:                                                         # <- thinwire (a sync mode; save_state keeps
+        mode = sync(accelerator, model, args.sync, args.codec, optimizer=opt)  #    every rank's own state)
         comm = mode.comm
     else:
         mode, comm = None, attach(accelerator, model, args.codec)         # <- thinwire (the hook)
@@ -58,11 +58,8 @@ def main():
             step += 1
             if step == args.steps:
                 break
-    if mode is not None:
-        mode.flush()
-    else:
-        accelerator.save_state(args.out)  # every rank's residuals with it
-    with torch.no_grad():
+    accelerator.save_state(args.out)  # every rank's residuals (and a sync mode's state) with it
+    with (mode.consensus() if mode is not None else contextlib.nullcontext()), torch.no_grad():  # the ranks' average
         acc = (model(x[1500:].to(accelerator.device)).argmax(1).cpu() == y[1500:]).float().mean()
     if accelerator.is_main_process and comm is not None:
         s = comm.stats()

@@ -130,6 +130,26 @@ def test_accelerate_attach_averages_int8_and_save_state_restores_residuals(tmp_p
     check_restored(ends, second)
 
 
+def test_accelerate_sync_mode_resumes_exactly_between_two_averages(tmp_path):
+    """Local SGD through thinwire.integrations.accelerate.sync (int8 averages every 3 steps, SGD with momentum):
+    save_state after 4 steps (the ranks' parameters and momenta differ), load_state and 4 more steps end where
+    8 straight steps end, on every rank, bit for bit. accelerate's own checkpoint holds rank 0's model and
+    optimizer only: without every rank's own, both ranks went on from rank 0's."""
+    straight, first, resumed = (tmp_path / n for n in ("straight", "first", "resumed"))
+    for d in (straight, first, resumed):
+        d.mkdir()
+    worker = WORKERS / "accelerate_sync_worker.py"
+    torchrun(worker, "--out", str(straight), "--steps", "8")
+    torchrun(worker, "--out", str(first), "--steps", "4")
+    a, b = (load(first / f"end_rank{r}.pt")["params"] for r in range(2))
+    assert any(not torch.equal(x, y) for x, y in zip(a, b)), "the state should be saved between averages"
+    torchrun(worker, "--out", str(resumed), "--first-step", "4", "--steps", "8", "--resume", str(first / "state"))
+    for r in range(2):
+        want, got = load(straight / f"end_rank{r}.pt"), load(resumed / f"end_rank{r}.pt")
+        torch.testing.assert_close(got["params"], want["params"], rtol=0, atol=0)
+        assert got["stats"]["counts"].get("int8", 0) > 0
+
+
 def test_hf_trainer_callback_averages_int8_and_resume_restores_residuals(tmp_path):
     torchrun(WORKERS / "transformers_worker.py", "--out", str(tmp_path), "--steps", "6")
     ends = check_averaged_int8(tmp_path)

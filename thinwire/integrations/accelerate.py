@@ -58,3 +58,58 @@ def attach(accelerator, model, codec: str = "int8", **kwargs):
     comm = _attach(model, codec, **kwargs)
     accelerator.register_for_checkpointing(RankStates(comm))
     return comm
+
+
+class SyncStates:
+    """A sync mode's state for ``accelerator.register_for_checkpointing``: every rank's mode state and
+    residuals and, for a mode whose ranks diverge between averages (local SGD, DiLoCo, gossip, dynamic),
+    every rank's own parameters and optimizer state: accelerate's own checkpoint holds rank 0's only, so
+    a run resumed between two averages would go on from rank 0's model on every rank. accelerate loads
+    these after its model and optimizer, so each rank ends with its own."""
+
+    def __init__(self, mode, model, optimizer) -> None:
+        self.mode, self.model, self.optimizer = mode, model, optimizer
+
+    def state_dict(self) -> dict:
+        mine = {"sync": self.mode.state_dict()}  # first: it waits for averages in flight
+        mine["comm"] = self.mode.comm.state_dict()
+        if self.mode.diverges:
+            mine["model"] = self.model.module.state_dict()
+            if self.optimizer is not None:
+                mine["optimizer"] = self.optimizer.state_dict()
+        return gather_states(mine)
+
+    def load_state_dict(self, sd: dict) -> None:
+        mine = rank_state(sd, "the accelerate checkpoint")
+        if mine is None:
+            return
+        if "model" in mine:
+            self.model.module.load_state_dict(mine["model"])
+        if "optimizer" in mine and self.optimizer is not None:
+            self.optimizer.load_state_dict(mine["optimizer"])
+        self.mode.load_state_dict(mine["sync"])
+        self.mode.comm.load_state_dict(mine["comm"])
+
+
+def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, optimizer=None, **kwargs):
+    """A thinwire sync mode (:func:`thinwire.sync`) on ``model`` (as returned by ``accelerator.prepare``),
+    its state registered for checkpointing (:class:`SyncStates`), so ``save_state`` / ``load_state`` resume
+    it exactly, between two averages too. Pass the prepared ``optimizer`` for a mode whose ranks diverge:
+    each rank's own optimizer state is then kept as well. Use it as in any DDP loop::
+
+        mode = thinwire.integrations.accelerate.sync(accelerator, model, "local:period=8", "int8", optimizer=opt)
+        with mode.no_sync():
+            accelerator.backward(loss)
+        mode.step(opt)
+    """
+    from thinwire.api import sync as _sync
+
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"thinwire.integrations.accelerate.sync needs the model accelerator.prepare returned (a "
+                        f"DistributedDataParallel on more than one process), got {type(model).__name__}")
+    m = _sync(model, mode, codec=codec, **kwargs)
+    if m.diverges and optimizer is None:
+        log.warning("thinwire: %s lets the ranks' optimizer states differ; pass optimizer= so that save_state keeps "
+                    "each rank's own (without it every rank resumes with rank 0's)", mode)
+    accelerator.register_for_checkpointing(SyncStates(m, model, optimizer))
+    return m
