@@ -54,6 +54,27 @@ def test_by_file_gives_contiguous_runs_and_samplers_stay_in_their_shard():
     assert set(drawn) <= set(runs[2]) and drawn == [i for step in range(10) for i in ShardSampler(runs[2], 0, 2).indices(step, 8)]
 
 
+def test_one_hot_or_soft_targets_have_classes_for_the_skew_and_for_accuracy():
+    """A classification workload with one-hot targets (or label smoothing's probabilities) crashed the skew
+    ("only one element tensors can be converted") and validation's accuracy (a shape mismatch)."""
+    from torch.utils.data import TensorDataset
+
+    from thinwire.errors import ThinwireError
+    from thinwire.workloads.base import correct
+    from thinwire.workloads.partition import labels_of
+
+    classes = torch.tensor([2, 0, 1, 2])
+    soft = torch.nn.functional.one_hot(classes, 3).float() * 0.9 + 0.1 / 3
+    assert labels_of(TensorDataset(torch.zeros(4, 2), soft)).tolist() == classes.tolist()
+    out = torch.tensor([[0.0, 0, 1], [1, 0, 0], [0, 0, 1], [0, 0, 1]])
+    assert correct(out, classes) == correct(out, soft) == 3.0
+    with pytest.raises(ThinwireError, match=r"class indices \(shape \(4,\) for outputs of shape \(4, 3\)\).*"
+                                            r"these targets are \(4, 2\). Give the Workload task='regression'"):
+        correct(out, torch.zeros(4, 2))
+    with pytest.raises(ThinwireError, match=r"partition: label_skew needs each item's class.*shape \(2, 2\)"):
+        labels_of(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2, 2)))
+
+
 def test_label_skew_needs_classes():
     with pytest.raises(ConfigError, match="partition.*label_skew.*by_file"):
         shards(parse_partition("label_skew:alpha=1"), list(range(10)), 2, seed=0, task="lm")

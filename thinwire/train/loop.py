@@ -36,7 +36,7 @@ from thinwire.train.peers import PeerComm, PeerLocalSGD
 from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
-from thinwire.workloads.base import GlobalSampler, collate, eval_subset, even_shares
+from thinwire.workloads.base import GlobalSampler, collate, correct, eval_subset, even_shares
 from thinwire.workloads.partition import ShardSampler, shards
 from thinwire.workloads.registry import build_workload
 
@@ -367,7 +367,7 @@ class Trainer:
             return self.ddp.module(x)
 
     def _correct(self, out: torch.Tensor, y: torch.Tensor) -> float:
-        return float((out.argmax(-1) == y).sum()) if self.wl.task == "classification" else 0.0
+        return correct(out, y) if self.wl.task == "classification" else 0.0
 
     def _val_record(self, loss_sum: float, correct: float, count: float) -> dict:
         rec = {"val_loss": loss_sum / count}

@@ -14,6 +14,8 @@ from typing import Any, Callable, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from thinwire.errors import ThinwireError
+
 
 class SizedDataset(Protocol):
     def __len__(self) -> int: ...
@@ -49,6 +51,32 @@ class Workload:
     # the model as a list of (name, module) in forward order, each taking the previous one's output: where
     # ``--pipeline`` may cut it into stages (None: an nn.Sequential's children, else no pipelining)
     layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] | None = None
+
+
+def correct(out: Tensor, y: Tensor) -> float:
+    """Items of a classification batch whose largest output is their class: targets are class indices
+    (``out``'s shape less its last dimension) or one-hot / class probabilities (``out``'s shape: the class
+    is their largest entry, as with label smoothing or mixup)."""
+    if torch.is_tensor(y) and y.is_floating_point() and y.shape == out.shape:
+        y = y.argmax(-1)
+    if not torch.is_tensor(y) or y.shape != out.shape[:-1]:
+        shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
+        raise ThinwireError(f"workload: task 'classification' reports accuracy from targets that are class indices "
+                            f"(shape {tuple(out.shape[:-1])} for outputs of shape {tuple(out.shape)}) or class "
+                            f"probabilities (the outputs' shape); these targets are {shape}. Give the Workload "
+                            "task='regression' to report the loss only.")
+    return float((out.argmax(-1) == y).sum())
+
+
+def class_of(target) -> int:
+    """One item's class: an integer target, or the largest entry of a one-hot / probability vector."""
+    t = torch.as_tensor(target)
+    if t.numel() == 1:
+        return int(t)
+    if t.ndim == 1 and t.is_floating_point():
+        return int(t.argmax())
+    raise ThinwireError(f"partition: label_skew needs each item's class: an integer or a vector of class "
+                        f"probabilities, got a target of shape {tuple(t.shape)}. Use --partition by_file (or iid).")
 
 
 def collate(dataset: SizedDataset, indices: list[int]) -> tuple[Tensor, Tensor]:

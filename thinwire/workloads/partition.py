@@ -24,7 +24,7 @@ import math
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.workloads.base import GlobalSampler
+from thinwire.workloads.base import GlobalSampler, class_of
 
 KINDS = ("iid", "label_skew", "by_file")
 _FIX = "E.g. iid, label_skew:alpha=0.5, by_file"
@@ -69,7 +69,7 @@ def labels_of(dataset) -> torch.Tensor:
         t = getattr(dataset, name, None)
         if isinstance(t, torch.Tensor) and t.ndim == 1 and len(t) == len(dataset):
             return t.long()
-    return torch.tensor([int(dataset[i][1]) for i in range(len(dataset))])
+    return torch.tensor([class_of(dataset[i][1]) for i in range(len(dataset))])
 
 
 def shards(spec: PartitionSpec, dataset, world: int, seed: int, task: str = "classification") -> list[list[int]]:
