@@ -567,3 +567,27 @@ def test_wire_formats_are_measured_per_byte_for_the_pipeline_model():
     # int8's stochastic gradient packing draws a random number per value: never cheaper than bf16's cast
     assert costs["wire_int8_pack_grad"].per_byte_s * big + costs["wire_int8_pack_grad"].fixed_s > \
         costs["wire_bf16_pack_grad"].per_byte_s * big + costs["wire_bf16_pack_grad"].fixed_s
+
+
+def test_a_pipeline_plan_for_another_model_is_refused_as_such_not_by_its_layer_counts(tmp_path):
+    """`train --plan` with a pipeline plan made for another model said that the plan's layer counts do not add
+    up to this model's layers: true, but the cause (a plan for another workload) went unsaid."""
+    from thinwire.config import save_yaml
+    from thinwire.plan.planfile import save_plan
+
+    spec = _cluster()
+    save_yaml(spec, tmp_path / "spec.yaml")
+    save_plan(_plan(spec), tmp_path / "plan.yaml")
+    r = thinwire("train", "--workload", "charlm", "--set", "model.layers=3", "--plan", str(tmp_path / "plan.yaml"),
+                 "--cluster", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "was made for another workload: model options" in r.stderr and "pipeline.layers" not in r.stderr
+
+
+def test_plan_refuses_to_pipeline_a_model_without_a_layer_list_before_profiling_it(tmp_path):
+    from tests.test_cli import ROOT
+
+    r = thinwire("plan", "--workload", "digits", "--pipeline", "--cluster", str(ROOT / "examples/clusters/uneven-4.yaml"),
+                 "--out", str(tmp_path / "plan.yaml"))
+    assert r.returncode == 2 and "has no layer list to cut into stages" in r.stderr, r.stderr[-2000:]
+    assert "measuring digits" not in r.stderr and not (tmp_path / "plan.yaml").exists()

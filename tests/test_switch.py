@@ -152,7 +152,7 @@ def test_train_config_refuses_what_the_switch_cannot_sum():
     assert TrainConfig(**ok).aggregation == "switch"
     assert TrainConfig(**{**ok, "compression": "int8:block=64"}).comm.codec.config.block == 64
     assert TrainConfig(**{**ok, "compression": "auto"}).aggregation == "switch"  # int8 is a default candidate
-    cases = [({"cluster": None}, r"^aggregation: must be switch with --cluster SPEC"),
+    cases = [({"cluster": None}, r"^cluster: must be a cluster spec with --aggregation switch"),
              ({"compression": "auto:candidates=none|bf16"}, r"^compression: must be int8 .*, or auto with int8 among"),
              ({"compression": "bf16"}, r"^compression: must be int8 \(nearest rounding, any block\), or auto with int8 among its candidates, with --aggregation switch"),
              ({"compression": "int8:stochastic=true"}, r"^compression: must be int8"),

@@ -85,6 +85,12 @@ def run(args: argparse.Namespace) -> int:
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)
     codecs = codec_list(args.codecs)
+    if args.pipeline and not args.profile:  # before minutes of profiling: a model without a layer list is refused
+        from thinwire.pipeline.stages import layer_list
+        from thinwire.workloads.registry import build_workload
+
+        wl = build_workload(args.workload, model, args.data)
+        layer_list(wl.model, wl.layers, args.workload)
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
     batch = args.batch_size or _default_batch(args, model)
     opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,

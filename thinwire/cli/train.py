@@ -181,6 +181,8 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     _, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)
     # every world size the run may meet: hosts may leave down to min_hosts
+    if cfg.plan:  # first: a plan for another workload or cluster says so, not what its layout does not fit
+        _check_plan(cfg)
     worlds = [world] if world else list(range(cfg.min_hosts or _world_size(cfg), _world_size(cfg) + 1))
     for w in worlds:
         if cfg.sync_spec.mode == "gossip":
@@ -195,8 +197,6 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
             _check_pipeline(cfg, wl, batch, w)
         elif not cfg.plan:
             _check_batch(cfg, batch, w, worlds)
-    if cfg.plan:
-        _check_plan(cfg)
     folder = runfolder.RunFolder(cfg, run_id)
     if cfg.resume:
         _check_resume(cfg, wl)

@@ -324,7 +324,9 @@ def _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0, *, fit
     if not profile.layers:
         if fits_one:
             raise ThinwireError(f"plan: --pipeline needs the per-layer costs of {workload}'s layer list; this profile "
-                                "has none. Profile again (`thinwire profile`), for a workload with a layer list.")
+                                "has none: the workload has no layer list (a Workload's layers=, or an nn.Sequential "
+                                "model), or the profile was made before it had one. Profile it again with "
+                                "`thinwire profile` once it has one.")
         raise fits_nowhere(spec, profile, options, workload)
     pipe = plan_pipeline(spec, profile, batch=options.batch_size, threads=options.threads or profile.threads,
                          colocated_cores=options.colocated_cores)

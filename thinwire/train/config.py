@@ -108,8 +108,9 @@ class TrainConfig:
         from thinwire.compress.schemes.switched import Switched, switchable
 
         ring = "Use --aggregation ring (the default) for it."
-        check(self.cluster is not None, "aggregation", self.aggregation, "switch with --cluster SPEC",
-              "The aggregator runs on the emulated cluster's switch (spec `switch: {cpu: 0.5}`).")
+        check(self.cluster is not None, "cluster", self.cluster, "a cluster spec with --aggregation switch",
+              "The aggregator runs on the emulated cluster's switch (spec `switch: {cpu: 0.5}`); without a cluster, "
+              "use --aggregation ring (the default).")
         codec = self.comm.codec if isinstance(self.comm, CodecSpec) else None
         auto = isinstance(self.comm, AutoSpec) and any(switchable(c) for c in self.comm.config.candidates)
         check(self.plan is not None or auto or (codec is not None and Switched.accepts(codec)),
