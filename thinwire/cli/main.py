@@ -15,7 +15,7 @@ from thinwire.signals import Stopped, signum_of, stop_signals_raise
 def build_parser() -> argparse.ArgumentParser:
     from thinwire.cli import report, train
 
-    parser = argparse.ArgumentParser(prog="thinwire", description=__doc__.split(":", 1)[0] + ": data-parallel "
+    parser = argparse.ArgumentParser(prog="thinwire", description="thinwire: data-parallel "
                                      "PyTorch training over slow, uneven links and on small devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_parser(sub)
