@@ -181,3 +181,22 @@ def test_bad_codec_is_refused_before_launch():
 def test_framework_examples_run(script, args, tmp_path):
     proc = torchrun(ROOT / "examples" / script, *args, "--out", str(tmp_path))
     assert "MB sent" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_accelerate_sync_on_one_process_runs_the_same_loop_and_averages_nothing():
+    from accelerate import Accelerator
+
+    from thinwire.integrations.accelerate import OneProcess, sync
+
+    accelerator = Accelerator(cpu=True)
+    net = common.make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(net, opt)
+    mode = sync(accelerator, model, "local:period=4", "int8", optimizer=opt)
+    assert isinstance(mode, OneProcess) and mode.comm is None
+    before = [p.detach().clone() for p in model.parameters()]
+    with mode.no_sync():
+        accelerator.backward(common.loss_fn(model, *common.batch(0, 0)))
+    mode.step(opt)
+    with mode.consensus():
+        assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -30,8 +30,12 @@ def test_resume_is_bit_identical(tmp_path, nproc, compression):
     assert thinwire("train", *common, "--steps", "12", "--out", str(straight)).returncode == 0
     first = thinwire("train", *common, "--steps", "6", "--out", str(split))
     assert first.returncode == 0, first.stderr
+    if nproc == 2:  # only the checkpoints copied: the run's config comes from its latest checkpoint, not defaults
+        (split / "config.yaml").unlink()
     second = thinwire("train", "--resume", str(split), "--steps", "12")
     assert second.returncode == 0, second.stderr
+    if nproc == 2:
+        assert "has no config.yaml; resuming with the configuration saved in step_000000006.pt" in second.stderr
     a, b = _final_model(straight), _final_model(split)
     assert a["step"] == b["step"] == 12
     for name in a["model"]:
@@ -121,7 +125,7 @@ def test_sigkill_restarts_a_sync_mode_from_its_checkpoint(tmp_path, sync):
     os.kill(victims[1], signal.SIGKILL)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
+    assert "Traceback" not in output and "failed (exitcode" not in output, output[-3000:]  # torch's line: ours names it
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["restarts"] == 1
     restart = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in l]

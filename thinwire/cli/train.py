@@ -119,12 +119,23 @@ def _train_as_worker(cfg: TrainConfig, env) -> int:
     return code
 
 
+def _config_of_checkpoint(folder: Path) -> dict | None:
+    """The config a run's latest checkpoint was written with: for a folder whose config.yaml is gone (only its
+    checkpoints copied to another machine)."""
+    last = ckpt.latest(folder)
+    if last is None:
+        return None
+    print(f"thinwire: note: {folder} has no config.yaml; resuming with the configuration saved in {last.name}",
+          file=sys.stderr, flush=True)
+    return ckpt.load(last)["config"]
+
+
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     overrides = {k: getattr(args, k) for k in FLAGS}
     base = args.config
     if args.resume and not base:  # continue with the resumed run's own config unless told otherwise
         saved = Path(args.resume) / "config.yaml"
-        base = str(saved) if saved.is_file() else None
+        base = str(saved) if saved.is_file() else _config_of_checkpoint(Path(args.resume))
     cfg = load_train_config(base, overrides, args.set)
     if args.resume and not args.out:
         cfg = dataclasses.replace(cfg, out=args.resume)

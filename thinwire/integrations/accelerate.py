@@ -19,6 +19,8 @@ Install with ``pip install 'thinwire[accelerate]'``.
 
 from __future__ import annotations
 
+import contextlib
+
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
@@ -91,11 +93,34 @@ class SyncStates:
         self.mode.comm.load_state_dict(mine["comm"])
 
 
+class OneProcess:
+    """What :func:`sync` returns on one process: the same loop runs, nothing is averaged (``comm`` is None)."""
+
+    comm = None
+    diverges = False
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def consensus(self):
+        return contextlib.nullcontext()
+
+    def step(self, optimizer) -> None:
+        optimizer.step()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, optimizer=None, **kwargs):
     """A thinwire sync mode (:func:`thinwire.sync`) on ``model`` (as returned by ``accelerator.prepare``),
     its state registered for checkpointing (:class:`SyncStates`), so ``save_state`` / ``load_state`` resume
     it exactly, between two averages too. Pass the prepared ``optimizer`` for a mode whose ranks diverge:
-    each rank's own optimizer state is then kept as well. Use it as in any DDP loop::
+    each rank's own optimizer state is then kept as well. On one process (accelerate does not wrap the model)
+    it returns :class:`OneProcess`: the same loop runs and nothing is averaged. Use it as in any DDP loop::
 
         mode = thinwire.integrations.accelerate.sync(accelerator, model, "local:period=8", "int8", optimizer=opt)
         with mode.no_sync():
@@ -105,8 +130,11 @@ def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, op
     from thinwire.api import sync as _sync
 
     if not isinstance(model, DistributedDataParallel):
+        if accelerator.num_processes == 1:
+            log.info("thinwire: one process, the model is not wrapped in DDP: nothing to average")
+            return OneProcess()
         raise TypeError(f"thinwire.integrations.accelerate.sync needs the model accelerator.prepare returned (a "
-                        f"DistributedDataParallel on more than one process), got {type(model).__name__}")
+                        f"DistributedDataParallel), got {type(model).__name__}; only DDP is supported")
     m = _sync(model, mode, codec=codec, **kwargs)
     if m.diverges and optimizer is None:
         log.warning("thinwire: %s lets the ranks' optimizer states differ; pass optimizer= so that save_state keeps "

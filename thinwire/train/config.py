@@ -203,9 +203,10 @@ def parse_override(item: str) -> tuple[list[str], object]:
     return keys, parse_value(raw, what=f"--set {key.strip()}")
 
 
-def load_train_config(path: str | None, overrides: dict, sets: list[str]) -> TrainConfig:
-    """File (if any) < ``--set KEY=VALUE`` < explicit flags; then type and range checks."""
-    data = load_yaml(path) if path else {}
+def load_train_config(path: str | dict | None, overrides: dict, sets: list[str]) -> TrainConfig:
+    """File (if any; or the fields themselves, as a checkpoint holds them) < ``--set KEY=VALUE`` < explicit
+    flags; then type and range checks."""
+    data = dict(path) if isinstance(path, dict) else load_yaml(path) if path else {}
     for item in sets:
         keys, value = parse_override(item)
         node = data

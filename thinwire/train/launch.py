@@ -38,8 +38,10 @@ from thinwire.train.config import TrainConfig
 LOOPBACK = "127.0.0.1"
 RDZV_BACKEND = "thinwire-loopback"
 # torchelastic's warnings while it forwards a stop signal to the workers: the CLI says it in one line
+# torch's own lines about stopping workers, and its "failed (exitcode: 1) local_rank: 0 (pid: ...) of binary: ..."
+# (thinwire's error names the worker that failed first, and why)
 _SHUTDOWN_NOISE = ("Received %s death signal", "Sending process %s closing signal", "Closing process %s via signal",
-                   "Got termination signal")
+                   "Got termination signal", "failed (exitcode: %s) local_rank: %s")
 
 
 def loopback_store(port: int = 0, **kwargs):
