@@ -57,6 +57,8 @@ def check_restored(ends: list[dict], out: Path) -> None:
     for r in range(2):
         start = load(out / f"start_state_rank{r}.pt")
         assert start["step"] == ends[r]["state"]["step"] > 0
+        # the counters go on from the saved run: bytes and each codec's count alike
+        assert start["counters"] == ends[r]["state"]["counters"] and start["counters"]["counts"]["int8"] > 0
         torch.testing.assert_close(start["residuals"], ends[r]["state"]["residuals"], rtol=0, atol=0)
     # rank-specific: the two ranks' residuals differ, so each got its own back
     a, b = (load(out / f"start_state_rank{r}.pt")["residuals"] for r in range(2))

@@ -257,7 +257,8 @@ class CommState:
             "extra": {k: v.detach().cpu().clone() for k, v in self.extra.items()},
             "policy": self.policy.describe(),
             "policy_state": self.policy.state_dict(),
-            "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls},
+            "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls,
+                         "counts": dict(self.counts)},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -270,6 +271,7 @@ class CommState:
         self.bytes_raw = int(counters.get("bytes_raw", 0))
         self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
         self.wire.calls = int(counters.get("calls", 0))
+        self.counts = Counter({str(k): int(v) for k, v in counters.get("counts", {}).items()})
 
     def close(self) -> None:
         self._thread.close()

@@ -461,6 +461,8 @@ class Trainer:
         ranks = state["ranks"]
         if self._same_ranks(state):
             self._load_rank(ranks[self.env.rank])
+            if "counts" in ranks[self.env.rank]["comm"].get("counters", {}):  # the hook's own counts go on
+                self.counts_before = {}
         elif self.env.is_main:
             kind = "pipelined ranks" if state.get("shards") else "ranks"
             other = " in another layout" if len(ranks) == self.env.world else ""
