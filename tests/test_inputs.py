@@ -236,7 +236,24 @@ def failing_workload(path="/data/mine"):
     raise FileNotFoundError(f"no such folder: {path}")
 
 
+def empty_validation():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    return thinwire.Workload(model=torch.nn.Linear(2, 1), train=data, val=torch.utils.data.Subset(data, []),
+                             loss=torch.nn.functional.mse_loss)
+
+
+def iterable_training():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    return thinwire.Workload(model=torch.nn.Linear(2, 1), train=iter(data), val=data, loss=torch.nn.functional.mse_loss)
+
+
 @pytest.mark.parametrize("name, options, match", [
+    ("tests.test_inputs:empty_validation", {}, r"empty_validation's val set is empty; give it at least one item"),
+    ("tests.test_inputs:iterable_training", {}, r"iterable_training's train set has no len\(\); thinwire samples map"),
     ("tests.nowhere:f", {}, r"workload: cannot import module 'tests.nowhere'.*Check that it is on PYTHONPATH"),
     ("tests.test_inputs:nothing", {}, r"workload: module 'tests.test_inputs' has no function 'nothing'"),
     ("tests.test_inputs:failing_workload", {"size": 3}, r"model: options \['size'\] do not fit"),

@@ -79,6 +79,16 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
                             f"{where.name}). Call it in Python to see the whole traceback.") from None
     if not isinstance(wl, Workload):
         raise ThinwireError(f"workload: {name} must return a thinwire.Workload, got {type(wl).__name__}.")
+    for field in ("train", "val"):
+        data = getattr(wl, field)
+        try:
+            n = len(data)
+        except TypeError:
+            raise ThinwireError(f"workload: {name}'s {field} set has no len(); thinwire samples map-style datasets "
+                                "(len and [i] -> (input, target)), e.g. a torch.utils.data.TensorDataset.") from None
+        if n == 0:
+            raise ThinwireError(f"workload: {name}'s {field} set is empty; give it at least one item "
+                                f"({'training needs samples' if field == 'train' else 'validation reports its loss'}).")
     return wl
 
 
