@@ -105,7 +105,7 @@ def _val_losses(out):
 
 
 @pytest.mark.slow
-def test_a_dict_batch_trains_as_its_tensor_twin_on_2_workers_and_in_a_pipeline(tmp_path):
+def test_a_dict_batch_trains_as_its_tensor_twin_on_2_workers_in_micro_batches_and_in_a_pipeline(tmp_path):
     common = ["--steps", "12", "--eval-every", "6", "--checkpoint-every", "12", "--set", "eval_batches=0"]
     runs = {"tensor": ["--workload", "tests.test_structured_batch:tensor_workload"],
             "dict": ["--workload", "tests.test_structured_batch:dict_workload", "--nproc", "2",
@@ -115,7 +115,14 @@ def test_a_dict_batch_trains_as_its_tensor_twin_on_2_workers_and_in_a_pipeline(t
     for name, args in runs.items():
         r = run_thinwire("train", *args, *common, "--out", str(tmp_path / name))
         assert r.returncode == 0, (name, r.stderr[-3000:])
+    # in micro-batches: a budget that fits 8 of the 16 samples, from the memory plan's own fit of the dict run
+    fit = json.loads((tmp_path / "dict" / "summary.json").read_text())["precision_report"]["memory_plan"]["fit_bytes"]
+    budget = fit["fixed"] + 8 * fit["per_sample"] + fit["per_sample"] // 2
+    r = run_thinwire("train", "--workload", "tests.test_structured_batch:dict_workload", "--memory-budget", f"{budget}B",
+                     *common, "--out", str(tmp_path / "micro"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "micro" / "summary.json").read_text())["precision_report"]["micro_sizes"] == [8, 8]
     want = torch.tensor(_val_losses(tmp_path / "tensor"))
     assert len(want) == 2
-    for name in ("dict", "pipeline"):
+    for name in ("dict", "pipeline", "micro"):
         torch.testing.assert_close(torch.tensor(_val_losses(tmp_path / name)), want, rtol=1e-5, atol=0, msg=name)
