@@ -303,4 +303,5 @@ def _refuse(budget: int, text: str | None, one_sample: int, checkpointed: bool):
     raise ThinwireError(
         f"memory_budget: must be at least {format_bytes(one_sample)} for this model (the measured peak of a "
         f"training step on micro-batches of one sample {how}), got {text or format_bytes(budget)} ({budget} bytes). "
-        f"Raise --memory-budget to {format_bytes(math.ceil(one_sample * 1.1))} or more, or use a smaller model.")
+        f"Raise --memory-budget to {format_bytes(math.ceil(one_sample * 1.1))} or more (10% above it, for what the "
+        "measurement does not see), or use a smaller model.")
