@@ -47,6 +47,11 @@ def test_resume_is_bit_identical(tmp_path, nproc, compression):
         assert a["ranks"][0]["comm"]["residuals"]["params"], "top-k must have left residuals"
     events = [json.loads(l).get("event") for l in (split / "metrics.jsonl").read_text().splitlines()]
     assert events.count("resume") == 1
+    if nproc == 1:  # already there: it says so, and the checkpoint is left as it was
+        again = thinwire("train", "--resume", str(split), "--steps", "12")
+        assert again.returncode == 0 and "the run is already at step 12 and --steps is 12: nothing to train" in \
+            " ".join(again.stdout.split()), again.stdout[-2000:]
+        assert torch.equal(_final_model(split)["model"][name], b["model"][name])
     counts = [json.loads((o / "summary.json").read_text())["compression_stats"]["counts"] for o in (straight, split)]
     assert counts[0] == counts[1] and sum(counts[0].values()) >= 12, counts  # the whole run, not the resumed part
 

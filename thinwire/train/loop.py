@@ -434,6 +434,9 @@ class Trainer:
                             "world_size": self.env.world, "checkpoint_world_size": len(box[0]["ranks"])})
         if self.env.is_main:
             console.print(f"[bold]{event}[/bold] from {source} at step {self.step}")
+            if self.step >= self.steps:
+                console.print(f"[yellow]the run is already at step {self.step} and --steps is {self.steps}: nothing "
+                              f"to train. Pass a larger --steps to go on.[/yellow]")
 
     def _resume_source(self) -> Path | None:
         if not self.env.is_main:
