@@ -163,7 +163,8 @@ def show(r: dict, *, as_json: bool = False) -> None:
         g = c.get("guard")
         verdict = () if not guarded else (
             ("no record", "-") if g is None else
-            (f"{gap_text(g['gap'])}, {g['factor']:.2f}x samples" if g["reaches"] else f"does not reach ({gap_text(g['gap'])})",
+            (f"{gap_text(g['gap'])}, {g['factor']:.2f}x samples" if g["reaches"]
+             else f"does not reach ({gap_text(g['gap'])})",
              "-" if c["time_speedup"] is None else f"{c['time_speedup']:.2f}x"))
         t.add_row(c["codec"], _ms(c["predicted_step_s"]), f"{c['speedup']:.2f}x" + ("" if c["source"] == "trial" else " (model)"),
                   f"{c['model_speedup']:.2f}x", f"{c['bytes_per_rank'] / 1e6:.2f}", *verdict)

@@ -32,7 +32,8 @@ multi-node (run on every node; rank 0 writes the run folder):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a workload: data-parallel with a codec and a sync mode, or pipelined", epilog=EPILOG,
+    p = sub.add_parser("train", help="train a workload: data-parallel with a codec and a sync mode, or pipelined",
+                       epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of TrainConfig fields (flags override it)")
     p.add_argument("--workload", help="charlm, digits, or package.module:function")

@@ -28,8 +28,9 @@ class Workload:
 
     ``loss(output, target) -> scalar mean`` is applied to ``model(inputs)``. Datasets are
     map-style (``len`` and ``[i] -> (input, target)``), an input a tensor or a dict, list or tuple of
-    tensors (:mod:`thinwire.batch`: each is moved, cut into micro-batches and counted); a dataset may offer ``batch(indices)``
-    returning ``(inputs, targets)`` directly, which is faster than collating items one by one.
+    tensors (:mod:`thinwire.batch`: each is moved, cut into micro-batches and counted); a dataset may offer
+    ``batch(indices)`` returning ``(inputs, targets)`` directly, which is faster than collating items one
+    by one.
     ``task`` decides the validation metrics: ``lm`` adds bits per byte, ``classification`` adds
     accuracy. ``info`` goes into ``summary.json`` as it is (e.g. the corpus's unigram entropy).
     ``lr``/``batch_size``/``steps`` are the workload's suggested defaults. ``data_at(step)``, if given,
