@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

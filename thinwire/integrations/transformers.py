@@ -18,7 +18,6 @@ it can abort ("terminate called without an active exception"; seen once in the t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
