@@ -9,8 +9,9 @@
 
 Launch as usual (``accelerate launch --multi_gpu ...`` or ``torchrun ...``). The hook's state is
 registered with ``accelerator.register_for_checkpointing``, so ``save_state`` / ``load_state`` carry
-every rank's error-feedback residuals. Sync modes work in an accelerate loop as in any DDP loop:
-``thinwire.sync(model, "local:period=8", codec="int8")`` (see ``examples/accelerate_train.py``).
+every rank's error-feedback residuals. A sync mode: :func:`sync` (``sync(accelerator, model,
+"local:period=8", "int8", optimizer=opt)``), whose state, with every rank's own parameters and optimizer
+state, ``save_state`` keeps the same way (see ``examples/accelerate_train.py``).
 End with ``accelerator.wait_for_everyone()`` before ``end_training()``: the hook has its own gloo group,
 and a rank that tears gloo down while a peer is still writing its checkpoint can abort
 ("terminate called without an active exception"; about 1 run in 10 on 2 CPU processes without it).
