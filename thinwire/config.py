@@ -352,7 +352,8 @@ def save_yaml(obj: Any, path: str | Path) -> Path:
         tmp.write_text(dump_yaml(to_dict(obj)))
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
         raise cannot_write(path, e) from None
     return path
 

@@ -72,7 +72,7 @@ def save_atomic(obj: dict, path: Path) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if (os_error := _os_error(e)) is not None:  # torch.save wraps a full disk in a RuntimeError
+        if isinstance(e, Exception) and (os_error := _os_error(e)) is not None:  # torch.save wraps a full disk
             raise cannot_write(path, os_error) from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
