@@ -372,3 +372,14 @@ def test_train_digits_int8_under_a_memory_budget_end_to_end(tmp_path):
     assert sum(plan["micro_sizes"]) == 64 and plan["accumulation_steps"] > 1  # the batch, reached by accumulation
     assert 0 < summary["peak_memory_bytes"] <= parse_size("12MiB")
     assert summary["val_accuracy"] > 0.5
+
+
+def test_int8_conversion_says_which_kinds_of_layer_compute_in_fp32(caplog):
+    """An LSTM language model: only its output Linear becomes int8, and the log said "1 layers converted"
+    with no word of the embedding and the LSTM left in fp32."""
+    from thinwire.precision.convert import convert
+
+    model = nn.Sequential(nn.Embedding(50, 16), nn.LSTM(16, 32, batch_first=True), nn.Linear(32, 50))
+    with caplog.at_level(logging.INFO, logger="thinwire"):
+        convert(model, "int8")
+    assert "precision int8: 1 layer converted; Embedding, LSTM compute in fp32" in caplog.text, caplog.text

@@ -60,8 +60,15 @@ def convert(model: nn.Module, mode: str, *, scaling: str = "pow2", stochastic: b
     report = CONVERTERS[target](model, Int8ComputeConfig(scaling=scaling, stochastic=stochastic), tuple(exclude))
     setattr(model, _REPORT, report)
     if target is not Precision.FP32:
-        log.info("precision %s: %d layers converted%s", report.mode, len(report.swapped),
-                 f", {len(report.kept)} kept in fp32" if report.kept else "")
+        n = len(report.swapped)
+        # layers of kinds no converter takes (an LSTM, an embedding, a norm) compute in fp32: say which
+        taken = set(report.swapped) | set(report.kept)
+        others = sorted({type(m).__name__ for name, m in model.named_modules()
+                         if name not in taken and not isinstance(m, (nn.Linear, nn.Conv2d))
+                         and any(True for _ in m.parameters(recurse=False))})
+        log.info("precision %s: %d layer%s converted%s%s", report.mode, n, "" if n == 1 else "s",
+                 f", {len(report.kept)} kept in fp32" if report.kept else "",
+                 f"; {', '.join(others)} compute in fp32" if others else "")
     return model
 
 
