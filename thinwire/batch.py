@@ -14,28 +14,20 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from thinwire.errors import ThinwireError
 
 
 def tree_map(fn: Callable[[Tensor], Any], x: Any) -> Any:
-    """``x`` with ``fn`` applied to every tensor in it (dicts, lists, tuples and named tuples kept)."""
-    if isinstance(x, Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return type(x)((k, tree_map(fn, v)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
-        return type(x)(*(tree_map(fn, v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(tree_map(fn, v) for v in x)
-    return x
+    """``x`` with ``fn`` applied to every tensor in it (torch's pytree: dicts, lists, tuples and named tuples
+    kept as they are)."""
+    return tree_map_only(Tensor, fn, x)
 
 
 def tensors(x: Any) -> list[Tensor]:
     """Every tensor in ``x``, in order."""
-    out: list[Tensor] = []
-    tree_map(out.append, x)
-    return out
+    return [t for t in tree_leaves(x) if isinstance(t, Tensor)]
 
 
 def rebuild(template: Any, leaves) -> Any:

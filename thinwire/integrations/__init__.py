@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.distributed as dist
+
+from thinwire.batch import tree_map
 
 log = logging.getLogger("thinwire.integrations")
 
@@ -35,13 +36,7 @@ def need(module: str, extra: str):
 
 def to_cpu(obj):
     """``obj`` with every tensor moved to the CPU (a checkpoint readable on any device)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return tree_map(lambda t: t.detach().cpu(), obj)
 
 
 def world() -> tuple[int, int]:

@@ -74,7 +74,7 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
         wl = fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's own code: where it failed, in one paragraph
         where = traceback.extract_tb(e.__traceback__)[-1]
-        raise ThinwireError(f"workload: {name}{'(' + ', '.join(f'{k}={v!r}' for k, v in kwargs.items()) + ')'} raised "
+        raise ThinwireError(f"workload: {name}({', '.join(f'{k}={short(v)}' for k, v in kwargs.items())}) raised "
                             f"{type(e).__name__}: {str(e)[:300]} (at {where.filename}:{where.lineno}, in "
                             f"{where.name}). Call it in Python to see the whole traceback.") from None
     if not isinstance(wl, Workload):
