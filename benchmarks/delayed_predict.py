@@ -1,18 +1,19 @@
-"""``--sync delayed`` with and without weight prediction against DDP fp32, loss at equal samples (issue 21).
+"""``--sync delayed`` with each weight prediction and without against DDP fp32, loss at equal samples (issue 21).
 
-    .venv/bin/python benchmarks/delayed_predict.py                     # 4 workloads x 3 contenders x 3 seeds (~35 min)
+    .venv/bin/python benchmarks/delayed_predict.py                     # 4 workloads x 4 contenders x 3 seeds (~45 min)
     .venv/bin/python benchmarks/delayed_predict.py --workloads digits --seeds 0 --out /tmp/d   # a smoke run
 
 One step of staleness computes each gradient at ``w_t`` and applies it to ``w_{t+1}``; with weight
-prediction (``delayed``, the default since this benchmark) the gradient is computed at
-``w_t + (w_t - w_{t-1})`` instead (:mod:`thinwire.compress.sync.delayed`). For each workload of
-``benchmarks/guard_eval.py`` (charlm at the head-to-head's size, digits, ``benchmarks/workloads/denoise.py``,
-``benchmarks/workloads/grulm.py``), at its full run (default steps, learning rate, batch), ``thinwire train
---nproc 4``: DDP fp32 (``--compression none``), ``--sync delayed:predict=0`` (plain staleness, Pipe-SGD)
-and ``--sync delayed``; seed by seed, the contenders' order rotated by one per seed. Local workers: the
-loss at equal samples does not depend on the link, and no time is measured. Then the convergence guard
-(``thinwire.measure.convergence``, as ``thinwire profile`` runs it) on each workload: its verdict on
-``delayed`` now that its short runs predict too.
+prediction the gradient is computed where ``w_{t+1}`` is predicted to be instead
+(:mod:`thinwire.compress.sync.delayed`): by the optimizer's step with the rank's own last gradient
+(``delayed``, the default ``predict=own``) or by repeating the last update (``predict=last``). For each
+workload of ``benchmarks/guard_eval.py`` (charlm at the head-to-head's size, digits,
+``benchmarks/workloads/denoise.py``, ``benchmarks/workloads/grulm.py``), at its full run (default steps,
+learning rate, batch), ``thinwire train --nproc 4``: DDP fp32 (``--compression none``), ``--sync
+delayed:predict=off`` (plain staleness, Pipe-SGD), ``delayed:predict=last`` and ``delayed``; seed by seed,
+the contenders' order rotated by one per seed. Local workers: the loss at equal samples does not depend on
+the link, and no time is measured. Then the convergence guard (``thinwire.measure.convergence``, as
+``thinwire profile`` runs it) on each workload: its verdict on ``delayed``.
 
 Every run is saved to the JSON as it ends; a second call with the same ``--out`` skips what is there.
 Writes ``delayed_predict.{json,md,png}`` into ``--out``.
@@ -36,7 +37,8 @@ from thinwire.measure.file import REACH_TOL  # noqa: E402
 
 CONTENDERS = {  # name: train flags
     "fp32": ["--compression", "none"],
-    "delayed:predict=0": ["--compression", "none", "--sync", "delayed:predict=0"],
+    "delayed:predict=off": ["--compression", "none", "--sync", "delayed:predict=off"],
+    "delayed:predict=last": ["--compression", "none", "--sync", "delayed:predict=last"],
     "delayed": ["--compression", "none", "--sync", "delayed"],
 }
 
@@ -79,24 +81,25 @@ def render(data: dict, out: Path) -> None:
              f"Command: `{data['command']}`  ",
              f"Runs {data['started']} to {data['ended']} UTC, commit {data['commit']}. `thinwire train --nproc 4` "
              "(local workers, loss at equal samples; nothing timed) at each workload's full run: DDP fp32, "
-             "`--sync delayed:predict=0` (plain one-step staleness, Pipe-SGD) and `--sync delayed` (the gradient "
-             "computed at the weights predicted by repeating the last update, the default); seeds "
-             f"{', '.join(map(str, seeds))}, seed by seed, order rotated. Validation on 50 global batches. "
-             "Gap: final validation loss / DDP fp32's on the same seed - 1. Guard: the convergence guard's "
-             "verdict on `delayed` (with prediction) from its short one-process runs (`thinwire profile`'s).", "",
-             "| workload | DDP fp32 (per seed) | plain staleness: gap, median (per seed) | with prediction: gap, median "
-             "(per seed) | within 1% | guard says |", "|---|---|---:|---:|---|---|"]
+             "`--sync delayed:predict=off` (plain one-step staleness, Pipe-SGD), `delayed:predict=last` (the "
+             "gradient computed at the weights predicted by repeating the last update) and `--sync delayed` (the "
+             "default, `predict=own`: at the weights the optimizer's step with the rank's own last gradient gives); "
+             f"seeds {', '.join(map(str, seeds))}, seed by seed, order rotated. Validation on 50 global batches. "
+             "Gap: final validation loss / DDP fp32's on the same seed - 1, median (per seed). Guard: the "
+             "convergence guard's verdict on `delayed` from its short one-process runs (`thinwire profile`'s).", "",
+             "| workload | DDP fp32 (per seed) | plain staleness | predict=last | predict=own (default) | own within 1% "
+             "| guard says |", "|---|---|---:|---:|---:|---|---|"]
     for name, w in data["workloads"].items():
         fp = [w["runs"].get(f"fp32@{s}", {}).get("val_loss") for s in seeds]
         cols = []
-        for c in ("delayed:predict=0", "delayed"):
+        for c in ("delayed:predict=off", "delayed:predict=last", "delayed"):
             g = gaps(w, c, seeds)
             cols.append(f"{100 * statistics.median(g):+.2f}% ({', '.join(f'{100 * x:+.2f}' for x in g)})" if g else "-")
         g = gaps(w, "delayed", seeds)
         within = "yes" if g and statistics.median(g) <= REACH_TOL else "no" if g else "-"
         gd = w.get("guard")
         says = f"{'reaches' if gd['reaches'] else 'does not'} ({100 * gd['gap']:+.2f}%)" if gd else "-"
-        lines.append(f"| {name} | {', '.join('-' if x is None else f'{x:.4f}' for x in fp)} | {cols[0]} | {cols[1]} | "
+        lines.append(f"| {name} | {', '.join('-' if x is None else f'{x:.4f}' for x in fp)} | {' | '.join(cols)} | "
                      f"{within} | {says} |")
     (out / "delayed_predict.md").write_text("\n".join(lines) + "\n\n![validation loss](delayed_predict.png)\n")
     plot(data, out / "delayed_predict.png")
@@ -111,7 +114,7 @@ def plot(data: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
     seed = data["seeds"][0]
     for ax, name in zip(axes[0], names):
-        for c, color in zip(CONTENDERS, ("black", "tab:red", "tab:blue")):
+        for c, color in zip(CONTENDERS, ("black", "tab:red", "tab:orange", "tab:blue")):
             run = data["workloads"][name]["runs"].get(f"{c}@{seed}")
             if run:
                 ax.plot(*zip(*run["curve"]), label=c, color=color)
@@ -151,7 +154,8 @@ def main() -> None:
     data.setdefault("workloads", {})
     with __import__("tempfile").TemporaryDirectory(prefix="delayed_predict-") as tmp:
         for k, seed in enumerate(seeds):
-            order = list(CONTENDERS)[k % 3:] + list(CONTENDERS)[:k % 3]
+            n = len(CONTENDERS)
+            order = list(CONTENDERS)[k % n:] + list(CONTENDERS)[:k % n]
             for name in names:
                 w = data["workloads"].setdefault(name, {"runs": {}})
                 for c in order:

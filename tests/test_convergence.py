@@ -151,9 +151,12 @@ def test_profile_refuses_a_guard_too_short_to_measure(tmp_path):
 
 
 def test_delayed_sync_mode_is_guarded_too():
-    """One step stale costs samples: on the GRU workload the guard finds it short of fp32 even with delayed's
-    weight prediction (measured: gap +1.7%, factor 1.01; plain staleness: factor 1.36)."""
+    """The guard runs delayed one step stale, each shard's gradient at its own predicted weights, and judges it
+    by the codecs' rule. On the GRU workload it ends close to fp32 (measured: gap +0.99%, factor 1.005; with
+    the last update repeated as the prediction +1.7%, plain staleness factor 1.36)."""
+    from thinwire.measure.file import REACH_TOL
+
     out = measure_convergence(_sequences(), ["int8"], world=4, batch=32, steps=60, delayed=True)
     d = out["delayed"]
     assert d.loss != d.reference_loss and d.reference_loss == out["int8"].reference_loss
-    assert not d.reaches and d.gap > 0.01, d
+    assert 0 < d.gap < 0.05 and d.reaches == (d.gap <= REACH_TOL), d

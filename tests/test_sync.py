@@ -63,15 +63,31 @@ def _sgd(w: dict, g: dict, lr: float = LR) -> dict:
     return {k: w[k] - lr * g[k] for k in w}
 
 
-@pytest.mark.parametrize("predict", [0, 1])
+def _grads_at(points: list[dict], step: int) -> dict:
+    """The rank-average of each rank's gradient on step ``step``'s data, rank r's taken at ``points[r]``."""
+    world, out = len(points), None
+    for r, w in enumerate(points):
+        g = _grads_one(w, step, r)
+        out = g if out is None else {k: out[k] + g[k] for k in g}
+    return {k: v / world for k, v in out.items()}
+
+
+@pytest.mark.parametrize("predict", ["off", "last", "own"])
 def test_delayed_equals_one_step_stale_sgd(predict):
-    """Step t applies the average of step t-1's gradients; step 0 applies nothing. Those gradients are taken
-    at step t-1's parameters (``predict=0``), or there moved by their last update (``predict=1``, default)."""
-    out = run_ranks(_train, 2, "delayed" if predict else "delayed:predict=0", "none")
-    w, before, previous = _net().state_dict(), None, None
+    """Step t applies the average of step t-1's gradients; step 0 applies nothing. Each rank takes its
+    gradient at step t's parameters (``off``), there moved by their last update (``last``), or by the
+    optimizer's step with that rank's own gradient of step t-1 (``own``, default: SGD's ``w - lr g``)."""
+    out = run_ranks(_train, 2, "delayed" if predict == "own" else f"delayed:predict={predict}", "none")
+    w, before, previous, own = _net().state_dict(), None, None, None
     for step in range(STEPS):
-        at = {k: w[k] + (w[k] - before[k]) for k in w} if predict and before is not None else w
-        g = _grads(at, step, 2)
+        if predict == "last" and before is not None:
+            points = [{k: w[k] + (w[k] - before[k]) for k in w}] * 2
+        elif predict == "own" and own is not None:
+            points = [_sgd(w, own[r]) for r in range(2)]
+        else:
+            points = [w, w]
+        g = _grads_at(points, step)
+        own = [_grads_one(points[r], step, r) for r in range(2)]
         before = w
         w = _sgd(w, previous) if previous is not None else w
         previous = g
@@ -347,7 +363,7 @@ def test_spec_defaults_and_text():
                                               r"period/fragments = 4 steps\), got 4"),
     ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
     ("delayed:period=2", r"sync: must be delayed with keys predict"),
-    ("delayed:predict=2", r"sync\.predict: must be 0 or 1, got 2\. 1 \(default\) computes each gradient"),
+    ("delayed:predict=2", r"sync\.predict: must be one of own, last, off, got '2'\. own \(default\) computes each gradient"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
     ("push", r"sync: must be one of allreduce, delayed, local, diloco, gossip, dynamic, auto, got 'push'"),
     ("", r"sync: must be one of"),
@@ -668,15 +684,16 @@ def test_auto_times_allreduce_then_delayed_then_keeps_its_choice(forced):
     then the choice; switching back to all-reduce drops the one stale average in flight. Equal to SGD
     written out by hand."""
     out = run_ranks(_train_auto, 2, forced)
-    w, previous, before = _net().state_dict(), None, None
+    w, previous, own = _net().state_dict(), None, None
     for step in range(AUTO_STEPS):
         mode = "allreduce" if step < 7 else "delayed" if step < 12 else forced
-        at = {k: w[k] + (w[k] - before[k]) for k in w} if mode == "delayed" and before is not None else w
-        g = _grads(at, step, 2)  # delayed's weight prediction: from its second step on
+        # delayed's weight prediction, from its second step on: SGD's step with each rank's own last gradient
+        points = [_sgd(w, own[r]) for r in range(2)] if mode == "delayed" and own is not None else [w, w]
+        g = _grads_at(points, step)
         if mode == "allreduce":
             w, previous = _sgd(w, g), None
         else:
-            before = w
+            own = [_grads_one(points[r], step, r) for r in range(2)]
             w = _sgd(w, previous) if previous is not None else w
             previous = g
     for r in out:

@@ -5,12 +5,14 @@ in a config, or the string given to :func:`thinwire.sync`) into one typed :class
 form                                           what runs (:mod:`thinwire.compress.sync`)
 =============================================  =====================================================
 ``allreduce``                                  today's DDP hook: gradients averaged in backward
-``delayed[:predict=1]``                        step t's gradient averaged while step t+1 computes and
+``delayed[:predict=own|last|off]``             step t's gradient averaged while step t+1 computes and
                                                applied at step t+1 (staleness 1; Pipe-SGD, Li et al.
-                                               2018); the first step applies nothing; ``predict=1``
-                                               (default): each step computes its gradient at the
-                                               weights it will be applied to, predicted by repeating
-                                               the last update; 0: plain staleness
+                                               2018); the first step applies nothing; each step
+                                               computes its gradient at the weights it will be
+                                               applied to, predicted by the optimizer's step with
+                                               this rank's own last gradient (``own``, default) or by
+                                               repeating the last update (``last``); ``off``: plain
+                                               staleness
 ``local:period=H[,warmup=W]``                  post-local SGD (Lin et al. 2020; PyTorch's
                                                ``PostLocalSGDState`` + ``PeriodicModelAverager``):
                                                W synchronous steps, then local steps and parameters
@@ -73,6 +75,7 @@ from thinwire.errors import ConfigError
 MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic", "auto")
 TOPOLOGIES = ("exp2", "ring", "torus", "random")
 DYNAMIC_RULES = ("drift", "spread")
+PREDICTORS = ("own", "last", "off")  # delayed's weight prediction (thinwire.compress.sync.delayed)
 #: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
 #: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
 #: Not gossip: these are priced with the plan's codec; gossip's topology and codec are the user's (``simulate --sync gossip``).
@@ -81,7 +84,7 @@ MAX_PERIOD = 10**9
 _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
 # per mode: key -> (kind, default); None: required
 _KEYS: dict[str, dict[str, tuple[type, object]]] = {
-    "allreduce": {}, "delayed": {"predict": (int, 1)},
+    "allreduce": {}, "delayed": {"predict": (str, "own")},
     "local": {"period": (int, None), "warmup": (int, 100)},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
@@ -114,7 +117,7 @@ class SyncSpec:
     trial: int = 20             # auto: timed steps of each of allreduce and delayed
     guard: str = ""             # auto: a profile whose convergence guard says whether delayed reaches fp32's loss
     try_delayed: bool = True    # auto: False when the guard says delayed does not (resolved by commspec)
-    predict: int = 1            # delayed (and auto's delayed): weight prediction on (1) or off (0)
+    predict: str = "own"        # delayed (and auto's delayed): where each gradient is computed (PREDICTORS)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
@@ -122,8 +125,9 @@ class SyncSpec:
                "a relative drift in (0, 10)", "0.05 (the default) averages once parameters moved 5% of their norm.")
         _check(5 <= self.trial <= 10**6, "trial", self.trial, "an integer in [5, 1000000]",
                "Steps each of allreduce and delayed is timed before auto chooses; 20 by default.")
-        _check(self.predict in (0, 1), "predict", self.predict, "0 or 1",
-               "1 (default) computes each gradient at the predicted weights it is applied to; 0: plain staleness.")
+        _check(self.predict in PREDICTORS, "predict", self.predict, "one of " + ", ".join(PREDICTORS),
+               "own (default) computes each gradient where the optimizer's step with this rank's own last gradient "
+               "puts the weights; last: where repeating the last update does; off: plain staleness.")
         _check((self.mode == "dynamic") == (self.rule in DYNAMIC_RULES), "rule", self.rule,
                "one of " + ", ".join(DYNAMIC_RULES) + " (dynamic only)",
                "drift tests each rank's distance from the last average; spread the ranks' distance from their mean.")
@@ -166,7 +170,7 @@ class SyncSpec:
     @property
     def text(self) -> str:
         keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
-                and (k != "guard" or self.guard) and (k != "predict" or not self.predict) and (k != "overlap" or self.overlap)
+                and (k != "guard" or self.guard) and (k != "predict" or self.predict != "own") and (k != "overlap" or self.overlap)
                 and (k != "rule" or self.rule != "drift") and (k != "by_lr" or self.by_lr)]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
@@ -204,6 +208,8 @@ def parse_sync_spec(text: str) -> SyncSpec:
     if values.get("delay") == "auto":  # streaming: overlap one inner step; one fragment: classic DiLoCo
         every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0
         values["delay"] = 1 if values["fragments"] > 1 and every > 1 else 0
+    if mode == "delayed":  # 1 and 0: the values before ``own`` (a run's saved config still says them)
+        values["predict"] = {"1": "last", "0": "off"}.get(values["predict"], values["predict"])
     if values.get("gamma") == "auto":  # resolved against the codec (commspec.check_sync_pairing, Gossip)
         values["gamma"] = 0.0
     if values.get("alpha") == "auto":

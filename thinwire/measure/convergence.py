@@ -76,7 +76,7 @@ from thinwire import batch as B
 from thinwire.compress.codecs import Meta
 from thinwire.compress.codecs.powersgd import local_approx
 from thinwire.compress.spec import parse_codec_spec, spec_string
-from thinwire.compress.sync.delayed import predict_weights
+from thinwire.compress.sync.delayed import preview_step
 from thinwire.config import check
 from thinwire.measure.file import ConvergenceRecord
 from thinwire.workloads.base import GlobalSampler, Workload, collate, eval_subset
@@ -87,6 +87,7 @@ GUARD_WORLD = 4     # shards (ranks) the global batch is split into
 GUARD_ORDERS = 3    # data orders every comparison is made on (the verdict takes the median)
 EVAL_BATCHES = 4    # held-out set: this many global batches of the validation set (fixed)
 MAX_GAP = 1e6       # a gap beyond this (a diverged run) is stored as this
+CLIP = 1.0          # the gradient norm the runs clip to (``thinwire train``'s default ``grad_clip``)
 
 
 def measure_convergence(wl: Workload, specs: list[str], *, world: int = GUARD_WORLD, batch: int,
@@ -173,8 +174,8 @@ def sample_factor(reference: list[tuple[int, float]], loss: float) -> float | No
 def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: int, seed: int, start: dict,
            evals: list[int], stale: bool = False) -> list[tuple[int, float]]:
     """Held-out loss every ``every`` steps of one short run (fp32 with ``codec`` None; ``stale``: each
-    step applies the previous step's average, the first step nothing, its gradients computed at the
-    weights predicted by repeating the last update, as ``--sync delayed``)."""
+    step applies the previous step's average, the first step nothing, each shard's gradient computed at
+    the weights the optimizer's step with that shard's own last gradient would give, as ``--sync delayed``)."""
     model = wl.model
     model.load_state_dict(start)
     torch.manual_seed(seed)
@@ -184,17 +185,22 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     sampler = GlobalSampler(len(wl.train), batch, seed)
     feedback = ShardFeedback(codec, world, [tuple(p.shape) for p in params]) if codec is not None else None
-    curve, held = [], None  # held (stale): the weights before the last update
+    curve, own = [], None  # own (stale): each shard's gradient of the last step
     for step in range(steps):
         model.train()
         x, y = collate(wl.train, sampler.global_indices(step))
+        true = [p.detach().clone() for p in params] if own is not None else None
+        grads = []
+        for r, (xs, ys) in enumerate(zip(B.tensor_split(x, world), B.tensor_split(y, world))):
+            if own is not None:  # this shard's predicted weights, from the true ones
+                preview_step(opt, params, _unflat(own[r], params), CLIP)
+            grads.append(_flat_grad(wl, params, xs, ys))
+            if own is not None:
+                with torch.no_grad():
+                    for p, t in zip(params, true):
+                        p.copy_(t)
         if stale:
-            held = predict_weights(params, held)
-        grads = [_flat_grad(wl, params, xs, ys) for xs, ys in zip(B.tensor_split(x, world), B.tensor_split(y, world))]
-        if stale:
-            with torch.no_grad():
-                for p, h in zip(params, held):
-                    p.copy_(h)
+            own = [g.clone() for g in grads]
         avg = feedback.average(grads, step) if feedback is not None else torch.stack(grads).mean(0)
         if stale:
             avg, previous = previous if step else None, avg
@@ -203,13 +209,22 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
             p.grad = None if avg is None else avg[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
         if avg is not None:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()  # with no gradient (the pipeline fill) AdamW leaves every parameter as it is
         opt.zero_grad(set_to_none=True)
         sched.step()
         if (step + 1) % every == 0:
             curve.append((step + 1, _held_out(wl, evals, batch)))
     return curve
+
+
+def _unflat(flat: Tensor, params: list) -> list[Tensor]:
+    """Per-parameter copies of a flat gradient (``_flat_grad``'s layout)."""
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view_as(p).to(p.dtype).clone())
+        offset += p.numel()
+    return out
 
 
 def _flat_grad(wl: Workload, params: list, x: Tensor, y: Tensor) -> Tensor:

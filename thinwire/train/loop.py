@@ -175,6 +175,7 @@ class Trainer:
                                            device_ids=[device.index] if device.type == "cuda" else None)
         self.comm = self._attach_comm()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip  # what the mode may read (delayed's prediction)
         self.clock = GradReadyClock(model)
         self.signature = ckpt.model_signature(model)  # after precision's module swaps, as the state dict is
 

@@ -120,6 +120,7 @@ class SyncMode:
         self.model, self.comm, self.spec = model, comm, spec
         self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
         self.optimizer = None     # the step's optimizer (set by :meth:`step`, or by a trainer that steps itself)
+        self.clip: float | None = None  # the gradient norm the trainer clips to (delayed's prediction clips alike)
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:

@@ -80,6 +80,7 @@ class ChooseSync(SyncMode):
             self.delayed.before_step()
 
     def after_step(self) -> None:
+        self.delayed.optimizer, self.delayed.clip = self.optimizer, self.clip  # its prediction's optimizer step
         now, step = time.perf_counter(), self.steps  # the step that just ended: [the last after_step, now]
         if self.choice is None and self._last is not None:
             if self.warmup <= step < self.warmup + self.trial:
@@ -121,7 +122,7 @@ class ChooseSync(SyncMode):
         if self.choice is None:  # resumed before the choice: measure again from here
             self.warmup, self._last = self.steps + self.spec.warmup, None
             self.times = {"allreduce": [], "delayed": []}
-            self.delayed.pending, self.delayed.started, self.delayed.held = [], False, None
+            self.delayed.pending, self.delayed.started, self.delayed.held, self.delayed.own = [], False, None, None
         self.delayed.active = self.current == "delayed"
 
 

@@ -11,19 +11,28 @@ Pipe-SGD (Li et al., NeurIPS 2018, https://arxiv.org/abs/1811.03619) with stalen
    applies nothing (Pipe-SGD's pipeline fill; every rank keeps identical parameters, which applying
    the local gradient, as Delayed Gradient Averaging does with a correction term, would not).
 
-**Weight prediction** (``predict=1``, the default): a stale gradient is computed at ``w_t`` and applied
+**Weight prediction** (``predict=own``, the default): a stale gradient is computed at ``w_t`` and applied
 to ``w_{t+1}``. With an adaptive optimizer at the learning rates small models train at, that one step
 costs much: charlm (2 layers, width 128) on 4 workers, 480 steps, ended 48% above DDP fp32's validation
 loss (in one-process runs, with AdamW's momentum off or at a fifth of the learning rate, no better).
-So each step's forward and backward run at the weights the gradient will be applied to, predicted as
-``w_t + (w_t - w_{t-1})``: the last update repeated (the weight prediction of SpecTrain, Chen et al.
-2018, https://arxiv.org/abs/1809.02839, and PipeMare, Yang et al. 2021, for pipeline staleness; an
-adaptive optimizer's consecutive updates are close, since its momentum averages ~10 gradients). Measured
-(``benchmarks/results/delayed_predict.md``): charlm +48% -> +34%, a GRU language model +1.3% -> +0.03%.
+So each step's forward and backward run at the weights the gradient will be applied to, predicted.
+``w_{t+1} = w_t - U(avg g_{t-1})`` is not known while step t+1 computes (``avg g_{t-1}`` is in flight), but
+this rank's own ``g_{t-1}`` is, an unbiased estimate of the average from a quarter of its samples on 4
+ranks: the prediction is the optimizer's step from ``w_t`` with that own gradient (clipped as the trainer
+clips), taken on a copy of the optimizer's state, which stays untouched (:func:`preview_step`; the
+delay compensation of Delayed Gradient Averaging, Zhu et al., NeurIPS 2021, https://openreview.net/forum?id=ACFHNxVNvfk,
+which applies the local gradient at once, but here only to choose where the gradient is computed: the
+weights the optimizer keeps are moved by averaged gradients only, so every rank holds the same ones).
+The direction the stale update gets wrong is the one that changes from step to step (the oscillation of
+an adaptive optimizer at its edge of stability); a rank's own gradient has it, the last update does not.
+``predict=last`` repeats the last update instead, ``w_t + (w_t - w_{t-1})`` (SpecTrain, Chen et al. 2018,
+https://arxiv.org/abs/1809.02839; PipeMare, Yang et al. 2021), for an optimizer it is not given;
+``predict=off`` gives Pipe-SGD's plain staleness. Measured (``benchmarks/results/delayed_predict.md``).
 The parameters move to the predicted point on the first training forward of a step (a forward
 pre-hook on the model: a forward in ``eval()`` mode or under ``no_grad`` leaves them) and are put back
 bit for bit in ``before_step``, so evaluation, checkpoints and the optimizer see the true weights. Cost:
-one copy of the parameters and two passes over them per step; ``predict=0`` gives Pipe-SGD's plain staleness.
+one copy of the parameters and of this rank's gradients, and one optimizer step on a copy of its state
+per step (``own``; ``last``: two passes over the parameters).
 
 Communication and memory: the same bytes per step as ``allreduce`` with the codec; one extra flat
 fp32 copy of the gradients in flight and one pending averaged gradient (checkpointed). The
@@ -32,6 +41,8 @@ averaging runs in its own process group, so it may stay in flight across the loo
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -39,9 +50,12 @@ from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, 
 from thinwire.perf.sync import delayed_step_s
 
 
+PREDICTORS = ("own", "last", "off")  # ``predict=``: the module docstring
+
+
 @torch.no_grad()
 def predict_weights(params: list[Tensor], held: list[Tensor] | None) -> list[Tensor]:
-    """The weight prediction (module docstring): ``params`` (``w_t``) move by their last update
+    """``predict=last`` (module docstring): ``params`` (``w_t``) move by their last update
     (``w_t - held``); returns ``held`` now holding ``w_t``, to be copied back after backward. Without
     ``held`` (no last update yet): copies of ``params``, which stay where they are."""
     if held is None:
@@ -53,6 +67,36 @@ def predict_weights(params: list[Tensor], held: list[Tensor] | None) -> list[Ten
     return held
 
 
+@torch.no_grad()
+def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: list[Tensor],
+                 clip: float | None = None) -> None:
+    """``predict=own`` (module docstring): move ``params`` to where ``optimizer.step()`` would put them with
+    ``grads`` as their gradients (clipped to total norm ``clip``; ``grads`` are clipped in place), at the
+    optimizer's current learning rate. The optimizer's state (moments, step counts) and every
+    parameter's ``.grad`` are as they were afterwards; its other parameters do not move."""
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_grads = [p.grad for p in every]
+    saved_state = {p: optimizer.state[p] for p in params if p in optimizer.state}
+    try:
+        for p in every:
+            p.grad = None
+        for p, g in zip(params, grads):
+            if p in saved_state:  # the step works on a copy of the state
+                optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved_state[p].items()}
+            p.grad = g
+        if clip is not None and math.isfinite(clip):
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+    finally:
+        for p, g in zip(every, saved_grads):
+            p.grad = g
+        for p in params:
+            if p in saved_state:
+                optimizer.state[p] = saved_state[p]
+            else:  # the preview's first step made the state: it was not there
+                optimizer.state.pop(p, None)
+
+
 class Delayed(SyncMode):
     name = "delayed"
     key_offset = 0  # error-feedback keys of its buckets start here (``auto`` shares a CommState with the DDP hook)
@@ -62,11 +106,14 @@ class Delayed(SyncMode):
         self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
         self.pending: list = []           # futures (in flight) or tensors (done) of the last step's averages
         self.started = False              # whether any step's average exists (after a resume: loaded)
-        self.predict = bool(getattr(spec, "predict", 1))
+        self.predict = _predictor(getattr(spec, "predict", "own"))
+        self.clip: float | None = None    # own: the gradient norm the trainer clips to (set by the trainer)
+        self.own: list[Tensor] | None = None   # own: this rank's flat gradients of the last step
         self.held: list[Tensor] | None = None  # prediction: the true weights (while shifted) or the last step's
         self.shifted = False                   # prediction: the parameters are at the predicted point
+        self.predicted = False                 # this step's first training forward has been seen
         self.active = True                     # ``auto`` (ChooseSync) turns it off while it runs allreduce
-        self._hook = model.register_forward_pre_hook(self._on_forward) if self.predict else None
+        self._hook = model.register_forward_pre_hook(self._on_forward) if self.predict != "off" else None
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -78,21 +125,36 @@ class Delayed(SyncMode):
 
     def _on_forward(self, module, args) -> None:
         """The first training forward of a step: the parameters move to where this step's gradient will
-        be applied, ``w_t + (w_t - w_{t-1})`` (module docstring); ``held`` keeps ``w_t``."""
-        if self.shifted or not self.active or not module.training or not torch.is_grad_enabled():
+        be applied (module docstring); ``held`` keeps the true weights."""
+        if self.predicted or not self.active or not module.training or not torch.is_grad_enabled():
             return
-        first = self.held is None  # the first step (or one after switching to delayed): no last update yet
-        self.held = predict_weights(self.buckets.params, self.held)
+        self.predicted = True
+        params = self.buckets.params
+        if self.predict == "own" and self.optimizer is not None:
+            if self.own is None:  # the first step: no gradient of this rank's yet
+                return
+            if self.held is None:
+                self.held = [p.detach().clone() for p in params]
+            else:
+                with torch.no_grad():
+                    for p, h in zip(params, self.held):
+                        h.copy_(p)
+            preview_step(self.optimizer, params, self.buckets.unflatten(self.own), self.clip)
+            self.shifted = True
+            return
+        first = self.held is None  # last: the first step (or one after switching to delayed): no last update yet
+        self.held = predict_weights(params, self.held)
         self.shifted = not first
 
     def _restore(self) -> None:
         """The true weights back (bit for bit) before the optimizer steps from them."""
+        self.predicted = False
         if self.shifted:
             with torch.no_grad():
                 for p, h in zip(self.buckets.params, self.held):
                     p.copy_(h)
             self.shifted = False
-        elif self.held is not None:  # a step without a training forward: the next update is from here
+        elif self.held is not None and self.predict == "last":  # a step without a training forward: the next update is from here
             with torch.no_grad():
                 for p, h in zip(self.buckets.params, self.held):
                     h.copy_(p)
@@ -101,6 +163,8 @@ class Delayed(SyncMode):
         self._restore()
         params = self.buckets.params
         flats = self.buckets.flatten([p.grad for p in params])
+        if self.predict == "own":  # before the codec's error feedback adds to them
+            self.own = [f.clone() for f in flats]
         futures = self.buckets.average(self.comm, flats, first=self.key_offset)
         previous = self._collect() if self.started else None
         self.pending, self.started = futures, True
@@ -120,15 +184,18 @@ class Delayed(SyncMode):
     def state_dict(self) -> dict:
         self.flush()
         return {"started": self.started, "pending": cpu_list(self.pending) if self.started else None,
-                "held": cpu_list(self.held) if self.predict and not self.shifted else None}
+                "held": cpu_list(self.held) if self.predict == "last" and not self.shifted else None,
+                "own": cpu_list(self.own) if self.predict == "own" else None}
 
     def load_state_dict(self, sd: dict) -> None:
         self.started = bool(sd.get("started", False))
         pending = sd.get("pending")
         like = [torch.empty(0, device=self.buckets.params[0].device)] * len(pending or [])
         self.pending = on_device(pending, like) if pending is not None else []
-        held = sd.get("held") if self.predict else None  # a checkpoint without it: the next step predicts nothing
-        self.held, self.shifted = (on_device(held, self.buckets.params) if held is not None else None), False
+        held = sd.get("held") if self.predict == "last" else None  # a checkpoint without it: the next step predicts nothing
+        self.held, self.shifted, self.predicted = (on_device(held, self.buckets.params) if held is not None else None), False, False
+        own = sd.get("own") if self.predict == "own" else None
+        self.own = on_device(own, [self.buckets.params[0]] * len(own)) if own is not None else None
 
     def close(self) -> None:
         self._restore()
@@ -136,3 +203,9 @@ class Delayed(SyncMode):
             self._hook.remove()
             self._hook = None
         super().close()
+
+
+def _predictor(value) -> str:
+    """``predict``'s value: own, last or off (1 and 0, the values of runs before ``own``: last and off)."""
+    legacy = {1: "last", 0: "off", "1": "last", "0": "off"}
+    return legacy.get(value, value) if not isinstance(value, bool) else ("last" if value else "off")
