@@ -97,13 +97,14 @@ def test_delayed_equals_one_step_stale_sgd(predict):
     assert all(s > 0 for s in out[0]["sent"])  # every step's gradient went on the wire
 
 
-def _predicting(rank: int, world: int) -> dict:
-    """delayed's weight prediction seen from a user's loop: where the parameters are at each point."""
+def _predicting(rank: int, world: int, told: bool) -> dict:
+    """delayed's weight prediction seen from a user's loop: where the parameters are at each point. ``told``:
+    the loop sets ``sync.optimizer`` (as ``sync.step(opt)`` and the trainers do), else it steps by itself."""
     ddp = DistributedDataParallel(_net())
     sync = thinwire.sync(ddp, "delayed", codec="none")
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     w = lambda: [p.detach().clone() for p in ddp.parameters()]  # noqa: E731
-    seen = {"eval": [], "forward": [], "before": [], "true": []}
+    seen = {"eval": [], "forward": [], "before": [], "true": [], "own": []}
     for step in range(4):
         x, y = _data(step, rank)
         seen["true"].append(w())
@@ -116,27 +117,38 @@ def _predicting(rank: int, world: int) -> dict:
         seen["forward"].append(w())
         with sync.no_sync():
             loss.backward()
+        seen["own"].append([p.grad.clone() for p in ddp.parameters()])
         sync.before_step()
         seen["before"].append(w())
         opt.step()
+        if told:
+            sync.optimizer = opt
         sync.after_step()
         opt.zero_grad(set_to_none=True)
     sync.close()
     return seen
 
 
-def test_delayed_predicts_only_in_training_forward_and_restores_the_true_weights_exactly():
-    seen = run_ranks(_predicting, 2)[0]
+@pytest.mark.parametrize("told", [True, False])
+def test_delayed_predicts_only_in_training_forward_and_restores_the_true_weights_exactly(told):
+    """With its optimizer known, a step's forward runs where SGD's step with this rank's own last gradient
+    puts the weights (``predict=own``); without it, where the last update repeated does (``last``)."""
+    seen = run_ranks(_predicting, 2, told)[0]
     for step in range(4):
         true = seen["true"][step]
         assert all(torch.equal(a, b) for a, b in zip(seen["eval"][step], true))    # eval forward: untouched
         assert all(torch.equal(a, b) for a, b in zip(seen["before"][step], true))  # back bit for bit
-        if step >= 2:  # step 0 applies nothing, so step 1's last update is zero too
-            moved = [f - t for f, t in zip(seen["forward"][step], true)]
-            last = [t - b for t, b in zip(true, seen["true"][step - 1])]
-            assert any(m.abs().max() > 0 for m in moved)
-            for m, u in zip(moved, last):
-                torch.testing.assert_close(m, u, rtol=1e-5, atol=1e-7)
+        moved = [f - t for f, t in zip(seen["forward"][step], true)]
+        if told and step >= 1:
+            expected = [-LR * g for g in seen["own"][step - 1]]
+        elif not told and step >= 2:  # step 0 applies nothing, so step 1's last update is zero too
+            expected = [t - b for t, b in zip(true, seen["true"][step - 1])]
+        else:
+            assert all(m.abs().max() == 0 for m in moved)
+            continue
+        assert any(m.abs().max() > 0 for m in moved)
+        for m, u in zip(moved, expected):
+            torch.testing.assert_close(m, u, rtol=1e-5, atol=1e-7)
 
 
 def test_delayed_works_with_a_lossy_codec_and_keeps_ranks_identical():

@@ -88,6 +88,10 @@ class ThinwireStrategy(DDPStrategy):
         with mode.no_sync():         # DDP's backward must not all-reduce: the mode averages itself
             out = super().optimizer_step(optimizer, forward_backward_then_set_gradients, model, **kwargs)
         mode.optimizer = optimizer   # what the mode may read (dynamic:by_lr's learning rate)
+        trainer = getattr(self.lightning_module, "trainer", None)
+        algorithm = getattr(getattr(trainer, "gradient_clip_algorithm", None), "value", None)
+        if trainer is not None and trainer.gradient_clip_val and algorithm in (None, "norm"):  # Lightning's default: norm
+            mode.clip = float(trainer.gradient_clip_val)  # delayed's prediction clips as Lightning does
         mode.after_step()            # e.g. the periodic parameter average
         return out
 
