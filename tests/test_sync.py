@@ -3,6 +3,7 @@ refusals, the bytes they put on the wire, and a mid-period resume through ``thin
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -796,3 +797,36 @@ def test_a_frozen_layer_keeps_the_hook_and_a_modes_residuals_on_the_same_paramet
     layouts = run_ranks(_frozen_first, 2, "auto:trial=5,warmup=1")[0]
     trained = {2: 4096, 3: 64, 4: 192, 5: 3}  # model.parameters(): 0, 1 the frozen layer's weight and bias
     assert layouts and all(dict(layout) == trained for layout in layouts if layout), layouts
+
+
+def test_delayed_prediction_leaves_the_optimizers_state_and_hooks_alone():
+    """preview_step moves the weights where AdamW's step would, on a copy of its state: the moments, the
+    step count and the gradients are as before, and a hook on the optimizer's step (an EMA) does not run."""
+    from thinwire.compress.sync.delayed import preview_step
+
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    x, y = _data(0, 0)
+    _loss(net, x, y).backward()
+    opt.step()  # a real step: state exists
+    calls = []
+    opt.register_step_post_hook(lambda *a: calls.append(1))
+    state = {k: v.clone() for k, v in opt.state[net.weight].items()}
+    params, grads = list(net.parameters()), [torch.randn_like(p) for p in net.parameters()]
+    start = [p.detach().clone() for p in params]
+    twin, twin_opt = copy.deepcopy(net), torch.optim.AdamW(_net().parameters(), lr=0.01)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, g in zip(twin.parameters(), grads):
+        p.grad = g.clone()
+    twin_opt.step()
+    grads_before = [p.grad for p in params]
+    preview_step(opt, params, [g.clone() for g in grads])
+    for p, q, s0 in zip(params, twin.parameters(), start):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)  # where the step would put them
+        assert not torch.equal(p, s0)
+    assert calls == [] and all(a is b for a, b in zip(grads_before, (p.grad for p in params)))
+    for k, v in opt.state[net.weight].items():
+        assert torch.equal(v, state[k]), k
+    opt.step()  # the hook is back
+    assert calls == [1]

@@ -43,6 +43,7 @@ averaging runs in its own process group, so it may stay in flight across the loo
 
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -53,6 +54,7 @@ from thinwire.perf.sync import delayed_step_s
 
 
 PREDICTORS = ("own", "last", "off")  # ``predict=``: the module docstring
+_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")  # torch.optim.Optimizer's own
 
 
 @torch.no_grad()
@@ -75,13 +77,17 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
     """``predict=own`` (module docstring): move ``params`` to where ``optimizer.step()`` would put them with
     ``grads`` as their gradients (clipped to total norm ``clip``; ``grads`` are clipped in place), at the
     optimizer's current learning rate. The optimizer's state (moments, step counts) and every
-    parameter's ``.grad`` are as they were afterwards; its other parameters do not move."""
+    parameter's ``.grad`` are as they were afterwards; its other parameters do not move. Hooks registered on
+    this optimizer's step (an EMA of the weights, say) do not run: this step is not one of the run's."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer: the one it wraps, stepped as it is
     every = [p for group in optimizer.param_groups for p in group["params"]]
     saved_grads = [p.grad for p in every]
     saved_state = {p: optimizer.state[p] for p in params if p in optimizer.state}
+    hooks = {name: getattr(optimizer, name) for name in _STEP_HOOKS if isinstance(getattr(optimizer, name, None), dict)}
     try:
+        for name in hooks:
+            setattr(optimizer, name, collections.OrderedDict())
         for p in every:
             p.grad = None
         for p, g in zip(params, grads):
@@ -92,6 +98,8 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
             torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
     finally:
+        for name, value in hooks.items():
+            setattr(optimizer, name, value)
         for p, g in zip(every, saved_grads):
             p.grad = g
         for p in params:
