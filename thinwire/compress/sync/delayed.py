@@ -23,10 +23,11 @@ clips), taken on a copy of the optimizer's state, which stays untouched (:func:`
 delay compensation of Delayed Gradient Averaging, Zhu et al., NeurIPS 2021, https://openreview.net/forum?id=ACFHNxVNvfk,
 which applies the local gradient at once, but here only to choose where the gradient is computed: the
 weights the optimizer keeps are moved by averaged gradients only, so every rank holds the same ones).
-The direction the stale update gets wrong is the one that changes from step to step (the oscillation of
-an adaptive optimizer at its edge of stability); a rank's own gradient has it, the last update does not.
-``predict=last`` repeats the last update instead, ``w_t + (w_t - w_{t-1})`` (SpecTrain, Chen et al. 2018,
-https://arxiv.org/abs/1809.02839; PipeMare, Yang et al. 2021), for an optimizer it is not given;
+Repeating the last update misses how the next one differs from it; a rank's own gradient carries that
+difference, up to its sampling noise, which is what is left of the error.
+``predict=last`` repeats the last update, ``w_t + (w_t - w_{t-1})`` (SpecTrain, Chen et al. 2018,
+https://arxiv.org/abs/1809.02839; PipeMare, Yang et al. 2021); ``own`` falls back to it while the mode has
+not been told the optimizer (``mode.step(optimizer)``, the trainers and the integrations tell it);
 ``predict=off`` gives Pipe-SGD's plain staleness. Measured (``benchmarks/results/delayed_predict.md``,
 4 workers, full runs, 3 seeds): ``own`` ends within 1% of DDP fp32's loss on a GRU language model, the
 digits classifier and a denoiser (``last``: +49% on the denoiser), charlm +22% (``last`` +34%, ``off`` +48%).
