@@ -45,6 +45,7 @@ averaging runs in its own process group, so it may stay in flight across the loo
 from __future__ import annotations
 
 import collections
+import logging
 import math
 
 import torch
@@ -53,6 +54,8 @@ from torch import Tensor
 from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
 from thinwire.perf.sync import delayed_step_s
 
+
+log = logging.getLogger("thinwire.compress")
 
 PREDICTORS = ("own", "last", "off")  # ``predict=``: the module docstring
 _STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")  # torch.optim.Optimizer's own
@@ -126,6 +129,7 @@ class Delayed(SyncMode):
         self.shifted = False                   # prediction: the parameters are at the predicted point
         self.predicted = False                 # this step's first training forward has been seen
         self.active = True                     # ``auto`` (ChooseSync) turns it off while it runs allreduce
+        self._told = False                     # own without an optimizer: the fallback was logged
         self._hook = model.register_forward_pre_hook(self._on_forward) if self.predict != "off" else None
 
     @classmethod
@@ -143,9 +147,9 @@ class Delayed(SyncMode):
             return
         self.predicted = True
         params = self.buckets.params
-        if self.predict == "own" and self.optimizer is not None:
-            if self.own is None:  # the first step: no gradient of this rank's yet
-                return
+        if self.predict == "own" and self.own is None:  # the first step: no gradient of this rank's yet
+            return
+        if self._by_own:
             if self.held is None:
                 self.held = [p.detach().clone() for p in params]
             else:
@@ -155,9 +159,19 @@ class Delayed(SyncMode):
             preview_step(self.optimizer, params, self.buckets.unflatten(self.own), self.clip)
             self.shifted = True
             return
+        if self.predict == "own" and not self._told:
+            self._told = True
+            log.warning("sync delayed: the optimizer is not known, so each step's weights are predicted by repeating the "
+                        "last update (predict=last), which costs more samples; step with mode.step(optimizer), or set "
+                        "mode.optimizer = optimizer, for the prediction from this rank's own gradient (predict=own)")
         first = self.held is None  # last: the first step (or one after switching to delayed): no last update yet
         self.held = predict_weights(params, self.held)
         self.shifted = not first
+
+    @property
+    def _by_own(self) -> bool:
+        """Whether this step predicts by the optimizer's step with the rank's own gradient (else: the last update)."""
+        return self.predict == "own" and self.optimizer is not None
 
     def _restore(self) -> None:
         """The true weights back (bit for bit) before the optimizer steps from them."""
@@ -167,7 +181,7 @@ class Delayed(SyncMode):
                 for p, h in zip(self.buckets.params, self.held):
                     p.copy_(h)
             self.shifted = False
-        elif self.held is not None and self.predict == "last":  # a step without a training forward: the next update is from here
+        elif self.held is not None and not self._by_own:  # last, a step without a training forward: the next update is from here
             with torch.no_grad():
                 for p, h in zip(self.buckets.params, self.held):
                     h.copy_(p)
