@@ -57,7 +57,6 @@ from thinwire.perf.sync import delayed_step_s
 
 log = logging.getLogger("thinwire.compress")
 
-PREDICTORS = ("own", "last", "off")  # ``predict=``: the module docstring
 _STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")  # torch.optim.Optimizer's own
 
 
@@ -122,7 +121,7 @@ class Delayed(SyncMode):
         self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
         self.pending: list = []           # futures (in flight) or tensors (done) of the last step's averages
         self.started = False              # whether any step's average exists (after a resume: loaded)
-        self.predict = _predictor(getattr(spec, "predict", "own"))
+        self.predict = getattr(spec, "predict", "own")  # own, last or off (SyncSpec's PREDICTORS)
         self.clip: float | None = None    # own: the gradient norm the trainer clips to (set by the trainer)
         self.own: list[Tensor] | None = None   # own: this rank's flat gradients of the last step
         self.held: list[Tensor] | None = None  # prediction: the true weights (while shifted) or the last step's
@@ -231,8 +230,3 @@ class Delayed(SyncMode):
             self._hook = None
         super().close()
 
-
-def _predictor(value) -> str:
-    """``predict``'s value: own, last or off (1 and 0, the values of runs before ``own``: last and off)."""
-    legacy = {1: "last", 0: "off", "1": "last", "0": "off"}
-    return legacy.get(value, value) if not isinstance(value, bool) else ("last" if value else "off")
