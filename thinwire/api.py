@@ -39,6 +39,10 @@ def sync(model, mode="allreduce", codec="none", **kwargs):
         with mode.no_sync():
             loss_fn(ddp_model(x), y).backward()
         mode.step(optimizer)          # instead of optimizer.step()
+
+    A loop that calls ``optimizer.step()`` itself between ``mode.before_step()`` and ``mode.after_step()``
+    sets ``mode.optimizer = optimizer`` (and ``mode.clip`` to the gradient norm it clips to), which
+    ``delayed``'s weight prediction steps on a copy of its state.
     """
     from thinwire.commspec import parse_comm_spec
     from thinwire.compress.sync import create
