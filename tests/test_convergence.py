@@ -160,3 +160,20 @@ def test_delayed_sync_mode_is_guarded_too():
     d = out["delayed"]
     assert d.loss != d.reference_loss and d.reference_loss == out["int8"].reference_loss
     assert 0 < d.gap < 0.05 and d.reaches == (d.gap <= REACH_TOL), d
+
+def test_the_guards_stale_run_on_one_shard_is_fp32_one_step_behind():
+    """On one shard a rank's own gradient is the average, so ``delayed``'s prediction is exact: after k + 1
+    steps (the first applies nothing) the stale run holds fp32's weights after k, held-out loss for loss.
+    Repeating the last update, or no prediction, would not."""
+    from thinwire.measure.convergence import _curve
+    from thinwire.workloads.base import eval_subset
+
+    wl = _sequences()
+    start = {k: v.clone() for k, v in wl.model.state_dict().items()}
+    evals = eval_subset(len(wl.val), 2, 16)
+    kw = dict(world=1, batch=16, steps=10, every=1, seed=0, start=start, evals=evals)  # steps < 20: no lr warm-up
+    fresh, stale = _curve(wl, None, **kw), _curve(wl, None, stale=True, **kw)
+    assert [s for s, _ in stale] == list(range(1, 11))
+    for (_, f), (_, s) in zip(fresh[:-1], stale[1:]):
+        assert s == pytest.approx(f, rel=1e-6, abs=1e-7)
+    assert stale[1][1] != fresh[1][1]  # one step behind, not equal
