@@ -71,6 +71,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._utils import _unflatten_dense_tensors
 
 from thinwire import batch as B
 from thinwire.compress.codecs import Meta
@@ -185,7 +186,7 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     sampler = GlobalSampler(len(wl.train), batch, seed)
     feedback = ShardFeedback(codec, world, [tuple(p.shape) for p in params]) if codec is not None else None
-    curve, own = [], None  # own (stale): each shard's gradient of the last step
+    curve, own, previous = [], None, None  # stale: each shard's gradient and the average of the last step
     for step in range(steps):
         model.train()
         x, y = collate(wl.train, sampler.global_indices(step))
@@ -193,7 +194,7 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
         grads = []
         for r, (xs, ys) in enumerate(zip(B.tensor_split(x, world), B.tensor_split(y, world))):
             if own is not None:  # this shard's predicted weights, from the true ones
-                preview_step(opt, params, _unflat(own[r], params), CLIP)
+                preview_step(opt, params, _unflat(own[r].clone(), params), CLIP)  # it clips them in place
             grads.append(_flat_grad(wl, params, xs, ys))
             if own is not None:
                 with torch.no_grad():
@@ -203,11 +204,9 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
             own = [g.clone() for g in grads]
         avg = feedback.average(grads, step) if feedback is not None else torch.stack(grads).mean(0)
         if stale:
-            avg, previous = previous if step else None, avg
-        offset = 0
-        for p in params:
-            p.grad = None if avg is None else avg[offset : offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+            avg, previous = previous, avg  # the first step applies nothing (previous is None)
+        for p, g in zip(params, _unflat(avg, params) if avg is not None else [None] * len(params)):
+            p.grad = g
         if avg is not None:
             torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()  # with no gradient (the pipeline fill) AdamW leaves every parameter as it is
@@ -219,12 +218,8 @@ def _curve(wl: Workload, codec, *, world: int, batch: int, steps: int, every: in
 
 
 def _unflat(flat: Tensor, params: list) -> list[Tensor]:
-    """Per-parameter copies of a flat gradient (``_flat_grad``'s layout)."""
-    out, offset = [], 0
-    for p in params:
-        out.append(flat[offset : offset + p.numel()].view_as(p).to(p.dtype).clone())
-        offset += p.numel()
-    return out
+    """Per-parameter views of a flat gradient (``_flat_grad``'s layout), in the parameters' dtypes."""
+    return [t.to(p.dtype) for t, p in zip(_unflatten_dense_tensors(flat, params), params)]
 
 
 def _flat_grad(wl: Workload, params: list, x: Tensor, y: Tensor) -> Tensor:
