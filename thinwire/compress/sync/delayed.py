@@ -155,7 +155,8 @@ class Delayed(SyncMode):
                 with torch.no_grad():
                     for p, h in zip(params, self.held):
                         h.copy_(p)
-            preview_step(self.optimizer, params, self.buckets.unflatten(self.own), self.clip)
+            grads = self.buckets.unflatten([f.clone() for f in self.own])  # clipped in place; own stays as sent
+            preview_step(self.optimizer, params, grads, self.clip)
             self.shifted = True
             return
         if self.predict == "own" and not self._told:
