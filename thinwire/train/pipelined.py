@@ -125,7 +125,7 @@ class PipelineTrainer(Trainer):
         # host such a stage) steps an empty placeholder, so that its schedule and checkpoints are the others'
         params = list(stage.parameters()) or [torch.nn.Parameter(torch.zeros(0, device=device))]
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-        # delayed's prediction steps it too, clipped by this stage's norm (the step clips by the whole model's)
+        # what a mode may read (pipelines run allreduce, local or diloco; delayed's prediction is not offered here)
         self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip
         self.acts = ActivationBytes(stage, self.pipe.first, self.pipe.last)
 
