@@ -18,11 +18,12 @@ import yaml
 
 from thinwire.cluster import emulator as emulator_mod
 from thinwire.cluster import netns
-from thinwire.cluster.bench import bench, busy_latency
+from thinwire.cluster.bench import _run_workers, bench, busy_latency
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec
 from thinwire.config import from_dict
 from thinwire.errors import ThinwireError
+from thinwire.measure import network
 
 pytestmark = [
     pytest.mark.root, pytest.mark.slow,
@@ -115,6 +116,14 @@ def test_up_shapes_limits_runs_and_tears_down(cluster):
     cross = measure(cluster, ["a1", "b1"], [600_000, 1_200_000])
     assert cross.expected_bps == 20e6
     assert LOW <= cross.ratio <= HIGH, cross
+
+    # the credit probe reads the token bucket the emulator gives a link (32 KiB at 50 Mbit/s: netns.tbf_args),
+    # less the headers' share: what `thinwire profile --cluster` gives the pipeline model
+    size, gap = network.credit_message(RATE)
+    trips = _run_workers(cluster, ["a1", "a2"], [4, size, 2 * size], 5, 120, p2p=True, gap=gap)
+    credit = network.credit_bytes(trips["4"], trips[str(size)], trips[str(2 * size)],
+                                  rate_Bps=RATE / 8 * same_group.ratio, size=size)
+    assert 0.75 * 32 * 1024 <= credit <= 1.1 * 32 * 1024, (credit, trips)
 
     # the cpu quota really throttles b1
     throttled = cluster.cgroups.controllers["cpu"].parent / f"tw-{cluster.tag}" / "b1" / "cpu.stat"

@@ -1271,7 +1271,13 @@ def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_o
     large = [0.62, 0.5, 0.55]
     calls = []
 
-    def fake_run(cluster, hosts, sizes, reps, timeout, p2p=False):
+    size, gap = network.credit_message(100e6)
+
+    def fake_run(cluster, hosts, sizes, reps, timeout, p2p=False, gap=None):
+        if p2p and gap is not None:  # the credit probe: round trips after idle gaps, a 25 kB bucket at 1/beta
+            assert len(hosts) == 2 and sizes == [4, size, 2 * size] and gap >= 25_000 / (100e6 / 8)
+            r = 100e6 / 8 * 0.9
+            return {str(x): [5e-4 + max(0, x - 25_000) / r + e for e in (0, 1e-4, -1e-4)] for x in sizes}
         if p2p:  # the point-to-point probe: two hosts, one-way times
             assert len(hosts) == 2
             return {"one_way": [0.0004, 0.0002, 0.0003]}
@@ -1296,6 +1302,23 @@ def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_o
     assert rec.alpha_s == pytest.approx(alpha) and rec.alpha_s > 1e-3  # the fastest rep would give ~0.2 ms
     assert rec.measured_bps == pytest.approx(8 / beta)
     assert rec.p2p_latency_s == pytest.approx(0.0003)  # the median one-way time, a pipeline hand-off's latency
+    assert rec.burst_bytes == pytest.approx(25_000 * 8 / beta / (100e6 * 0.9))  # the bucket at the measured rate
+
+
+@pytest.mark.parametrize("bucket", [0, 1000, 30_000, 99_000])
+def test_credit_probe_reads_a_token_buckets_size_whatever_the_rate_and_latency(bucket):
+    """Round trips ``t(x) = t0 + max(0, x - B) / r`` of 4 bytes, s and 2s give B (< s) back for any latency and
+    rate; no bucket reads 0."""
+    from thinwire.measure import network
+
+    for rate_Bps, t0 in ((12.5e6, 3e-4), (1.2e8, 2e-3)):
+        size = 100_000
+        t = {x: [t0 + max(0, x - bucket) / rate_Bps] for x in (4, size, 2 * size)}
+        got = network.credit_bytes(t[4], t[size], t[2 * size], rate_Bps=rate_Bps, size=size)
+        assert got == pytest.approx(bucket, abs=1e-6 * rate_Bps)
+    size, gap = network.credit_message(100e6)
+    assert size > 32 * 1024 and gap >= 1.5 * size * 8 / 100e6  # the emulator's bucket is smaller, and refills
+    assert network.credit_message(10e9)[0] == 10e9 / 8 * 0.008  # 8 ms at the rate: above its 2 ms bucket
 
 
 def test_auto_state_round_trips_through_a_checkpoint_and_a_run_without_it_warms_up_again(tmp_path, caplog):

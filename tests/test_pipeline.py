@@ -374,13 +374,22 @@ def test_pipeline_step_simulated_by_hand():
     for sched in ("1f1b", "gpipe"):
         assert simulate_schedule(forward_s=[1] * 3, backward_s=[2] * 3, send_forward_s=[0] * 3, send_backward_s=[0] * 3,
                                  microbatches=5, schedule=sched) == pytest.approx((5 + 3 - 1) * 3)
-    # S = 2, M = 2, f = b = 1, every message 1 s on its sender's egress. Stage 0: F0 0-1 (sent 1-2), F1 1-2
-    # (sent 2-3). Stage 1: F0 2-3, B0 3-4 (sent back 4-5), F1 4-5, B1 5-6 (sent 6-7). Stage 0: B0 5-6, B1 7-8.
+    # S = 2, M = 2, f = b = 1, every message 1 s on its sender's egress, sent as gloo sends: once the receiver
+    # has posted its receive. Stage 0: F0 0-1 (sent 1-2), F1 1-2, then it fires F1's send with B0's receive.
+    # Stage 1: F0 2-3, B0 3-4 (sent back 4-5), then posts F1's receive, whose notice leaves behind B0's data
+    # at 5: F1 sent 5-6. Stage 1: F1 6-7, B1 7-8 (sent 8-9). Stage 0: B0 5-6, B1 9-10.
     assert simulate_schedule(forward_s=[1, 1], backward_s=[1, 1], send_forward_s=[1, 0], send_backward_s=[0, 1],
-                             microbatches=2) == pytest.approx(8)
-    # a latency per message on top: the two hand-offs on the critical path (F0 forward, B1 back) wait 0.5 s more
+                             microbatches=2) == pytest.approx(10)
+    # a latency per message and per notice on top: F0 arrives at 2.5 (its notice came at 0.5), B0 leaves
+    # 4.5-5.5, F1's notice reaches stage 0 at 6, F1 arrives at 7.5, B1 leaves 9.5-10.5 and arrives at 11
     assert simulate_schedule(forward_s=[1, 1], backward_s=[1, 1], send_forward_s=[1, 0], send_backward_s=[0, 1],
-                             microbatches=2, alpha=0.5) == pytest.approx(8 + 2 * 0.5)
+                             microbatches=2, alpha=0.5) == pytest.approx(12)
+    # torch's 1F1B program for the middle of 3 stages: each send waited with the next receive
+    from thinwire.perf.pipeline import stage_program
+    middle = stage_program("1f1b", 1, 3, 2)
+    assert ("post", [("send", "F", 1), ("recv", "B", 0)]) in middle
+    assert ("post", [("send", "B", 0), ("recv", "F", 1)]) not in middle  # M = 2 = warm-up: no forward left
+    assert middle[-1] == ("wait", [("send", "B", 1)])
     assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
     assert split_for_speeds([1] * 6, [1.0, 0.5]) == [[0, 1, 2, 3], [4, 5]]
     assert split_for_speeds([1] * 6, [1.0, 1.0], link_s=[0, 0, 9, 0, 0, 0]) == [[0, 1], [2, 3, 4, 5]]  # not after 2
@@ -523,6 +532,43 @@ def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probe
     assert late.step_s - free.step_s >= 2 * 3 * 0.01 - 1e-9  # at least the first micro-batch's way there and back
     assert late.after_s == pytest.approx(free.after_s)
     assert hops.after_s - free.after_s == pytest.approx((2 * 3 + 2 * 3) * 0.01)  # 4 stages: norm and loss rings
+
+
+def test_a_token_bucket_lets_messages_between_idle_gaps_pass_free_and_back_to_back_ones_pay_the_rate():
+    """tc's tbf (the emulator's links): credit gathers while an egress idles, up to the bucket."""
+    from thinwire.perf.pipeline import simulate_schedule
+
+    def step(send, credit=None):
+        return simulate_schedule(forward_s=[1] * 4, backward_s=[2] * 4, send_forward_s=[send] * 4,
+                                 send_backward_s=[send] * 4, microbatches=8, credit_s=credit)
+
+    free = step(0.0)
+    assert step(0.3, [0.0] * 4) == step(0.3) > free  # no bucket: every message pays the rate
+    assert step(0.3, [0.3] * 4) == pytest.approx(free)  # compute-bound: each message within the credit regained
+    # link-bound (3 s of sending per 3 s of compute a micro-batch, twice per middle host): the buckets help
+    # in the fill and drain, and a bigger one more, but the rate is paid in between
+    assert step(3.0) > step(3.0, [0.5] * 4) > step(3.0, [1.0] * 4) > 2 * free
+
+
+def test_pipeline_model_spends_the_probed_token_bucket_on_hand_overs():
+    import dataclasses as dc
+
+    from thinwire.measure.file import NetworkRecord
+    from thinwire.sim.pipeline import predict_pipeline
+
+    runs = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    price = dict(microbatches=8, replica_batch=32, activations=["fp32"] * 3, threads=1)
+    net = NetworkRecord(alpha_s=0.0, efficiency=0.95, nominal_bps=1e7, measured_bps=0.95e7, hosts=4, cluster="pp",
+                        p2p_latency_s=0.0)
+    prof = dc.replace(_layered_profile(), network=net)
+
+    def step(rate, burst):
+        spec = _cluster(rate)
+        return predict_pipeline(spec, dc.replace(prof, network=dc.replace(net, burst_bytes=burst)), list(spec.hosts),
+                                runs, **price).step_s
+
+    assert step("10mbit", None) == step("10mbit", 0.0) > step("10mbit", 32 * 1024) > step("10mbit", 10**9)
+    assert step("10mbit", 10**9) == pytest.approx(step("10tbit", None), rel=1e-4)  # a bucket it never empties
 
 
 def test_pipeline_model_charges_each_stage_its_links_wire_formats():

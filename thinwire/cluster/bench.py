@@ -161,11 +161,13 @@ def switch_bench(cluster: EmulatedCluster, *, hosts: list[str] | None = None, si
 
 
 def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], reps: int,
-                 timeout: float, dtype: str = "float32", busy: bool = False, switch=None, p2p: bool = False):
+                 timeout: float, dtype: str = "float32", busy: bool = False, switch=None, p2p: bool = False,
+                 gap: float | None = None):
     """Start one worker per host, wait, return rank 0's times (seconds) per size and rep.
 
     ``sizes`` are bytes; each all-reduce sums a tensor of ``dtype`` (a ``torch`` dtype name) of that
-    many bytes."""
+    many bytes. ``p2p``: point-to-point times instead (:func:`_p2p_worker`; with ``gap``, a message of each size
+    after that many seconds idle, :func:`_credit_worker`)."""
     master = f"{cluster.host(hosts[0]).address}:{random.randint(20000, 60000)}"
     procs = []
     places = [cluster.host(name) for name in hosts] + ([switch] if switch is not None else [])
@@ -174,7 +176,8 @@ def _run_workers(cluster: EmulatedCluster, hosts: list[str], sizes: list[int], r
             argv = [sys.executable, "-m", "thinwire.cluster.bench", "--worker", "--rank", str(rank),
                     "--world", str(len(places)), "--master", master, "--reps", str(reps),
                     "--sizes", ",".join(map(str, sizes)), "--dtype", dtype, *(["--busy"] if busy else []),
-                    *(["--switch"] if switch is not None else []), *(["--p2p"] if p2p else [])]
+                    *(["--switch"] if switch is not None else []), *(["--p2p"] if p2p else []),
+                    *(["--gap", repr(gap)] if gap is not None else [])]
             procs.append(place.spawn(argv, env={"PYTHONPATH": pythonpath()}, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -249,12 +252,16 @@ def _timed_all_reduces(x, reps: int) -> list[float]:
 
 def _p2p_worker(args: argparse.Namespace) -> None:
     """Ranks 0 and 1 pass a small tensor back and forth (``send``/``recv``, as a pipeline's stages hand
-    over activations); rank 0 prints each rep's one-way time, half the round trip."""
+    over activations); rank 0 prints each rep's one-way time, half the round trip. With ``--gap``:
+    :func:`_credit_worker`."""
     import time
 
     import torch
     import torch.distributed as dist
 
+    if args.gap is not None:
+        _credit_worker(args)
+        return
     x = torch.zeros(max(1, int(args.sizes.split(",")[0]) // 4))
     times = []
     for i in range(args.reps + 2):  # two warm-ups: connections, buffers
@@ -270,6 +277,36 @@ def _p2p_worker(args: argparse.Namespace) -> None:
             times.append((time.perf_counter() - t0) / 2)
     if args.rank == 0:
         print(json.dumps({"one_way": times}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _credit_worker(args: argparse.Namespace) -> None:
+    """For each of ``sizes`` (bytes), ``reps`` times: rank 0 waits ``gap`` seconds (a token bucket on the
+    link refills), sends one message of that size to rank 1 and waits for a 4-byte reply. Each size is sent
+    once before its series to warm the connection up. Rank 0 prints the round trips (seconds) by size."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    ack, out = torch.zeros(1), {}
+    for size in map(int, args.sizes.split(",")):
+        x, times = torch.zeros(max(1, size // 4)), []
+        for i in range(args.reps + 1):
+            if args.rank == 0:
+                time.sleep(args.gap)
+                t0 = time.perf_counter()
+                dist.send(x, 1)
+                dist.recv(ack, 1)
+                if i >= 1:
+                    times.append(time.perf_counter() - t0)
+            elif args.rank == 1:
+                dist.recv(x, 0)
+                dist.send(ack, 0)
+        out[str(size)] = times
+    if args.rank == 0:
+        print(json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -388,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--busy", action="store_true")
     p.add_argument("--switch", action="store_true")
     p.add_argument("--p2p", action="store_true")
+    p.add_argument("--gap", type=float, default=None)
     _worker(p.parse_args(argv))
 
 

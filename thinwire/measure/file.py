@@ -190,11 +190,14 @@ class NetworkRecord:
     busy_hop_s: float | None = None
     # one-way time of a small point-to-point message between two hosts (thinwire.measure.network)
     p2p_latency_s: float | None = None
+    # a token bucket's credit on a host's link: bytes that leave at once after an idle gap (thinwire.measure.network)
+    burst_bytes: float | None = None
 
     def __post_init__(self) -> None:
         check_range("alpha_s", self.alpha_s, 0, MAX_SECONDS)
         check_range("p2p_latency_s", self.p2p_latency_s, 0, MAX_SECONDS)
         check_range("busy_hop_s", self.busy_hop_s, 0, MAX_SECONDS)
+        check_range("burst_bytes", self.burst_bytes, 0, 1e12)
         check_range("efficiency", self.efficiency, 0, 1, open_lo=True)
         check_range("nominal_bps", self.nominal_bps, 0, 1e13, open_lo=True)
         check_range("measured_bps", self.measured_bps, 0, 1e13, open_lo=True)

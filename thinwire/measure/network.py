@@ -25,6 +25,17 @@ all-reduce's algorithm: a fourth probe passes 4 bytes back and forth between two
 and keeps the median one-way time (``p2p_latency_s``; 0.1-0.3 ms between idle emulated hosts here, a
 tenth of the all-reduce's ``alpha``), the latency :mod:`thinwire.sim.pipeline` charges per hand-off.
 
+A link shaped by a token bucket (tc's tbf, as the emulator shapes every host's link; a cloud VM's egress
+limit) lets what its bucket holds leave at once after an idle gap, at the speed of the wire beneath it,
+not at its rate: on the emulator at 100 Mbit/s a 32 KiB message after a pause arrives in 0.1-0.5 ms
+instead of 2.6 (``benchmarks/results/link_burst.md``). A fifth probe times, between two hosts, one
+message's round trip (a 4-byte reply) after an idle gap that refills such a bucket: of 4 bytes (``t_0``),
+of ``s`` bytes, larger than the bucket (8 ms at the rate, at least 64 KiB; ``t_1``), and of ``2s``
+(``t_2``). With ``t(x) = t_0 + max(0, x - B) / r``, the bucket's ``B / r = t_2 - 2 t_1 + t_0``, whatever the
+rate; times the measured rate it is ``burst_bytes`` (medians of the reps; about 0 on a link that is not
+shaped so). The pipeline model charges a hand-over only for the bytes beyond the credit its link has
+gathered while idle.
+
 Where hosts have a CPU quota, a third probe (:func:`thinwire.cluster.bench.busy_latency`) measures what
 a collective issued while they compute waits per ring hop (``busy_hop_s``; the model adds it to the
 buckets that go out during backward).
@@ -41,6 +52,22 @@ from thinwire.measure.file import NetworkRecord
 
 SMALL_BYTES = 4096
 SMALL_REPS = 41   # the small probe's median is kept (module docstring); ~0.5 s at 10 ms each
+CREDIT_REPS = 7   # the credit probe's reps per size (module docstring)
+
+
+def credit_message(rate_bps: float) -> tuple[int, float]:
+    """The credit probe's size ``s`` (bytes: 8 ms at ``rate_bps``, at least 64 KiB, a multiple of 4) and its
+    idle gap (seconds: 1.5 times ``s``'s time at the rate, which refills a bucket smaller than ``s``, at
+    least 20 ms)."""
+    size = int(max(64 * 1024, rate_bps / 8 * 0.008)) // 4 * 4
+    return size, max(0.02, 1.5 * size * 8 / rate_bps)
+
+
+def credit_bytes(t0: list[float], t1: list[float], t2: list[float], *, rate_Bps: float, size: int) -> float:
+    """A token bucket's credit (bytes, within ``[0, size]``) from the credit probe's round trips of 4 bytes,
+    ``size`` and ``2 size`` bytes after idle gaps, at the measured ``rate_Bps`` (module docstring)."""
+    m = statistics.median
+    return min(float(size), max(0.0, (m(t2) - 2 * m(t1) + m(t0)) * rate_Bps))
 
 
 def alpha_beta(sizes: list[int], times: list[float], p: int) -> tuple[float, float]:
@@ -66,8 +93,12 @@ def probe_network(spec: ClusterSpec, *, reps: int = 7, hosts: list[str] | None =
     alpha, beta = alpha_beta(sizes, times, p)
     capped = any(spec.host(h).cpu is not None for h in hosts)
     busy = busy_latency(cluster, hosts=hosts, reps=max(30, 5 * reps), timeout=timeout).wait_per_hop_s if capped else 0.0
-    p2p = statistics.median(_run_workers(cluster, hosts[:2], [4], SMALL_REPS, timeout, p2p=True)["one_way"]) \
-        if p > 1 else None
+    p2p = burst = None
+    if p > 1:
+        p2p = statistics.median(_run_workers(cluster, hosts[:2], [4], SMALL_REPS, timeout, p2p=True)["one_way"])
+        size, gap = credit_message(spec.bandwidth_bps(hosts[0], hosts[1]))
+        trips = _run_workers(cluster, hosts[:2], [4, size, 2 * size], CREDIT_REPS, timeout, p2p=True, gap=gap)
+        burst = credit_bytes(trips["4"], trips[str(size)], trips[str(2 * size)], rate_Bps=1 / beta, size=size)
     return NetworkRecord(alpha_s=alpha, efficiency=min(1.0, 8 / beta / expected), nominal_bps=expected,
                          measured_bps=8 / beta, hosts=p, cluster=spec.name, sizes=sizes, times_s=times,
-                         busy_hop_s=busy, p2p_latency_s=p2p)
+                         busy_hop_s=busy, p2p_latency_s=p2p, burst_bytes=burst)

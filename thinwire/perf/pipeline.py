@@ -1,16 +1,21 @@
 """A pipeline step's time, and the split of a layer list over hosts of different speeds.
 
-**The step** is the schedule itself, played out action by action (:func:`simulate_schedule`). S stages
-on S hosts, M micro-batches; stage s computes ``f_s`` forward and ``b_s`` backward per micro-batch. Each
-stage runs its actions in the order ``torch.distributed.pipelining`` gives them (:func:`schedule_actions`:
-GPipe, all forwards then all backwards; 1F1B, ``S - s`` forwards of warm-up, then one backward and one
-forward in turn, then the backwards left), one at a time, each as soon as the stage is free and its input
-has arrived: a forward needs the previous stage's output of that micro-batch, a backward the next stage's
-gradient of it (the last stage's, its own forward). A finished action's output (forward) or input
-gradient (backward) leaves on its host's egress, one message after another at the egress's rate (``send
-seconds``), and arrives a latency ``alpha`` later. The step is when the last action ends, plus ``after``:
-what follows the schedule (the stages' optimizer step, the per-step scalar all-reduces, the replicas'
-gradient average).
+**The step** is the schedule itself, played out operation by operation (:func:`simulate_schedule`). S
+stages on S hosts, M micro-batches; stage s computes ``f_s`` forward and ``b_s`` backward per micro-batch.
+Each stage runs the program ``torch.distributed.pipelining`` runs (:func:`stage_program`: GPipe, all
+forwards then all backwards, each receive waited at once and the sends at the phase's end; 1F1B, ``S - s``
+forwards of warm-up, then one backward and one forward in turn, each send fused with the next receive and
+waited with it, then the backwards left), and gloo moves each message as its TCP pairs do: a send's data is
+written only once the receiver has posted the matching receive and that notice has come back (behind what
+the receiver's host has queued on its egress), the data then leaves on the sender's egress, one message
+after another at the egress's rate (``send seconds``; a token bucket's credit spent first where the link
+has one), and arrives a latency ``alpha`` later. So a stage cannot push its output ahead of a neighbour
+that is not ready for it, and a gradient going back delays the notice for the next activation coming
+forward. The step is when the last operation ends, plus ``after``: what follows the schedule (the stages'
+optimizer step, the per-step scalar all-reduces, the replicas' gradient average). Against stages that only
+sleep, on the emulator at 100 Mbit/s (``benchmarks/results/pipeline_links.md``), this is within a few
+percent where messages sent as soon as computed were up to 28% short (GPipe; 128 KiB messages) and 37%
+long (32 KiB messages, which the link's token bucket passes at once).
 
 Why not the closed form of DAPPLE (Fan et al. PPoPP 2021), ``sum of stages + (M-1) x the slowest``,
 with links as stages as PipeDream's planner treats them (Narayanan et al. SOSP 2019)? It assumes a
@@ -18,7 +23,7 @@ stage can run ahead as far as it likes. 1F1B holds at most ``S - s`` micro-batch
 for each backward's gradient before its next forward, so a link's transfer time and latency sit in a
 cycle between neighbours: on 4 x 100 Mbit/s the closed form was short by 14-27%
 (``benchmarks/results/archive/pipeline_v1.md``). The simulation follows the schedule's order exactly and
-costs O(S M). With free links and equal stages both give ``(M + S - 1)(f + b)``:
+costs O(S M log(S M)). With free links and equal stages both give ``(M + S - 1)(f + b)``:
 
     >>> simulate_schedule(forward_s=[1, 1], backward_s=[2, 2], send_forward_s=[0, 0], send_backward_s=[0, 0],
     ...                   microbatches=4)
@@ -38,62 +43,173 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """Stage ``stage``'s actions in order, ``("F"|"B", micro-batch)``, as ``ScheduleGPipe`` and ``Schedule1F1B``
-    run them (``torch/distributed/pipelining/schedules.py``)."""
+    """Stage ``stage``'s computations in order, ``("F"|"B", micro-batch)``, as ``ScheduleGPipe`` and
+    ``Schedule1F1B`` run them (``torch/distributed/pipelining/schedules.py``; :func:`stage_program`)."""
+    return [(what, m) for what, m in stage_program(schedule, stage, stages, microbatches) if what in ("F", "B")]
+
+
+# Linux's socket send buffer a gloo pair gets for a large message (``SO_SNDBUF``, capped by the default
+# ``net.core.wmem_max`` of 212992 bytes, which the kernel doubles): a send completes once all but this much
+# of its message has left.
+SEND_BUFFER_BYTES = 2 * 212992
+
+
+def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple]:
+    """Stage ``stage``'s step as ``torch.distributed.pipelining`` runs it (``ScheduleGPipe``,
+    ``Schedule1F1B._step_microbatches``): ``("post", ops)`` issues point-to-point operations (``("send"|"recv",
+    "F"|"B", micro-batch)``: a forward's output goes to the next stage, a backward's input gradient to the
+    previous one) without waiting, ``("wait", ops)`` waits for them, ``("F"|"B", m)`` computes."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    M = microbatches
-    if schedule == "gpipe":
-        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
-    warmup = min(M, stages - stage)
-    actions, forward = [("F", m) for m in range(warmup)], warmup
-    for m in range(M):
-        actions.append(("B", m))
-        if forward < M:
-            actions.append(("F", forward))
-            forward += 1
-    return actions
+    S, M, s = stages, microbatches, stage
+    fsend = lambda m: [("send", "F", m)] if s < S - 1 else []  # noqa: E731
+    frecv = lambda m: [("recv", "F", m)] if s > 0 else []  # noqa: E731
+    bsend = lambda m: [("send", "B", m)] if s > 0 else []  # noqa: E731
+    brecv = lambda m: [("recv", "B", m)] if s < S - 1 else []  # noqa: E731
+    prog: list[tuple] = []
+    if schedule == "gpipe":  # each recv waited at once, the sends of a phase at its end
+        for kind, send, recv in (("F", fsend, frecv), ("B", bsend, brecv)):
+            for m in range(M):
+                prog += [("post", recv(m)), ("wait", recv(m)), (kind, m), ("post", send(m))]
+            prog.append(("wait", [op for m in range(M) for op in send(m)]))
+        return prog
+    warmup = min(M, S - s)
+    sent: list = []      # the last forward sends fired in the warm-up, waited before the next
+    pending: list = []   # sends made but not fired: fused with the next receives
+    for i in range(warmup):
+        prog += [("post", frecv(i)), ("wait", frecv(i)), ("F", i), ("wait", sent)]
+        pending = fsend(i)
+        if i != warmup - 1:
+            prog.append(("post", pending))
+            sent, pending = pending, []
+    forward, backward = warmup, 0
+    while True:
+        fused = pending + brecv(backward)
+        prog += [("post", fused), ("wait", fused), ("B", backward)]
+        pending, backward = bsend(backward), backward + 1
+        if forward == M:
+            break
+        fused = pending + frecv(forward)
+        prog += [("post", fused), ("wait", fused), ("F", forward)]
+        pending, forward = fsend(forward), forward + 1
+    prog.append(("post", pending))
+    sent = pending
+    while backward < M:
+        prog += [("post", brecv(backward)), ("wait", brecv(backward)), ("B", backward), ("wait", sent)]
+        sent = bsend(backward)
+        prog.append(("post", sent))
+        backward += 1
+    prog.append(("wait", sent))
+    return prog
 
 
 def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
                       send_backward_s: list[float], microbatches: int, schedule: str = "1f1b",
-                      alpha: float = 0.0) -> float:
+                      alpha: float = 0.0, credit_s: list[float] | None = None,
+                      buffer_s: list[float] | None = None) -> float:
     """Seconds from the first action to the last (module docstring). Per stage s: ``forward_s[s]``,
     ``backward_s[s]`` per micro-batch; ``send_forward_s[s]``: its output's seconds on its host's egress
     (unused on the last stage), ``send_backward_s[s]``: its input gradient's (unused on the first).
-    ``alpha``: each message's latency beyond its time on the egress."""
+    ``alpha``: each message's latency beyond its time on the egress. ``credit_s[s]``: host s's token
+    bucket in seconds of its egress (none: every message pays the rate), full at the start. ``buffer_s[s]``:
+    the socket buffer in seconds of host s's egress (default: none, a send completes when its data is written).
+
+    Each stage runs :func:`stage_program`. A message moves as gloo moves it (``gloo/transport/tcp/pair.cc``):
+    the sender's data is written only once the receiver has posted its receive and that notice has come
+    back, behind whatever the receiver's egress has queued before it (one FIFO per host, as tc's qdisc);
+    the send then completes (the socket holds the message), the data leaves on the sender's egress, first
+    come first served, and the receive completes a latency after it has left.
+
+    Equal stages and free links give ``(M + S - 1)(f + b)``; a lone message within the bucket leaves at
+    once (without the bucket, 5.0):
+
+    >>> simulate_schedule(forward_s=[1, 1], backward_s=[1, 1], send_forward_s=[0.5, 0], send_backward_s=[0, 0.5],
+    ...                   microbatches=1, credit_s=[0.5, 0.5])
+    4.0
+    """
+    import heapq
+
     S = len(forward_s)
     assert S >= 1 and microbatches >= 1 and len(backward_s) == len(send_forward_s) == len(send_backward_s) == S
-    actions = [schedule_actions(schedule, s, S, microbatches) for s in range(S)]
-    pos, free, egress = [0] * S, [0.0] * S, [0.0] * S
-    arrived: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> its input's arrival
+    bucket = list(credit_s) if credit_s is not None else [0.0] * S
+    buffered = list(buffer_s) if buffer_s is not None else [float("inf")] * S
+    assert len(bucket) == len(buffered) == S and min(bucket) >= 0
+    programs = [stage_program(schedule, s, S, microbatches) for s in range(S)]
+    pc, egress, credit = [0] * S, [0.0] * S, list(bucket)
+    done: dict[tuple, float] = {}         # (stage, op) -> when it completes, once known
+    posted: dict[tuple, float] = {}       # (stage, "send", kind, m) -> when the sender fired it
+    ready: dict[tuple, float] = {}        # (stage, "send", kind, m) -> when the receiver's notice reached it
+    blocked: dict[int, float] = {}        # stage -> since when it waits for operations not yet timed
+    events: list[tuple[float, int, str, tuple]] = []
+    seq = 0
 
-    def send(s: int, at: float, seconds: float) -> float:
-        """When a message of ``seconds`` on host s's egress (first come, first served), handed over ``at``,
-        has left it."""
-        egress[s] = max(egress[s], at) + seconds
+    def push(at: float, what: str, key: tuple) -> None:
+        nonlocal seq
+        heapq.heappush(events, (at, seq, what, key))
+        seq += 1
+
+    def leave(s: int, at: float, seconds: float) -> float:
+        """When a message handed to host s's egress ``at`` (calls in time order) has left it."""
+        start = max(egress[s], at)
+        credit[s] = min(bucket[s], credit[s] + start - egress[s])
+        paid = max(0.0, seconds - credit[s])
+        credit[s] = max(0.0, credit[s] - seconds)
+        egress[s] = start + paid
         return egress[s]
 
-    moved = True
-    while moved:
-        moved = False
-        for s in range(S):
-            while pos[s] < len(actions[s]):
-                kind, m = actions[s][pos[s]]
-                if kind == "F":
-                    ready = arrived.get(("F", s, m)) if s > 0 else 0.0
-                else:
-                    ready = arrived.get(("B", s, m)) if s < S - 1 else 0.0  # the last stage: its own forward
-                if ready is None:
-                    break  # waits for a neighbour's message; the other stages go on
-                end = max(free[s], ready) + (forward_s[s] if kind == "F" else backward_s[s])
-                free[s], pos[s], moved = end, pos[s] + 1, True
-                if kind == "F" and s < S - 1:
-                    arrived[("F", s + 1, m)] = send(s, end, send_forward_s[s]) + alpha
-                elif kind == "B" and s > 0:
-                    arrived[("B", s - 1, m)] = send(s, end, send_backward_s[s]) + alpha
-    assert all(pos[s] == len(actions[s]) for s in range(S)), "the schedule deadlocked"
-    return max(free)
+    def peer(s: int, kind: str, op: str) -> int:
+        return s + 1 if (kind == "F") == (op == "send") else s - 1
+
+    def write(s: int, kind: str, m: int, at: float) -> None:
+        """Both ends are ready at ``at``: the sender's data goes out."""
+        seconds = send_forward_s[s] if kind == "F" else send_backward_s[s]
+        end = leave(s, at, seconds)
+        done[(s, ("send", kind, m))] = max(at, end - buffered[s])
+        done[(peer(s, kind, "send"), ("recv", kind, m))] = end + alpha
+        for w in list(blocked):
+            push(blocked.pop(w), "run", (w,))  # it looks again at what it waits for
+
+    def run(s: int, now: float) -> None:
+        while pc[s] < len(programs[s]):
+            what, arg = programs[s][pc[s]]
+            if what == "post":
+                for op, kind, m in arg:
+                    if op == "send":
+                        posted[(s, op, kind, m)] = now
+                        if (s, op, kind, m) in ready:
+                            write(s, kind, m, max(now, ready[(s, op, kind, m)]))
+                    else:  # the notice leaves behind what this host's egress has queued
+                        push(max(now, egress[s]) + alpha, "notice", (peer(s, kind, "recv"), kind, m))
+            elif what == "wait":
+                times = [done.get((s, op)) for op in arg]
+                if None in times:
+                    blocked[s] = now
+                    return
+                if max(times, default=now) > now:
+                    pc[s] += 1
+                    push(max(times), "run", (s,))
+                    return
+            else:
+                pc[s] += 1
+                push(now + (forward_s[s] if what == "F" else backward_s[s]), "run", (s,))
+                return
+            pc[s] += 1
+
+    for s in range(S):
+        push(0.0, "run", (s,))
+    end = 0.0
+    while events:
+        now, _, what, key = heapq.heappop(events)
+        end = max(end, now)
+        if what == "run":
+            run(key[0], now)
+        else:  # a receive's notice reached its sender
+            s, kind, m = key
+            ready[(s, "send", kind, m)] = now
+            if (s, "send", kind, m) in posted:
+                write(s, kind, m, max(now, posted[(s, "send", kind, m)]))
+    assert all(pc[s] == len(programs[s]) for s in range(S)), "the schedule deadlocked"
+    return end
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

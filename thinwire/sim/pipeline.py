@@ -13,7 +13,11 @@ the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
   link's activation format (:func:`thinwire.pipeline.wire.payload_bytes`), each on its sender's egress at
   its bandwidth times TCP's payload share, one after another, and arriving a latency later: the probed
   one-way time of a small point-to-point message (``p2p_latency_s``, 0.1-0.3 ms between emulated hosts
-  here; 0.1 ms unprobed) plus the spec's link latency.
+  here; 0.1 ms unprobed) plus the spec's link latency. Where the probe found a token bucket on the links
+  (``burst_bytes``: the emulator's tbf holds 32 KiB, or 2 ms of traffic above 131 Mbit/s), a message pays
+  the rate only for what the credit its sender's link gathered while idle does not cover
+  (:func:`thinwire.perf.pipeline.simulate_schedule`): at 100 Mbit/s a stage's 32 KiB of bf16 activations
+  between idle gaps leave at once. The one probed link's bucket stands for every link's.
 * **After the schedule**: the slowest stage's optimizer step (its share of the profile's post-backward
   time), the trainer's two scalar all-reduces of a step (the whole model's gradient norm over the stages,
   the mean loss over every rank) at a collective's latency per hop (the probe's ``alpha``), and, with
@@ -28,7 +32,7 @@ from thinwire.cluster.spec import ClusterSpec, HostSpec
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
 from thinwire.perf import collectives as coll
-from thinwire.perf.pipeline import simulate_schedule
+from thinwire.perf.pipeline import SEND_BUFFER_BYTES, simulate_schedule
 from thinwire.pipeline.wire import payload_bytes
 from thinwire.sim.inputs import compute_at, efficiency_of, host_cores, host_speeds, measured_speeds
 
@@ -98,13 +102,15 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
     backward = [sum(profile.layers[i].backward_s + (profile.layers[i].forward_s if recompute else 0.0) for i in run)
                 * micro / v + e + w / v for run, v, e, w in zip(runs, speeds, extra, wire_b)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
+    burst = net.burst_bytes if net and net.burst_bytes is not None else 0.0
     send_f = [fwd[s] / rate[s] if s < S - 1 else 0.0 for s in range(S)]
     send_b = [fwd[s - 1] / rate[s] if s > 0 else 0.0 for s in range(S)]
     egress = [f + b + hand_off * ((s < S - 1) + (s > 0)) for s, (f, b) in enumerate(zip(send_f, send_b))]
     links = [send_f[s] + send_b[s + 1] + 2 * hand_off for s in range(S - 1)]
     after = _after_s(profile, runs, speeds, replicas, hosts, efficiency, alpha)
     step = simulate_schedule(forward_s=forward, backward_s=backward, send_forward_s=send_f, send_backward_s=send_b,
-                             microbatches=microbatches, schedule=schedule, alpha=hand_off) + after
+                             microbatches=microbatches, schedule=schedule, alpha=hand_off,
+                             credit_s=[burst / r for r in rate], buffer_s=[SEND_BUFFER_BYTES / r for r in rate]) + after
     return PipelinePrediction(step_s=step, stage_s=[f + b for f, b in zip(forward, backward)], egress_s=egress,
                               link_s=links, after_s=after, microbatches=microbatches)
 
