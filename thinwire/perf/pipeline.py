@@ -39,6 +39,8 @@ Dynamic programming over (stage, last layer), O(S n^2).
 
 from __future__ import annotations
 
+import heapq
+
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -46,12 +48,6 @@ def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) 
     """Stage ``stage``'s computations in order, ``("F"|"B", micro-batch)``, as ``ScheduleGPipe`` and
     ``Schedule1F1B`` run them (``torch/distributed/pipelining/schedules.py``; :func:`stage_program`)."""
     return [(what, m) for what, m in stage_program(schedule, stage, stages, microbatches) if what in ("F", "B")]
-
-
-# Linux's socket send buffer a gloo pair gets for a large message (``SO_SNDBUF``, capped by the default
-# ``net.core.wmem_max`` of 212992 bytes, which the kernel doubles): a send completes once all but this much
-# of its message has left.
-SEND_BUFFER_BYTES = 2 * 212992
 
 
 def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple]:
@@ -105,14 +101,12 @@ def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> 
 
 def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
                       send_backward_s: list[float], microbatches: int, schedule: str = "1f1b",
-                      alpha: float = 0.0, credit_s: list[float] | None = None,
-                      buffer_s: list[float] | None = None) -> float:
+                      alpha: float = 0.0, credit_s: list[float] | None = None) -> float:
     """Seconds from the first action to the last (module docstring). Per stage s: ``forward_s[s]``,
     ``backward_s[s]`` per micro-batch; ``send_forward_s[s]``: its output's seconds on its host's egress
     (unused on the last stage), ``send_backward_s[s]``: its input gradient's (unused on the first).
     ``alpha``: each message's latency beyond its time on the egress. ``credit_s[s]``: host s's token
-    bucket in seconds of its egress (none: every message pays the rate), full at the start. ``buffer_s[s]``:
-    the socket buffer in seconds of host s's egress (default: none, a send completes when its data is written).
+    bucket in seconds of its egress (none: every message pays the rate), full at the start.
 
     Each stage runs :func:`stage_program`. A message moves as gloo moves it (``gloo/transport/tcp/pair.cc``):
     the sender's data is written only once the receiver has posted its receive and that notice has come
@@ -127,13 +121,10 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
     ...                   microbatches=1, credit_s=[0.5, 0.5])
     4.0
     """
-    import heapq
-
     S = len(forward_s)
     assert S >= 1 and microbatches >= 1 and len(backward_s) == len(send_forward_s) == len(send_backward_s) == S
     bucket = list(credit_s) if credit_s is not None else [0.0] * S
-    buffered = list(buffer_s) if buffer_s is not None else [float("inf")] * S
-    assert len(bucket) == len(buffered) == S and min(bucket) >= 0
+    assert len(bucket) == S and min(bucket) >= 0
     programs = [stage_program(schedule, s, S, microbatches) for s in range(S)]
     pc, egress, credit = [0] * S, [0.0] * S, list(bucket)
     done: dict[tuple, float] = {}         # (stage, op) -> when it completes, once known
@@ -164,7 +155,7 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
         """Both ends are ready at ``at``: the sender's data goes out."""
         seconds = send_forward_s[s] if kind == "F" else send_backward_s[s]
         end = leave(s, at, seconds)
-        done[(s, ("send", kind, m))] = max(at, end - buffered[s])
+        done[(s, ("send", kind, m))] = at  # gloo sizes the socket's buffer to the message: it is written at once
         done[(peer(s, kind, "send"), ("recv", kind, m))] = end + alpha
         for w in list(blocked):
             push(blocked.pop(w), "run", (w,))  # it looks again at what it waits for

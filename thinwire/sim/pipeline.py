@@ -32,7 +32,7 @@ from thinwire.cluster.spec import ClusterSpec, HostSpec
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
 from thinwire.perf import collectives as coll
-from thinwire.perf.pipeline import SEND_BUFFER_BYTES, simulate_schedule
+from thinwire.perf.pipeline import simulate_schedule
 from thinwire.pipeline.wire import payload_bytes
 from thinwire.sim.inputs import compute_at, efficiency_of, host_cores, host_speeds, measured_speeds
 
@@ -110,7 +110,7 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
     after = _after_s(profile, runs, speeds, replicas, hosts, efficiency, alpha)
     step = simulate_schedule(forward_s=forward, backward_s=backward, send_forward_s=send_f, send_backward_s=send_b,
                              microbatches=microbatches, schedule=schedule, alpha=hand_off,
-                             credit_s=[burst / r for r in rate], buffer_s=[SEND_BUFFER_BYTES / r for r in rate]) + after
+                             credit_s=[burst / r for r in rate]) + after
     return PipelinePrediction(step_s=step, stage_s=[f + b for f, b in zip(forward, backward)], egress_s=egress,
                               link_s=links, after_s=after, microbatches=microbatches)
 
