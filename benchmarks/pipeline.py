@@ -430,9 +430,10 @@ def probe_lines(r: dict) -> list[str]:
     for label, text in (r.get("profiles") or {}).items():
         prof = yaml.safe_load(text)
         net, hs = prof.get("network") or {}, (prof.get("host_speed") or {}).get("speed", {})
+        bucket = "" if net.get("burst_bytes") is None else f"links' token bucket {net['burst_bytes'] / 1024:.1f} KiB, "
         out.append(f"- `thinwire profile --cluster` ({label}): "
                    f"hand-off latency {net.get('p2p_latency_s', 0) * 1e3:.2f} ms, collective latency per hop "
-                   f"{net.get('alpha_s', 0) * 1e3:.2f} ms, host speeds (one process alone here = 1) "
+                   f"{net.get('alpha_s', 0) * 1e3:.2f} ms, {bucket}host speeds (one process alone here = 1) "
                    + ", ".join(f"{h} {v:.2f}" for h, v in hs.items()) + ".")
     return out + ([""] if out else [])
 

@@ -1303,6 +1303,10 @@ def test_network_probe_keeps_the_median_small_all_reduce_and_the_fastest_large_o
     assert rec.measured_bps == pytest.approx(8 / beta)
     assert rec.p2p_latency_s == pytest.approx(0.0003)  # the median one-way time, a pipeline hand-off's latency
     assert rec.burst_bytes == pytest.approx(25_000 * 8 / beta / (100e6 * 0.9))  # the bucket at the measured rate
+    # hosts that carry under half the link's rate (emulated hosts at 100 Gbit/s) are not paced by its bucket
+    large[:] = [2.0, 2.1, 2.2]  # a quarter of the rate
+    slow = network.probe_network(spec, reps=3)
+    assert slow.efficiency < network.FILLED and slow.burst_bytes is None
 
 
 @pytest.mark.parametrize("bucket", [0, 1000, 30_000, 99_000])

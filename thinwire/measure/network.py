@@ -33,7 +33,8 @@ message's round trip (a 4-byte reply) after an idle gap that refills such a buck
 of ``s`` bytes, larger than the bucket (8 ms at the rate, at least 64 KiB; ``t_1``), and of ``2s``
 (``t_2``). With ``t(x) = t_0 + max(0, x - B) / r``, the bucket's ``B / r = t_2 - 2 t_1 + t_0``, whatever the
 rate; times the measured rate it is ``burst_bytes`` (medians of the reps; about 0 on a link that is not
-shaped so). The pipeline model charges a hand-over only for the bytes beyond the credit its link has
+shaped so). Where the hosts cannot fill the link (the all-reduce probe carried under half its rate, as
+emulated hosts at 100 Gbit/s, whose CPU paces every byte), no bucket paces them and the probe is skipped. The pipeline model charges a hand-over only for the bytes beyond the credit its link has
 gathered while idle.
 
 Where hosts have a CPU quota, a third probe (:func:`thinwire.cluster.bench.busy_latency`) measures what
@@ -53,6 +54,7 @@ from thinwire.measure.file import NetworkRecord
 SMALL_BYTES = 4096
 SMALL_REPS = 41   # the small probe's median is kept (module docstring); ~0.5 s at 10 ms each
 CREDIT_REPS = 7   # the credit probe's reps per size (module docstring)
+FILLED = 0.5      # the credit probe runs where the all-reduce probe carried at least this share of the link's rate
 
 
 def credit_message(rate_bps: float) -> tuple[int, float]:
@@ -96,9 +98,10 @@ def probe_network(spec: ClusterSpec, *, reps: int = 7, hosts: list[str] | None =
     p2p = burst = None
     if p > 1:
         p2p = statistics.median(_run_workers(cluster, hosts[:2], [4], SMALL_REPS, timeout, p2p=True)["one_way"])
-        size, gap = credit_message(spec.bandwidth_bps(hosts[0], hosts[1]))
-        trips = _run_workers(cluster, hosts[:2], [4, size, 2 * size], CREDIT_REPS, timeout, p2p=True, gap=gap)
-        burst = credit_bytes(trips["4"], trips[str(size)], trips[str(2 * size)], rate_Bps=1 / beta, size=size)
+        if 8 / beta >= FILLED * expected:  # hosts that cannot fill the link are not paced by its bucket
+            size, gap = credit_message(spec.bandwidth_bps(hosts[0], hosts[1]))
+            trips = _run_workers(cluster, hosts[:2], [4, size, 2 * size], CREDIT_REPS, timeout, p2p=True, gap=gap)
+            burst = credit_bytes(trips["4"], trips[str(size)], trips[str(2 * size)], rate_Bps=1 / beta, size=size)
     return NetworkRecord(alpha_s=alpha, efficiency=min(1.0, 8 / beta / expected), nominal_bps=expected,
                          measured_bps=8 / beta, hosts=p, cluster=spec.name, sizes=sizes, times_s=times,
                          busy_hop_s=busy, p2p_latency_s=p2p, burst_bytes=burst)

@@ -13,9 +13,10 @@ has one), and arrives a latency ``alpha`` later. So a stage cannot push its outp
 that is not ready for it, and a gradient going back delays the notice for the next activation coming
 forward. The step is when the last operation ends, plus ``after``: what follows the schedule (the stages'
 optimizer step, the per-step scalar all-reduces, the replicas' gradient average). Against stages that only
-sleep, on the emulator at 100 Mbit/s (``benchmarks/results/pipeline_links.md``), this is within a few
-percent where messages sent as soon as computed were up to 28% short (GPipe; 128 KiB messages) and 37%
-long (32 KiB messages, which the link's token bucket passes at once).
+sleep, on the emulator at 100 Mbit/s (``benchmarks/results/pipeline_links.md``, 10 configurations), this is
+within 2.2% at the median and 6.5% at worst, where messages sent as soon as computed at the link's rate were
+off by 16.7% at the median: 28% short with 128 KiB messages, 41% long with 32 KiB ones (which the link's
+token bucket passes at once).
 
 Why not the closed form of DAPPLE (Fan et al. PPoPP 2021), ``sum of stages + (M-1) x the slowest``,
 with links as stages as PipeDream's planner treats them (Narayanan et al. SOSP 2019)? It assumes a
@@ -99,6 +100,30 @@ def stage_program(schedule: str, stage: int, stages: int, microbatches: int) -> 
     return prog
 
 
+class Credit:
+    """A link's token bucket in seconds of its rate: up to ``cap`` seconds gathered while it idles, at one per
+    second; a message spends them first and pays the rate beyond (tc's tbf passes what its bucket holds at
+    once). ``cap`` 0: no bucket, every message pays the rate.
+
+    >>> link = Credit(0.5)
+    >>> [round(link.take(t, s), 6) for t, s in ((0.0, 0.3), (0.1, 0.6), (10.0, 0.8))]  # the second: 0.2 + 0.1 s
+    [0.0, 0.3, 0.3]
+    """
+
+    def __init__(self, cap: float) -> None:
+        assert cap >= 0
+        self.cap, self.tokens, self.idle_since = cap, cap, 0.0
+
+    def take(self, start: float, seconds: float) -> float:
+        """How long a message of ``seconds`` at the rate, starting to leave at ``start`` (calls in time order),
+        takes to leave."""
+        self.tokens = min(self.cap, self.tokens + max(0.0, start - self.idle_since))
+        took = max(0.0, seconds - self.tokens)
+        self.tokens = max(0.0, self.tokens - seconds)
+        self.idle_since = start + took
+        return took
+
+
 def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
                       send_backward_s: list[float], microbatches: int, schedule: str = "1f1b",
                       alpha: float = 0.0, credit_s: list[float] | None = None) -> float:
@@ -123,10 +148,10 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
     """
     S = len(forward_s)
     assert S >= 1 and microbatches >= 1 and len(backward_s) == len(send_forward_s) == len(send_backward_s) == S
-    bucket = list(credit_s) if credit_s is not None else [0.0] * S
-    assert len(bucket) == S and min(bucket) >= 0
+    links = [Credit(c) for c in (credit_s if credit_s is not None else [0.0] * S)]
+    assert len(links) == S
     programs = [stage_program(schedule, s, S, microbatches) for s in range(S)]
-    pc, egress, credit = [0] * S, [0.0] * S, list(bucket)
+    pc, egress = [0] * S, [0.0] * S
     done: dict[tuple, float] = {}         # (stage, op) -> when it completes, once known
     posted: dict[tuple, float] = {}       # (stage, "send", kind, m) -> when the sender fired it
     ready: dict[tuple, float] = {}        # (stage, "send", kind, m) -> when the receiver's notice reached it
@@ -142,10 +167,7 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
     def leave(s: int, at: float, seconds: float) -> float:
         """When a message handed to host s's egress ``at`` (calls in time order) has left it."""
         start = max(egress[s], at)
-        credit[s] = min(bucket[s], credit[s] + start - egress[s])
-        paid = max(0.0, seconds - credit[s])
-        credit[s] = max(0.0, credit[s] - seconds)
-        egress[s] = start + paid
+        egress[s] = start + links[s].take(start, seconds)
         return egress[s]
 
     def peer(s: int, kind: str, op: str) -> int:
