@@ -172,8 +172,8 @@ def run_config(cluster, cfg: dict) -> list[float]:
 
 
 def label(cfg: dict) -> str:
-    fb = (f"f {cfg['f'] * 1e3:g} / b {cfg['b'] * 1e3:g} ms" if not isinstance(cfg["f"], list) else
-          "f " + ",".join(f"{x * 1e3:g}" for x in cfg["f"]) + " / b " + ",".join(f"{x * 1e3:g}" for x in cfg["b"]) + " ms")
+    ms = lambda v: ",".join(f"{x * 1e3:g}" for x in v) if isinstance(v, list) else f"{v * 1e3:g}"  # noqa: E731
+    fb = f"f {ms(cfg['f'])} / b {ms(cfg['b'])} ms"
     size = f"{cfg['bytes'] // 1024} KiB" if cfg["bytes"] >= 1024 else f"{cfg['bytes']} B"
     return f"{cfg['schedule']}, M={cfg['M']}, {size}, {fb}"
 
@@ -255,7 +255,8 @@ def main() -> int:
     rows = [{"label": label(cfg), "config": cfg, "measured_s": m, "runs_s": times[i],
              "model": predict(cfg, net, overhead, "model"), "eager": predict(cfg, net, overhead, "eager")}
             for i, (cfg, m) in enumerate(zip(configs, measured))]
-    result = {"command": "sudo .venv/bin/python benchmarks/pipeline_links.py" + (f" --rate {a.rate}" if a.rate != "100mbit" else ""),
+    command = "sudo .venv/bin/python benchmarks/pipeline_links.py" + (f" --rate {a.rate}" if a.rate != "100mbit" else "")
+    result = {"command": command,
               "started": started, "commit": commit, "rate": a.rate, "reps": a.reps, "network": net,
               "overhead_s": overhead, "rows": rows}
     out = Path(a.out)

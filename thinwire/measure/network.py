@@ -34,8 +34,9 @@ of ``s`` bytes, larger than the bucket (8 ms at the rate, at least 64 KiB; ``t_1
 (``t_2``). With ``t(x) = t_0 + max(0, x - B) / r``, the bucket's ``B / r = t_2 - 2 t_1 + t_0``, whatever the
 rate; times the measured rate it is ``burst_bytes`` (medians of the reps; about 0 on a link that is not
 shaped so). Where the hosts cannot fill the link (the all-reduce probe carried under half its rate, as
-emulated hosts at 100 Gbit/s, whose CPU paces every byte), no bucket paces them and the probe is skipped. The pipeline model charges a hand-over only for the bytes beyond the credit its link has
-gathered while idle.
+emulated hosts at 100 Gbit/s, whose CPU paces every byte), no bucket paces them and the probe is skipped.
+The pipeline model charges a hand-over only for the bytes beyond the credit its link has gathered while
+idle.
 
 Where hosts have a CPU quota, a third probe (:func:`thinwire.cluster.bench.busy_latency`) measures what
 a collective issued while they compute waits per ring hop (``busy_hop_s``; the model adds it to the
