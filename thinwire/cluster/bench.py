@@ -212,7 +212,7 @@ def _worker(args: argparse.Namespace) -> None:
         _switch_worker(args)
         return
     if args.p2p:
-        _p2p_worker(args)
+        (_credit_worker if args.gap is not None else _p2p_worker)(args)
         return
     times = []
     dtype = getattr(torch, args.dtype)
@@ -252,16 +252,12 @@ def _timed_all_reduces(x, reps: int) -> list[float]:
 
 def _p2p_worker(args: argparse.Namespace) -> None:
     """Ranks 0 and 1 pass a small tensor back and forth (``send``/``recv``, as a pipeline's stages hand
-    over activations); rank 0 prints each rep's one-way time, half the round trip. With ``--gap``:
-    :func:`_credit_worker`."""
+    over activations); rank 0 prints each rep's one-way time, half the round trip."""
     import time
 
     import torch
     import torch.distributed as dist
 
-    if args.gap is not None:
-        _credit_worker(args)
-        return
     x = torch.zeros(max(1, int(args.sizes.split(",")[0]) // 4))
     times = []
     for i in range(args.reps + 2):  # two warm-ups: connections, buffers
