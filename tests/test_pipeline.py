@@ -28,18 +28,18 @@ STEPS, BATCH = 5, 8
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
 
 
-def _data():
+def _data(cfg=CFG):
     g = torch.Generator().manual_seed(5)
-    windows = [torch.randint(0, 256, (BATCH, CFG.context + 1), generator=g) for _ in range(STEPS)]
+    windows = [torch.randint(0, 256, (BATCH, cfg.context + 1), generator=g) for _ in range(STEPS)]
     return [(w[:, :-1], w[:, 1:]) for w in windows]
 
 
-def _reference():
+def _reference(cfg=CFG):
     torch.manual_seed(0)
-    model = CharGPT(CFG)
+    model = CharGPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for x, y in _data():
+    for x, y in _data(cfg):
         loss = lm_loss(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -49,16 +49,16 @@ def _reference():
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
+def _pipelined(rank, world, stages, schedule, microbatches, recompute=False, virtual=1, cfg=CFG):
     from thinwire.commspec import parse_comm_spec
     from thinwire.compress.sync import Unwrapped, create
     from thinwire.pipeline.runner import Placement, build_rank
     from thinwire.syncspec import parse_sync_spec
 
     torch.manual_seed(0)
-    model = CharGPT(CFG)
+    model = CharGPT(cfg)
     layers = layer_list(model, charlm_layers)
-    runs = balanced_split([layer_params(layer) for layer in layers], stages)
+    runs = balanced_split([layer_params(layer) for layer in layers], stages * virtual)
     place = Placement(stages, world // stages, rank)
     pipe, stage, cut = build_rank(model, layers, runs, place=place, device=torch.device("cpu"), loss_fn=lm_loss,
                                   microbatches=microbatches, schedule=schedule)
@@ -66,7 +66,7 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
         from thinwire.precision.memory import apply_checkpointing
         apply_checkpointing(stage)
     calls = []  # forwards inside the stage's first layer: twice per micro-batch when its activations are recomputed
-    first = stage.layers[0]
+    first = (stage.stages[0] if virtual > 1 else stage).layers[0]
     leaf = next(m for m in first.modules() if m is not first and not list(m.children()))
     leaf.register_forward_hook(lambda *_: calls.append(1))
     sync = create(Unwrapped(stage), parse_sync_spec("allreduce"), parse_comm_spec("none").policy(),
@@ -74,7 +74,7 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
     share = BATCH // place.replicas
     losses = []
-    for x, y in _data():
+    for x, y in _data(cfg):
         part = slice(place.replica * share, (place.replica + 1) * share)
         loss = pipe.train_step(x[part], y[part])
         sync.before_step()
@@ -85,14 +85,21 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False):
     return losses, stage_state(stage, cut.names), place.replica, len(calls)
 
 
-@pytest.mark.parametrize("schedule, stages, recompute", [("gpipe", 4, False), ("1f1b", 4, False), ("gpipe", 2, False),
-                                                       ("1f1b", 2, False), ("1f1b", 4, True)])
-def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute):
+CFG6 = CharLMConfig(layers=6, width=32, heads=2, context=16)  # 8 layers: 4 ranks x 2 interleaved stages
+
+
+@pytest.mark.parametrize("schedule, stages, recompute, virtual", [
+    ("gpipe", 4, False, 1), ("1f1b", 4, False, 1), ("gpipe", 2, False, 1), ("1f1b", 2, False, 1), ("1f1b", 4, True, 1),
+    ("interleaved", 4, False, 2), ("interleaved", 2, False, 2), ("interleaved", 2, True, 2)])
+def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute, virtual):
     """4 stages x 1 replica, and 2 stages x 2 replicas (pipeline x data parallel), against one process:
     the charlm's tied embedding lives on the first and last stage; clipping at 0.5 is active; with
-    ``recompute`` every layer's activations are recomputed in backward (activation checkpointing)."""
-    ref_losses, ref_state = _reference()
-    out = run_ranks(_pipelined, 4, stages, schedule, 4, recompute)
+    ``recompute`` every layer's activations are recomputed in backward (activation checkpointing).
+    Interleaved: each rank holds 2 stages (4 ranks: 8 stages of an 8-layer list; 2 ranks: 4 stages, the
+    tied embedding's two halves on ranks 0 and 1)."""
+    cfg = CFG6 if stages * virtual > 4 else CFG
+    ref_losses, ref_state = _reference(cfg)
+    out = run_ranks(_pipelined, 4, stages, schedule, 4, recompute, virtual, cfg)
     state = {}
     for _, part, replica, _ in out:
         if replica == 0:
@@ -120,7 +127,10 @@ def test_pipeline_spec_parses_and_refuses_with_the_field():
     assert not parse_pipeline_spec("none").enabled and parse_pipeline_spec("1f1b").text == "1f1b"
     for bad, field in [("zigzag", "pipeline.schedule"), ("1f1b:stages=0", "pipeline.stages"),
                        ("1f1b:stage=2", "pipeline.key"), ("1f1b:recompute=yes", "pipeline.recompute"), ("1f1b:layers=2/x", "pipeline.layers"),
-                       ("1f1b:stages=3,layers=1/1", "pipeline.layers"), ("", "pipeline")]:
+                       ("1f1b:stages=3,layers=1/1", "pipeline.layers"), ("", "pipeline"),
+                       ("1f1b:virtual=2", "pipeline.virtual"), ("interleaved:virtual=1", "pipeline.virtual"),
+                       ("interleaved:stages=2,layers=1/1/1", "pipeline.layers"),
+                       ("interleaved:layers=1/1/1", "pipeline.layers")]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             parse_pipeline_spec(bad)
 
@@ -153,6 +163,16 @@ def test_layout_refuses_what_cannot_be_laid_out():
         layout(parse_pipeline_spec("1f1b:stages=1"), _layers(4), 3, 32)
     with pytest.raises(ThinwireError, match=r"pipeline\.layers.*add up to the model's 4 layers"):
         layout(parse_pipeline_spec("1f1b:layers=1/1"), _layers(4), 2, 32)
+    inter = parse_pipeline_spec("interleaved:stages=2")
+    assert (inter.virtual, inter.text, parse_pipeline_spec("interleaved:virtual=3").text) == (
+        2, "interleaved:stages=2", "interleaved:virtual=3")
+    got = layout(inter, _layers(5), 2, 8)
+    assert (got.stages, got.virtual, len(got.runs), got.links, got.rank_stages(1)) == (2, 2, 4, ["fp32"] * 3, [1, 3])
+    assert layout(parse_pipeline_spec("interleaved:layers=2/1/1/1"), _layers(5), 2, 8).runs == [[0, 1], [2], [3], [4]]
+    with pytest.raises(ConfigError, match=r"pipeline\.stages.*at most the model's 3 layers.*over virtual=2"):
+        layout(inter, _layers(3), 2, 8)
+    with pytest.raises(ConfigError, match=r"pipeline\.microbatches.*multiple of its rounds \(micro-batches // stages = 2\)"):
+        layout(parse_pipeline_spec("interleaved:stages=2,microbatches=5"), _layers(4), 2, 10)
 
 
 def test_a_model_without_a_layer_list_is_refused_with_the_fix():
@@ -282,6 +302,29 @@ def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
     r = thinwire("train", "--resume", str(split), "--steps", "9", "--pipeline", "none", "--nproc", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "optimizer's moments start fresh" in " ".join((r.stdout + r.stderr).split())
+
+
+def test_train_interleaved_pipeline_matches_one_process_resumes_exactly_and_counts_every_hand_over(tmp_path):
+    """``--pipeline interleaved`` on 2 ranks (4 stages of charlm's 4-layer list, stages 0 and 2 on rank 0):
+    the single process's losses at equal samples; stopped at step 2 and resumed to 4, the straight run's
+    parameters bit for bit; each rank counts the activations (or their gradients) of 3 hand-overs per
+    micro-batch, twice what 1F1B's ranks send."""
+    common = [*SMALL, "--eval-every", "2", "--checkpoint-every", "2", "--set", "eval_batches=2", "--nproc", "2"]
+    single, piped, split, plain = (tmp_path / n for n in ("single", "piped", "split", "plain"))
+    assert thinwire("train", *common[:-2], "--steps", "4", "--out", str(single)).returncode == 0
+    r = thinwire("train", *common, "--pipeline", "interleaved", "--steps", "4", "--out", str(piped))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4-stage pipeline, 2 per rank" in " ".join(r.stdout.split())
+    torch.testing.assert_close(torch.tensor(_val_losses(piped)), torch.tensor(_val_losses(single)), rtol=1e-5, atol=0)
+    r = thinwire("train", *common, "--pipeline", "interleaved", "--steps", "2", "--out", str(split))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert thinwire("train", "--resume", str(split), "--steps", "4").returncode == 0
+    b, c = (_merged(o, _final_model(o)) for o in (piped, split))
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    assert thinwire("train", *common, "--pipeline", "1f1b", "--steps", "4", "--out", str(plain)).returncode == 0
+    inter, one = (json.loads((o / "summary.json").read_text())["pipeline"] for o in (piped, plain))
+    assert inter["runs"] == [[0], [1], [2], [3]] and inter["stages"] == 2
+    assert inter["activation_bytes_sent"] == 3 * one["activation_bytes_sent"]  # 3 links against 1, both ranks
 
 
 def _last(out):

@@ -10,12 +10,17 @@ form                        meaning
 ``1f1b[:KEYS]``             one forward one backward (PipeDream-Flush, Narayanan et al. 2021): the
                             same bubble, at most S micro-batches' activations held per stage
                             (``Schedule1F1B``)
+``interleaved[:KEYS]``      interleaved 1F1B (Narayanan et al. SC 2021): each rank holds ``virtual``
+                            stages (chunks ``r, r+S, ...`` of the layer list cut in S x V), the
+                            bubble about V times smaller for V times the messages
+                            (``ScheduleInterleaved1F1B``)
 ==========================  ===================================================================
 
 KEYS, comma-separated: ``stages=S``, ``microbatches=M``, ``layers=A/B/..``, ``activations=fp32|bf16|int8``
 (one format for every link, or one per link: ``activations=fp32/int8/fp32``), ``recompute=on|off``
 (activation checkpointing of every layer: its activations recomputed in backward, one more forward of
-compute for the memory of its input alone).
+compute for the memory of its input alone), and for ``interleaved`` ``virtual=V`` (stages per rank, default
+2; ``layers`` and per-link ``activations`` then count the S x V stages and their S x V - 1 links).
 
 ``stages`` (default: every rank one stage) must divide the world size; the ranks left over form
 data-parallel replicas of the pipeline (world = replicas x stages), whose gradients are averaged through
@@ -38,7 +43,8 @@ import re
 
 from thinwire.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DEFAULT_VIRTUAL = 2  # interleaved: stages per rank (Megatron-LM's examples use 2 to 4)
 ACTIVATIONS = ("fp32", "bf16", "int8")  # thinwire.pipeline.wire.CODECS
 MAX_STAGES = 4096
 _INT = re.compile(r"[0-9]{1,9}", re.ASCII)
@@ -55,18 +61,24 @@ class PipelineSpec:
     layers: tuple[int, ...] = ()
     activations: tuple[str, ...] = ("fp32",)
     recompute: bool = False
+    virtual: int = 1                   # stages per rank: DEFAULT_VIRTUAL for interleaved, else 1
 
     def __post_init__(self) -> None:
+        V = self.virtual
         if self.layers and self.stages:
-            _check(len(self.layers) == self.stages, "layers", "/".join(map(str, self.layers)),
-                   f"one layer count per stage ({self.stages})")
-        known = self.stages or len(self.layers)
+            _check(len(self.layers) == self.stages * V, "layers", "/".join(map(str, self.layers)),
+                   f"one layer count per stage ({self.stages * V}" + (f": {self.stages} ranks x {V} virtual)" if V > 1
+                                                                      else ")"))
+        if self.layers and V > 1:
+            _check(len(self.layers) % V == 0, "layers", "/".join(map(str, self.layers)),
+                   f"one layer count per stage: a multiple of virtual={V} (each rank holds {V})")
+        known = (self.stages or len(self.layers) // V) * V
         if len(self.activations) > 1 and known:
             _check(len(self.activations) == known - 1, "activations", "/".join(self.activations),
                    f"one format, or one per link between the {known} stages ({known - 1})")
 
     def link_formats(self, stages: int) -> list[str]:
-        """The activation format of each of the ``stages - 1`` links."""
+        """The activation format of each of the ``stages - 1`` links (``stages``: all of them, S x V)."""
         if len(self.activations) == 1:
             return list(self.activations) * (stages - 1)
         _check(len(self.activations) == stages - 1, "activations", "/".join(self.activations),
@@ -79,7 +91,7 @@ class PipelineSpec:
 
     def stage_count(self, world: int) -> int:
         """Stages for a world size: the given count, one per layer count, or every rank one stage."""
-        return self.stages or len(self.layers) or world
+        return self.stages or len(self.layers) // self.virtual or world
 
     @property
     def text(self) -> str:
@@ -90,6 +102,7 @@ class PipelineSpec:
         keys += ["layers=" + "/".join(map(str, self.layers))] if self.layers else []
         keys += ["activations=" + "/".join(self.activations)] if self.activations != ("fp32",) else []
         keys += ["recompute=on"] if self.recompute else []
+        keys += [f"virtual={self.virtual}"] if self.schedule == "interleaved" and self.virtual != DEFAULT_VIRTUAL else []
         return self.schedule + (":" + ",".join(keys) if keys else "")
 
 
@@ -110,9 +123,9 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
     values: dict = {}
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, sep, raw = (t.strip() for t in item.partition("="))
-        _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations", "recompute"), "key", item,
-               "stages=S, microbatches=M, layers=A/B/..., activations=fp32|bf16|int8 or recompute=on|off "
-               "(key=value, comma-separated)")
+        _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations", "recompute", "virtual"),
+               "key", item, "stages=S, microbatches=M, layers=A/B/..., activations=fp32|bf16|int8, recompute=on|off "
+               "or (interleaved) virtual=V (key=value, comma-separated)")
         if key == "recompute":
             _check(raw.lower() in ("on", "off"), "recompute", raw, "on or off",
                    "on recomputes each layer's activations in backward: less memory, one more forward.")
@@ -133,4 +146,11 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
                    f"a whole number >= 1 (stages at most {MAX_STAGES})")
             values[key] = int(raw)
     _check(values.get("stages", 1) <= MAX_STAGES, "stages", values.get("stages"), f"at most {MAX_STAGES}")
+    if schedule == "interleaved":
+        values.setdefault("virtual", DEFAULT_VIRTUAL)
+        _check(2 <= values["virtual"] <= 64, "virtual", values["virtual"], "2 to 64 stages per rank",
+               "virtual=1 is 1f1b: use --pipeline 1f1b.")
+    else:
+        _check("virtual" not in values, "virtual", values.get("virtual"), "only with the interleaved schedule",
+               "E.g. --pipeline interleaved:stages=4,virtual=2.")
     return PipelineSpec(schedule=schedule, **values)

@@ -15,7 +15,8 @@ MICROBATCHES_PER_STAGE = 4  # GPipe (Huang et al. 2019): the bubble is negligibl
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """``replicas`` pipelines of ``stages`` stages; ``runs[s]``: the layer indices of stage ``s``."""
+    """``replicas`` pipelines of ``stages`` ranks, each rank holding ``virtual`` stages (interleaved; else 1):
+    ``runs[k]``: the layer indices of stage ``k``, on the replica's rank ``k % stages``."""
 
     stages: int
     replicas: int
@@ -23,12 +24,18 @@ class Layout:
     microbatches: int
     replica_batch: int
     layer_names: list[str]
-    links: list[str]                   # activation format of link s (stage s -> s+1)
+    links: list[str]                   # activation format of link k (stage k -> k+1)
+    virtual: int = 1
+
+    def rank_stages(self, rank_stage: int) -> list[int]:
+        """The stages the replica's rank ``rank_stage`` holds: ``rank_stage``, ``+ stages``, ..."""
+        return list(range(rank_stage, self.stages * self.virtual, self.stages))
 
     def describe(self) -> str:
         cut = " | ".join("+".join(self.layer_names[i] for i in run) for run in self.runs)
         links = "" if set(self.links) <= {"fp32"} else ", links " + "/".join(self.links)
-        return (f"{self.replicas} x {self.stages}-stage pipeline, {self.microbatches} micro-batches of "
+        ranks = f", {self.virtual} per rank" if self.virtual > 1 else ""
+        return (f"{self.replicas} x {len(self.runs)}-stage pipeline{ranks}, {self.microbatches} micro-batches of "
                 f"{self.replica_batch // self.microbatches}: {cut}{links}")
 
 
@@ -45,10 +52,12 @@ def layout_of(spec, layers: list[Layer], world: int, batch: int) -> Layout:
 def layout(spec, names: list[str], params: list[int], world: int, batch: int) -> Layout:
     """The layout of ``spec`` (a :class:`~thinwire.pipespec.PipelineSpec`) for ``world`` ranks and a global batch,
     over a layer list of ``names`` holding ``params`` parameters each."""
-    stages, layers = spec.stage_count(world), names
-    if stages > len(layers):
-        raise ConfigError("pipeline.stages", stages, f"at most the model's {len(layers)} layers ({', '.join(names)})",
-                          "A stage holds at least one layer: use fewer stages, or a workload with a longer layer list.")
+    stages, layers, V = spec.stage_count(world), names, spec.virtual
+    if stages * V > len(layers):
+        raise ConfigError("pipeline.stages", stages, f"at most the model's {len(layers)} layers ({', '.join(names)})"
+                          + (f" over virtual={V} stages per rank" if V > 1 else ""),
+                          "A stage holds at least one layer: use fewer stages"
+                          + (" or fewer virtual ones" if V > 1 else "") + ", or a workload with a longer layer list.")
     if world % stages:
         raise ConfigError("pipeline.stages", stages, f"a divisor of the number of workers ({world})",
                           "The workers form replicas x stages; e.g. --nproc " + str(stages * max(1, world // stages)))
@@ -65,9 +74,14 @@ def layout(spec, names: list[str], params: list[int], world: int, batch: int) ->
         raise ConfigError("pipeline.microbatches", micro, f"at least the {stages} stages with 1f1b (a replica's batch "
                           f"is {replica_batch})", "1F1B keeps every stage busy only with one micro-batch per stage in "
                           "flight: raise the batch size, or use gpipe.")
+    rounds = max(1, micro // stages)
+    if V > 1 and micro % rounds:  # torch's ScheduleInterleaved1F1B runs micro-batches in rounds of about S
+        fits = [m for m in range(1, replica_batch + 1) if replica_batch % m == 0 and m % max(1, m // stages) == 0]
+        raise ConfigError("pipeline.microbatches", micro, f"a multiple of its rounds (micro-batches // stages = "
+                          f"{rounds}) with interleaved", f"E.g. {', '.join(map(str, fits[-4:]))}.")
     if spec.layers:
         runs = split_from_counts(list(spec.layers), len(layers), names)
     else:
-        runs = balanced_split([float(n) for n in params], stages)
+        runs = balanced_split([float(n) for n in params], stages * V)
     return Layout(stages=stages, replicas=replicas, runs=runs, microbatches=micro, replica_batch=replica_batch,
-                  layer_names=names, links=spec.link_formats(stages))
+                  layer_names=names, links=spec.link_formats(stages * V), virtual=V)

@@ -15,6 +15,11 @@ micro-batches under ``no_sync`` and lets the last backward reduce, see ``Pipelin
 
 Communication per step and replica: each of the S-1 links carries M activations forward and M
 activation gradients back; the bubble is ``(S-1)/(M+S-1)`` of the ideal step for both schedules.
+
+**Interleaved** (``ScheduleInterleaved1F1B``, Narayanan et al. SC 2021): the layer list is cut into S x V
+stages and the replica's rank r holds stages r, r + S, ..., r + (V-1) S (a :class:`RankStages` of them,
+one ``PipelineStage`` each), so a micro-batch goes round the ranks V times: V times the messages, each
+link's S x V - 1 hand-overs including rank S-1 back to rank 0, for a bubble about V times smaller.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from thinwire import batch as B
 from thinwire.errors import ThinwireError
 from thinwire.pipeline.stages import Layer, StageModule, full_names, shared_parameters
 from thinwire.pipeline.wire import Decode, Encode
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
 @contextlib.contextmanager
@@ -87,27 +92,49 @@ class Tie:
 
 def make_ties(c: Cut, stage: int, grid: list[list[int]]) -> list[Tie]:
     """Process groups for the shared parameters, created on every rank in the same order (``new_group``
-    is collective); ``grid[replica][stage]`` is a global rank; this rank keeps its own stage's ties."""
+    is collective); ``grid[replica][s]`` is a global rank, stage k on column ``k % S``; this rank keeps its
+    own ties. Stages on the same rank share the one tensor, whose gradient sums them already."""
     by_id = {id(p): p for s in c.stages for p in s.parameters()}
     rank, mine = dist.get_rank(), []
     for pid in c.shared_order():
-        holders = c.shared[pid]
+        columns = sorted({k % len(grid[0]) for k in c.shared[pid]})
+        if len(columns) < 2:
+            continue
         for row in grid:
-            ranks = [row[s] for s in holders]
+            ranks = [row[s] for s in columns]
             group = dist.new_group(ranks=ranks)
             if rank in ranks:
-                mine.append(Tie(by_id[pid], group, counted=stage == holders[0]))
+                mine.append(Tie(by_id[pid], group, counted=stage == columns[0]))
     return mine
+
+
+class RankStages(nn.Module):
+    """The stages one rank holds in an interleaved pipeline, as one module (its parameters, optimizer, checkpoint
+    shard and the replicas' averaging); the schedule runs each stage itself."""
+
+    def __init__(self, stages: list[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
 
 
 class PipelineRank:
     """This rank's stage in its replica's pipeline: train and evaluate steps of whole replica batches."""
 
     def __init__(self, submod: nn.Module, *, stage: int, stages: int, group: dist.ProcessGroup | None,
-                 device: torch.device, loss_fn, microbatches: int, schedule: str, ties: list[Tie]) -> None:
+                 device: torch.device, loss_fn, microbatches: int, schedule: str, ties: list[Tie],
+                 virtual: int = 1) -> None:
+        """``submod``: this rank's stage, or with ``virtual`` > 1 its :class:`RankStages` (stages ``stage``,
+        ``stage + stages``, ...)."""
         self.stage_index, self.stages, self.ties = stage, stages, ties
-        self.stage = PipelineStage(submod, stage, stages, device, group=group)
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        if virtual > 1:
+            self.pipeline_stages = [PipelineStage(m, stage + v * stages, stages * virtual, device, group=group)
+                                    for v, m in enumerate(submod.stages)]
+            self.schedule = SCHEDULES[schedule](self.pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        else:
+            self.pipeline_stages = [PipelineStage(submod, stage, stages, device, group=group)]
+            self.schedule = SCHEDULES[schedule](self.pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+        self.stage = self.pipeline_stages[0]
+        self.modules = list(submod.stages) if virtual > 1 else [submod]
         self.group = group
         self.first, self.last = stage == 0, stage == stages - 1
 
@@ -134,7 +161,7 @@ class PipelineRank:
             return ()
         if torch.is_tensor(x):
             return (x,)
-        self.stage.submod.structure = x  # the template StageModule.forward rebuilds each micro-batch's from
+        self.modules[0].structure = x  # the template StageModule.forward rebuilds each micro-batch's from
         return tuple(B.tensors(x))
 
     def grad_norm(self, params: list[nn.Parameter]) -> float:
@@ -188,19 +215,27 @@ class Placement:
 
 def build_rank(model: nn.Module, layers: list[Layer], runs: list[list[int]], *, place: Placement,
                device: torch.device, loss_fn, microbatches: int, schedule: str, links: list[str] | None = None):
-    """This rank's :class:`PipelineRank`, its stage module and the :class:`Cut`; the mesh (``dp`` x ``pp``,
-    ranks laid out as ``place.order`` says) and the shared parameters' groups are created here, collectively."""
+    """This rank's :class:`PipelineRank`, its module (its stage, or its :class:`RankStages` where ``runs`` holds
+    more stages than ``place.stages``: interleaved) and the :class:`Cut`; the mesh (``dp`` x ``pp``, ranks laid
+    out as ``place.order`` says) and the shared parameters' groups are created here, collectively."""
     from torch.distributed.device_mesh import DeviceMesh
 
     c = cut(model, layers, runs, links)
+    virtual = len(runs) // place.stages
+    assert virtual * place.stages == len(runs) and (virtual == 1) == (schedule != "interleaved"), (schedule, len(runs))
     grid = torch.tensor(place.ranks()).view(place.replicas, place.stages)
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "pp"))
-    module = c.stages[place.stage].to(device)
+    mine = [c.stages[k] for k in range(place.stage, len(runs), place.stages)]
+    module = (mine[0] if virtual == 1 else RankStages(mine)).to(device)
     ties = make_ties(c, place.stage, grid.tolist())
     pp = mesh.get_group("pp")
     pr = PipelineRank(module, stage=place.stage, stages=place.stages, group=pp, device=device,
-                      loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, ties=ties)
+                      loss_fn=loss_fn, microbatches=microbatches, schedule=schedule, ties=ties, virtual=virtual)
     row = grid[place.replica].tolist()  # the group's ranks are numbered in global-rank order: map stages to them
-    pr.stage.stage_index_to_group_rank = {s: dist.get_group_rank(pp, r) for s, r in enumerate(row)}
+    to_group = {k: dist.get_group_rank(pp, row[k % place.stages]) for k in range(len(runs))}
+    for st in pr.pipeline_stages:
+        st.stage_index_to_group_rank = to_group
+    if virtual > 1:  # the schedule's program is by position (position r holds stages r, r + S, ...)
+        pr.schedule.stage_index_to_group_rank, pr.schedule.rank = to_group, place.stage
     pr.dp_group = mesh.get_group("dp")
     return pr, module, c

@@ -6,7 +6,7 @@ subset, checkpoint files and resume, is the trainer's own):
 
 * the ranks form ``replicas x stages`` (:mod:`thinwire.pipeline.layout`); all ranks of a replica draw
   the replica's slice of the global batch, the first stage feeds the inputs and the last computes the loss;
-* a step is the schedule's (GPipe or 1F1B over M micro-batches), then the stage's gradients are
+* a step is the schedule's (GPipe, 1F1B or interleaved 1F1B over M micro-batches), then the stage's gradients are
   averaged over the replicas through ``--compression`` and the sync mode (no DDP: a stage's backward
   is spread over the schedule; :class:`~thinwire.compress.sync.base.Averaged`), clipped by the whole
   model's norm, and applied by the stage's own AdamW;
@@ -43,20 +43,22 @@ from thinwire.workloads.base import collate, even_shares
 
 
 class ActivationBytes:
-    """Bytes this stage sends per training step: its outputs forward (unless last), the gradients of its
-    floating-point inputs back (unless first), counted from the tensors its forward sees."""
+    """Bytes this rank's stages send per training step: each stage's outputs forward (unless the pipeline's
+    last), the gradients of its floating-point inputs back (unless the first), counted from the tensors its
+    forward sees."""
 
-    def __init__(self, module: torch.nn.Module, first: bool, last: bool) -> None:
-        self.first, self.last, self.total, self.counting = first, last, 0, False
-        module.register_forward_hook(self._count)
+    def __init__(self, modules: list[torch.nn.Module], first: list[bool], last: list[bool]) -> None:
+        self.total, self.counting = 0, False
+        for module, f, l in zip(modules, first, last, strict=True):
+            module.register_forward_hook(lambda m, i, o, f=f, l=l: self._count(i, o, f, l))
 
-    def _count(self, module, inputs, output) -> None:
+    def _count(self, inputs, output, first: bool, last: bool) -> None:
         if not self.counting:
             return
         outs = output if isinstance(output, tuple) else (output,)
-        if not self.last:
+        if not last:
             self.total += sum(t.numel() * t.element_size() for t in outs if torch.is_tensor(t))
-        if not self.first:
+        if not first:
             self.total += sum(t.numel() * t.element_size() for t in inputs if torch.is_tensor(t) and t.is_floating_point())
 
 
@@ -102,7 +104,7 @@ class PipelineTrainer(Trainer):
     def _setup_model(self, lr: float) -> None:
         cfg, device = self.cfg, self.device
         self.signature = ckpt.model_signature(self.wl.model)
-        links = cfg.pipeline_spec.link_formats(self.layout.stages)
+        links = self.layout.links
         x, _ = collate(self.wl.train, [0])
         check_chain(self.layers, B.to(x, device), self.layout.runs, links)
         self.pipe, stage, self.cut = build_rank(
@@ -111,7 +113,8 @@ class PipelineTrainer(Trainer):
             links=links)
         self.cut.stages, self.layers = [], None  # keep only this rank's stage: the others' tensors are freed
         if cfg.pipeline_spec.recompute:  # every layer's activations recomputed in backward
-            apply_checkpointing(stage)
+            for m in self.pipe.modules:
+                apply_checkpointing(m)
         self.wl.model = stage
         self.stage = stage
         self.prec = prepare_precision(stage, cfg.precision, device=device, batch=self.layout.replica_batch,
@@ -127,7 +130,8 @@ class PipelineTrainer(Trainer):
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         # what a mode may read (pipelines run allreduce, local or diloco; delayed's prediction is not offered here)
         self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip
-        self.acts = ActivationBytes(stage, self.pipe.first, self.pipe.last)
+        ks = self.layout.rank_stages(self.place.stage)
+        self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks], [k == len(self.layout.runs) - 1 for k in ks])
 
     # -- a step --------------------------------------------------------------------------------------
     def _train_step(self) -> dict:
