@@ -440,6 +440,30 @@ def test_pipeline_step_simulated_by_hand():
     assert split_for_speeds([1] * 4, [1.0, 1.0], fits=lambda s, a, b: False) is None
 
 
+def test_interleaved_model_plays_torchs_program_and_gives_megatrons_bubble():
+    """The interleaved schedule's programs come from torch's own lowering; played out with equal stages and
+    free links they give Megatron-LM's step, ``M (f + b) + (S - 1)(f + b) / V`` (Narayanan et al. SC 2021)
+    for a full stage's f, b split over V stages per rank, where 1F1B gives ``(M + S - 1)(f + b)``. With a
+    slow link every hand-over pays it: 2 ranks x 2 stages send 3 messages each way per micro-batch."""
+    from thinwire.perf.pipeline import simulate_schedule
+    from thinwire.pipeline.programs import interleaved_programs
+
+    def step(S, V, M, send=0.0):
+        C = S * V
+        return simulate_schedule(forward_s=[1 / V] * C, backward_s=[2 / V] * C, send_forward_s=[send] * C,
+                                 send_backward_s=[send] * C, microbatches=M, programs=interleaved_programs(S, V, M))
+
+    for S, V, M in [(4, 2, 8), (4, 2, 4), (2, 2, 4), (4, 4, 8), (4, 2, 16), (4, 2, 6)]:
+        assert step(S, V, M) == pytest.approx(M * 3 + (S - 1) * 3 / V), (S, V, M)
+    prog = interleaved_programs(2, 2, 4)
+    assert sum(what == "F" for what, _ in prog[0]) == 8 and prog[1][-1][0] == "wait"
+    assert {op[2] for what, ops in prog[1] if what == "post" for op in ops if op[0] == "send"} == {1, 3}
+    # the link's time: 1F1B sends 1 message per micro-batch each way, interleaved 3
+    one = simulate_schedule(forward_s=[1, 1], backward_s=[2, 2], send_forward_s=[5, 5], send_backward_s=[5, 5],
+                            microbatches=4)
+    assert step(2, 2, 4, send=5.0) > one > step(2, 2, 4)
+
+
 def _layered_profile(**kw):
     from tests.test_plan import profile
     from thinwire.measure.file import LayerRecord

@@ -190,8 +190,8 @@ def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> Table
     for col in ("stage", "host", "layers", "compute / micro-batch", "sending / micro-batch", "link to next"):
         t.add_column(col, justify="left" if col in ("host", "layers") else "right")
     for s, run in enumerate(lay.runs):
-        t.add_row(str(s), stage_hosts[s].name, "+".join(lay.layer_names[i] for i in run), _ms(pred.stage_s[s]),
-                  _ms(pred.egress_s[s]), lay.links[s] if s < len(lay.links) else "-")
+        t.add_row(str(s), stage_hosts[s % lay.stages].name, "+".join(lay.layer_names[i] for i in run),
+                  _ms(pred.stage_s[s]), _ms(pred.send_s[s]), lay.links[s] if s < len(lay.links) else "-")
     return t
 
 

@@ -126,14 +126,17 @@ class Credit:
 
 def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
                       send_backward_s: list[float], microbatches: int, schedule: str = "1f1b",
-                      alpha: float = 0.0, credit_s: list[float] | None = None) -> float:
-    """Seconds from the first action to the last (module docstring). Per stage s: ``forward_s[s]``,
-    ``backward_s[s]`` per micro-batch; ``send_forward_s[s]``: its output's seconds on its host's egress
-    (unused on the last stage), ``send_backward_s[s]``: its input gradient's (unused on the first).
-    ``alpha``: each message's latency beyond its time on the egress. ``credit_s[s]``: host s's token
+                      alpha: float = 0.0, credit_s: list[float] | None = None,
+                      programs: list[list[tuple]] | None = None) -> float:
+    """Seconds from the first action to the last (module docstring). Per stage k: ``forward_s[k]``,
+    ``backward_s[k]`` per micro-batch; ``send_forward_s[k]``: its output's seconds on its host's egress
+    (unused on the last stage), ``send_backward_s[k]``: its input gradient's (unused on the first).
+    ``alpha``: each message's latency beyond its time on the egress. ``credit_s[r]``: rank r's token
     bucket in seconds of its egress (none: every message pays the rate), full at the start.
 
-    Each stage runs :func:`stage_program`. A message moves as gloo moves it (``gloo/transport/tcp/pair.cc``):
+    ``programs``: one per rank, stage k on rank ``k % ranks`` (the interleaved schedule's, written out by
+    :func:`thinwire.pipeline.programs.interleaved_programs`); by default each stage is a rank running
+    :func:`stage_program` of ``schedule``. A message moves as gloo moves it (``gloo/transport/tcp/pair.cc``):
     the sender's data is written only once the receiver has posted its receive and that notice has come
     back, behind whatever the receiver's egress has queued before it (one FIFO per host, as tc's qdisc);
     the send then completes (the socket holds the message), the data leaves on the sender's egress, first
@@ -146,16 +149,18 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
     ...                   microbatches=1, credit_s=[0.5, 0.5])
     4.0
     """
-    S = len(forward_s)
-    assert S >= 1 and microbatches >= 1 and len(backward_s) == len(send_forward_s) == len(send_backward_s) == S
-    links = [Credit(c) for c in (credit_s if credit_s is not None else [0.0] * S)]
-    assert len(links) == S
-    programs = [stage_program(schedule, s, S, microbatches) for s in range(S)]
-    pc, egress = [0] * S, [0.0] * S
-    done: dict[tuple, float] = {}         # (stage, op) -> when it completes, once known
-    posted: dict[tuple, float] = {}       # (stage, "send", kind, m) -> when the sender fired it
-    ready: dict[tuple, float] = {}        # (stage, "send", kind, m) -> when the receiver's notice reached it
-    blocked: dict[int, float] = {}        # stage -> since when it waits for operations not yet timed
+    C = len(forward_s)
+    assert C >= 1 and microbatches >= 1 and len(backward_s) == len(send_forward_s) == len(send_backward_s) == C
+    if programs is None:
+        programs = [_with_stage(stage_program(schedule, s, C, microbatches), s) for s in range(C)]
+    R = len(programs)
+    links = [Credit(c) for c in (credit_s if credit_s is not None else [0.0] * R)]
+    assert len(links) == R and C % R == 0
+    pc, egress = [0] * R, [0.0] * R
+    done: dict[tuple, float] = {}         # op -> when it completes, once known
+    posted: dict[tuple, float] = {}       # ("send", kind, k, m) -> when the sender fired it
+    ready: dict[tuple, float] = {}        # ("send", kind, k, m) -> when the receiver's notice reached it
+    blocked: dict[int, float] = {}        # rank -> since when it waits for operations not yet timed
     events: list[tuple[float, int, str, tuple]] = []
     seq = 0
 
@@ -164,65 +169,69 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
         heapq.heappush(events, (at, seq, what, key))
         seq += 1
 
-    def leave(s: int, at: float, seconds: float) -> float:
-        """When a message handed to host s's egress ``at`` (calls in time order) has left it."""
-        start = max(egress[s], at)
-        egress[s] = start + links[s].take(start, seconds)
-        return egress[s]
+    def leave(r: int, at: float, seconds: float) -> float:
+        """When a message handed to rank r's egress ``at`` (calls in time order) has left it."""
+        start = max(egress[r], at)
+        egress[r] = start + links[r].take(start, seconds)
+        return egress[r]
 
-    def peer(s: int, kind: str, op: str) -> int:
-        return s + 1 if (kind == "F") == (op == "send") else s - 1
-
-    def write(s: int, kind: str, m: int, at: float) -> None:
-        """Both ends are ready at ``at``: the sender's data goes out."""
-        seconds = send_forward_s[s] if kind == "F" else send_backward_s[s]
-        end = leave(s, at, seconds)
-        done[(s, ("send", kind, m))] = at  # gloo sizes the socket's buffer to the message: it is written at once
-        done[(peer(s, kind, "send"), ("recv", kind, m))] = end + alpha
+    def write(kind: str, k: int, m: int, at: float) -> None:
+        """Both ends are ready at ``at``: stage k's data goes out."""
+        seconds = send_forward_s[k] if kind == "F" else send_backward_s[k]
+        end = leave(k % R, at, seconds)
+        done[("send", kind, k, m)] = at  # gloo sizes the socket's buffer to the message: it is written at once
+        done[("recv", kind, k + 1 if kind == "F" else k - 1, m)] = end + alpha
         for w in list(blocked):
             push(blocked.pop(w), "run", (w,))  # it looks again at what it waits for
 
-    def run(s: int, now: float) -> None:
-        while pc[s] < len(programs[s]):
-            what, arg = programs[s][pc[s]]
+    def run(r: int, now: float) -> None:
+        while pc[r] < len(programs[r]):
+            what, arg = programs[r][pc[r]]
             if what == "post":
-                for op, kind, m in arg:
+                for op, kind, k, m in arg:
                     if op == "send":
-                        posted[(s, op, kind, m)] = now
-                        if (s, op, kind, m) in ready:
-                            write(s, kind, m, max(now, ready[(s, op, kind, m)]))
-                    else:  # the notice leaves behind what this host's egress has queued
-                        push(max(now, egress[s]) + alpha, "notice", (peer(s, kind, "recv"), kind, m))
+                        posted[(op, kind, k, m)] = now
+                        if (op, kind, k, m) in ready:
+                            write(kind, k, m, max(now, ready[(op, kind, k, m)]))
+                    else:  # the notice leaves behind what this host's egress has queued, for the sending stage
+                        push(max(now, egress[r]) + alpha, "notice", (kind, k - 1 if kind == "F" else k + 1, m))
             elif what == "wait":
-                times = [done.get((s, op)) for op in arg]
+                times = [done.get(op) for op in arg]
                 if None in times:
-                    blocked[s] = now
+                    blocked[r] = now
                     return
                 if max(times, default=now) > now:
-                    pc[s] += 1
-                    push(max(times), "run", (s,))
+                    pc[r] += 1
+                    push(max(times), "run", (r,))
                     return
             else:
-                pc[s] += 1
-                push(now + (forward_s[s] if what == "F" else backward_s[s]), "run", (s,))
+                k, _ = arg
+                pc[r] += 1
+                push(now + (forward_s[k] if what == "F" else backward_s[k]), "run", (r,))
                 return
-            pc[s] += 1
+            pc[r] += 1
 
-    for s in range(S):
-        push(0.0, "run", (s,))
+    for r in range(R):
+        push(0.0, "run", (r,))
     end = 0.0
     while events:
         now, _, what, key = heapq.heappop(events)
         end = max(end, now)
         if what == "run":
             run(key[0], now)
-        else:  # a receive's notice reached its sender
-            s, kind, m = key
-            ready[(s, "send", kind, m)] = now
-            if (s, "send", kind, m) in posted:
-                write(s, kind, m, max(now, posted[(s, "send", kind, m)]))
-    assert all(pc[s] == len(programs[s]) for s in range(S)), "the schedule deadlocked"
+        else:  # a receive's notice reached the sending stage's rank
+            op = ("send", *key)
+            ready[op] = now
+            if op in posted:
+                write(*key, max(now, posted[op]))
+    assert all(pc[r] == len(programs[r]) for r in range(R)), "the schedule deadlocked"
     return end
+
+
+def _with_stage(program: list[tuple], s: int) -> list[tuple]:
+    """:func:`stage_program`'s operations of stage ``s`` with the stage named in each (simulate_schedule's form)."""
+    return [(what, [(op, kind, s, m) for op, kind, m in arg]) if what in ("post", "wait") else (what, (s, arg))
+            for what, arg in program]
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

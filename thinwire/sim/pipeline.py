@@ -18,6 +18,9 @@ the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
   the rate only for what the credit its sender's link gathered while idle does not cover
   (:func:`thinwire.perf.pipeline.simulate_schedule`): at 100 Mbit/s a stage's 32 KiB of bf16 activations
   between idle gaps leave at once. The one probed link's bucket stands for every link's.
+* **Interleaved** (``runs`` holding V stages per host, stage k on host ``k % S``): every stage priced as
+  above on its host, each rank playing out the program torch's ``ScheduleInterleaved1F1B`` runs
+  (:func:`thinwire.pipeline.programs.interleaved_programs`), its stages' messages on its host's one egress.
 * **After the schedule**: the slowest stage's optimizer step (its share of the profile's post-backward
   time), the trainer's two scalar all-reduces of a step (the whole model's gradient norm over the stages,
   the mean loss over every rank) at a collective's latency per hop (the probe's ``alpha``), and, with
@@ -41,18 +44,22 @@ from thinwire.sim.inputs import compute_at, efficiency_of, host_cores, host_spee
 class PipelinePrediction:
     step_s: float
     stage_s: list[float]        # compute per micro-batch, per stage
-    egress_s: list[float]       # sending per micro-batch, per stage's host
+    egress_s: list[float]       # sending per micro-batch, per host (stage k's is k % hosts)
     link_s: list[float]         # one micro-batch across each link, forward and back
     after_s: float
     microbatches: int
+    send_s: list[float] = dataclasses.field(default_factory=list)  # sending per micro-batch, per stage
 
     @property
     def bottleneck(self) -> str:
-        c = max(range(len(self.stage_s)), key=lambda s: self.stage_s[s])
-        e = max(range(len(self.egress_s)), key=lambda s: self.egress_s[s])
-        if self.egress_s[e] > self.stage_s[c]:
-            return f"stage {e}'s link ({self.egress_s[e] * 1e3:.1f} ms of sending per micro-batch)"
-        return f"stage {c}'s compute ({self.stage_s[c] * 1e3:.1f} ms per micro-batch)"
+        S = len(self.egress_s)
+        busy = [sum(self.stage_s[r::S]) for r in range(S)]  # a host's compute per micro-batch, all its stages
+        c = max(range(S), key=lambda r: busy[r])
+        e = max(range(S), key=lambda r: self.egress_s[r])
+        what = "stage" if len(self.stage_s) == S else "host of stage"
+        if self.egress_s[e] > busy[c]:
+            return f"{what} {e}'s link ({self.egress_s[e] * 1e3:.1f} ms of sending per micro-batch)"
+        return f"{what} {c}'s compute ({busy[c] * 1e3:.1f} ms per micro-batch)"
 
 
 def needs_layers(profile: Profile) -> None:
@@ -81,13 +88,16 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
                      microbatches: int, replica_batch: int, activations: list[str], replicas: int = 1,
                      threads: int = 1, colocated_cores: float | None = None, recompute: bool = False,
                      schedule: str | None = None) -> PipelinePrediction:
-    """The step of ``replicas`` pipelines over ``hosts`` (stage s of every replica on hosts like ``hosts[s]``);
+    """The step of ``replicas`` pipelines over ``hosts`` (stage s of every replica on hosts like ``hosts[s]``;
+    with ``schedule`` interleaved, ``runs`` holds V stages per host, stage k on ``hosts[k % len(hosts)]``);
     ``schedule`` None: 1F1B where it runs (M >= S), else GPipe, as the planner chooses."""
     needs_layers(profile)
-    S, micro = len(runs), replica_batch // microbatches
+    S, H, micro = len(runs), len(hosts), replica_batch // microbatches
     schedule = schedule or ("1f1b" if microbatches >= S else "gpipe")
+    assert (schedule == "interleaved") == (S > H) and S % H == 0, (schedule, S, H)
     speeds = stage_speeds(profile, hosts, replicas=replicas, threads=threads, colocated_cores=colocated_cores,
                           cluster=spec.name)
+    speeds = [speeds[k % H] for k in range(S)]  # each stage's host's
     efficiency = efficiency_of(profile)
     latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
     alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + latency  # a collective's per hop
@@ -103,16 +113,22 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
                 * micro / v + e + w / v for run, v, e, w in zip(runs, speeds, extra, wire_b)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
     burst = net.burst_bytes if net and net.burst_bytes is not None else 0.0
-    send_f = [fwd[s] / rate[s] if s < S - 1 else 0.0 for s in range(S)]
-    send_b = [fwd[s - 1] / rate[s] if s > 0 else 0.0 for s in range(S)]
-    egress = [f + b + hand_off * ((s < S - 1) + (s > 0)) for s, (f, b) in enumerate(zip(send_f, send_b))]
+    send_f = [fwd[s] / rate[s % H] if s < S - 1 else 0.0 for s in range(S)]
+    send_b = [fwd[s - 1] / rate[s % H] if s > 0 else 0.0 for s in range(S)]
+    sends = [f + b + hand_off * ((s < S - 1) + (s > 0)) for s, (f, b) in enumerate(zip(send_f, send_b))]
+    egress = [sum(sends[r::H]) for r in range(H)]
     links = [send_f[s] + send_b[s + 1] + 2 * hand_off for s in range(S - 1)]
     after = _after_s(profile, runs, speeds, replicas, hosts, efficiency, alpha)
+    programs = None
+    if schedule == "interleaved":
+        from thinwire.pipeline.programs import interleaved_programs
+
+        programs = interleaved_programs(H, S // H, microbatches)
     step = simulate_schedule(forward_s=forward, backward_s=backward, send_forward_s=send_f, send_backward_s=send_b,
                              microbatches=microbatches, schedule=schedule, alpha=hand_off,
-                             credit_s=[burst / r for r in rate]) + after
+                             credit_s=[burst / r for r in rate], programs=programs) + after
     return PipelinePrediction(step_s=step, stage_s=[f + b for f, b in zip(forward, backward)], egress_s=egress,
-                              link_s=links, after_s=after, microbatches=microbatches)
+                              link_s=links, after_s=after, microbatches=microbatches, send_s=sends)
 
 
 def _wire_s(profile: Profile, runs: list[list[int]], activations: list[str], micro: int) -> tuple[list, list]:
@@ -141,14 +157,15 @@ def _after_s(profile: Profile, runs, speeds, replicas: int, hosts: list[HostSpec
     step's two scalar all-reduces (``PipelineRank.grad_norm`` over the stages, the mean loss over every rank)."""
     post = compute_at(profile, profile.compute[0].batch).post_s
     worst = 0.0
-    for s, run in enumerate(runs):
-        params = sum(profile.layers[i].parameters for i in run)
-        t = post * params / max(1, profile.parameters) / speeds[s]
+    H = len(hosts)
+    for r in range(H):  # a host's stages: r, r + H, ...
+        params = sum(profile.layers[i].parameters for run in runs[r::H] for i in run)
+        t = post * params / max(1, profile.parameters) / speeds[r]
         if replicas > 1:
             t += coll.ring_allreduce_s(params * 4, replicas, alpha=alpha,
-                                       beta=coll.beta_from_rate(hosts[s].bandwidth, efficiency))
+                                       beta=coll.beta_from_rate(hosts[r].bandwidth, efficiency))
         worst = max(worst, t)
-    S = len(runs)
+    S = H
     scalars = coll.ring_allreduce_s(8, S, alpha=alpha, beta=0.0) + coll.ring_allreduce_s(8, S * replicas, alpha=alpha,
                                                                                           beta=0.0)
     return worst + scalars
