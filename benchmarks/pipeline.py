@@ -14,6 +14,9 @@ seed before the next seed, medians over seeds):
   and fp32 on unshaped links (the compute floor of the same pipeline). Reports the median step, the final
   validation loss at equal samples and its difference from fp32's (fp32 links compute what one process
   computes, ``tests/test_pipeline.py``: it is the loss control).
+* ``bubble``: 4 equal hosts at 1 Gbit/s, a batch of 8: 1F1B against interleaved 1F1B (2 stages per rank),
+  each at 4 and at 8 micro-batches; the interleaved schedule's bubble is about half 1F1B's for twice the
+  hand-overs. Run it with ``--name pipeline_interleaved`` (its own report).
 
 Each run is ``thinwire train --cluster SPEC --pipeline ...`` as a user would start it; step times are the
 medians of each run's ``step_time_s`` after its first 5 steps (shape inference and warm-up), and the
@@ -86,6 +89,19 @@ SCENARIOS = {
             "even split (by parameters)": ["--plan", "{even}"],
         },
         "control": "even split (by parameters)",
+    },
+    "bubble": {
+        "about": "4 hosts x 1 Gbit/s, 0.5 core each; charlm 8 x 128 wide, context 64, 4 ranks, batch 8 (a batch too "
+                 "small for the bubble to vanish: 1F1B idles (S-1)/(M+S-1) of the step)",
+        "hosts": 4, "rate": "1gbit", "cpu": 0.5, "subnet": "10.244.0.0/24", "probe_micro": 2,
+        "model": {"layers": 8, "width": 128, "heads": 4, "context": 64}, "batch": 8, "steps": 100, "evals": 2,
+        "contenders": {
+            "1f1b, 4 micro-batches": ["--pipeline", "1f1b:microbatches=4"],
+            "interleaved, 2 stages per rank, 4 micro-batches": ["--pipeline", "interleaved:microbatches=4"],
+            "1f1b, 8 micro-batches (its default)": ["--pipeline", "1f1b"],
+            "interleaved, 2 stages per rank, 8 micro-batches": ["--pipeline", "interleaved"],
+        },
+        "control": "1f1b, 4 micro-batches",
     },
 }
 
@@ -185,7 +201,7 @@ def make_plans(sc: dict, spec: Path, folder: Path) -> dict:
     from thinwire.plan.planfile import read_plan, save_plan
 
     folder.mkdir(parents=True, exist_ok=True)
-    micro = sc["batch"] // default_microbatches(sc["batch"], sc["hosts"])
+    micro = sc.get("probe_micro") or sc["batch"] // default_microbatches(sc["batch"], sc["hosts"])
     model = [a for k, v in sc["model"].items() for a in ("--set", f"model.{k}={v}")]
     prof, plan, even = folder / "profile.yaml", folder / "plan.yaml", folder / "even.yaml"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -321,7 +337,7 @@ def probe(sc: dict, spec: Path, out: Path) -> Path:
     network's latencies."""
     from thinwire.pipeline.layout import default_microbatches
 
-    micro = sc["batch"] // default_microbatches(sc["batch"], sc["hosts"])
+    micro = sc.get("probe_micro") or sc["batch"] // default_microbatches(sc["batch"], sc["hosts"])
     model = [a for k, v in sc["model"].items() for a in ("--set", f"model.{k}={v}")]
     subprocess.run([sys.executable, "-m", "thinwire", "profile", "--workload", "charlm", *model, "--batch-sizes",
                     str(micro), "--codecs", "none", "--guard-steps", "0", "--cluster", str(spec), "--out", str(out)],
