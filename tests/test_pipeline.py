@@ -464,6 +464,30 @@ def test_interleaved_model_plays_torchs_program_and_gives_megatrons_bubble():
     assert step(2, 2, 4, send=5.0) > one > step(2, 2, 4)
 
 
+def test_the_overhead_probe_times_both_schedules_and_the_model_charges_the_interleaved_ones():
+    """The probe's two trivial 2-rank pipelines: an interleaved rank (2 stages, 3 hand-overs each way per
+    micro-batch, posted by torch's multi-stage runtime) spends more per micro-batch than a 1F1B stage; the model
+    charges an interleaved pipeline that measured overhead, split over a rank's stages (an old profile without
+    it: 1F1B's per stage)."""
+    import dataclasses as dc
+
+    from thinwire.measure.pipeline_overhead import pipeline_overhead
+    from thinwire.sim.pipeline import predict_pipeline
+
+    got = pipeline_overhead(reps=2)
+    assert got["interleaved_per_microbatch_s"] > got["per_microbatch_s"] > 0
+    prof, spec = _layered_profile(), _cluster()
+    runs = [[0, 1], [2], [3], [4], [5], [6], [7], [8, 9]]
+
+    def step(p):
+        return predict_pipeline(spec, p, list(spec.hosts), runs, microbatches=4, replica_batch=8,
+                                activations=["fp32"] * 7, threads=1, schedule="interleaved").step_s
+
+    cheap = dc.replace(prof, pipeline_overhead_s=1e-3)
+    assert step(cheap) == pytest.approx(step(dc.replace(cheap, interleaved_overhead_s=2e-3)))
+    assert step(dc.replace(cheap, interleaved_overhead_s=6e-3)) > step(cheap) + 4 * 2e-3
+
+
 def _layered_profile(**kw):
     from tests.test_plan import profile
     from thinwire.measure.file import LayerRecord

@@ -278,6 +278,7 @@ class Profile:
     layers_batch: int = 0                                                 # the batch they were measured at
     runtime_bytes: int = 0  # a worker process's memory before its model: Python, torch, thinwire (0: not measured)
     pipeline_overhead_s: float = 0.0  # a stage's schedule and send/receive time per micro-batch (measure.pipeline_overhead)
+    interleaved_overhead_s: float | None = None  # the same for a rank of 2 interleaved stages (None: not measured)
     val_items: int = 0  # the workload's validation set size (0: not recorded): what a validation can cost (plan)
 
     def __post_init__(self) -> None:
@@ -292,6 +293,9 @@ class Profile:
             check_range(name, getattr(self, name), 0, 1e30)
         check_range("collective_cpu_s_per_byte", self.collective_cpu_s_per_byte, 0, 1e-3)
         check_range("val_items", self.val_items, 0, 2**62, kind="an integer")
+        check_range("pipeline_overhead_s", self.pipeline_overhead_s, 0, MAX_SECONDS)
+        if self.interleaved_overhead_s is not None:
+            check_range("interleaved_overhead_s", self.interleaved_overhead_s, 0, MAX_SECONDS)
         for copies, speed in self.corun_speed.items():
             check_range(f"corun_speed.{copies}", speed, 0, 100, open_lo=True)
 

@@ -104,11 +104,12 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         from thinwire.measure.collective import collective_cpu as measure_collective
 
         collective_cpu = measure_collective()["per_byte_s"]
-    pipe_overhead = 0.0
+    pipe_overhead, inter_overhead = 0.0, None
     if corun and cores > 1 and layer_costs:  # a pipeline stage's time per micro-batch beyond its layers
         from thinwire.measure.pipeline_overhead import pipeline_overhead
 
-        pipe_overhead = pipeline_overhead()["per_microbatch_s"]
+        got = pipeline_overhead()
+        pipe_overhead, inter_overhead = got["per_microbatch_s"], got["interleaved_per_microbatch_s"]
     numels = [bk.numel for bk in buckets]
     sizes = sizes_for(numels)
     kernels = measure_kernels(sizes, reps)
@@ -125,7 +126,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
         network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0, runtime_bytes=runtime,
-        pipeline_overhead_s=pipe_overhead, val_items=len(wl.val) if wl.val is not None else 0)
+        pipeline_overhead_s=pipe_overhead, interleaved_overhead_s=inter_overhead, val_items=len(wl.val) if wl.val is not None else 0)
 
 
 def _resident_bytes() -> int:

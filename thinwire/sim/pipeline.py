@@ -20,7 +20,9 @@ the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
   between idle gaps leave at once. The one probed link's bucket stands for every link's.
 * **Interleaved** (``runs`` holding V stages per host, stage k on host ``k % S``): every stage priced as
   above on its host, each rank playing out the program torch's ``ScheduleInterleaved1F1B`` runs
-  (:func:`thinwire.pipeline.programs.interleaved_programs`), its stages' messages on its host's one egress.
+  (:func:`thinwire.pipeline.programs.interleaved_programs`), its stages' messages on its host's one egress;
+  the schedule's own time per micro-batch is the interleaved runtime's, measured apart (``profile``'s
+  ``interleaved_overhead_s``, a rank of 2 stages: 3.5 ms here where 1F1B's stage takes 0.6 ms).
 * **After the schedule**: the slowest stage's optimizer step (its share of the profile's post-backward
   time), the trainer's two scalar all-reduces of a step (the whole model's gradient norm over the stages,
   the mean loss over every rank) at a collective's latency per hop (the probe's ``alpha``), and, with
@@ -105,7 +107,10 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
     hand_off = (net.p2p_latency_s if net and net.p2p_latency_s is not None else DEFAULT_ALPHA_S) + latency
     fwd = [cut_bytes(profile, runs[s], activations[s], micro) for s in range(S - 1)]  # link s: stage s -> s+1
     moved = [2 * ((fwd[s] if s < S - 1 else 0.0) + (fwd[s - 1] if s > 0 else 0.0)) for s in range(S)]  # in and out
-    extra = [(profile.pipeline_overhead_s + profile.collective_cpu_s_per_byte * m) / v / 2 for m, v in zip(moved, speeds)]
+    overhead = profile.pipeline_overhead_s
+    if schedule == "interleaved" and profile.interleaved_overhead_s is not None:
+        overhead = profile.interleaved_overhead_s / 2  # measured for a rank of 2 stages: per stage
+    extra = [(overhead + profile.collective_cpu_s_per_byte * m) / v / 2 for m, v in zip(moved, speeds)]
     wire_f, wire_b = _wire_s(profile, runs, activations, micro)
     forward = [sum(profile.layers[i].forward_s for i in run) * micro / v + e + w / v
                for run, v, e, w in zip(runs, speeds, extra, wire_f)]
