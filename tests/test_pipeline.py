@@ -552,6 +552,30 @@ def test_planner_takes_fewer_microbatches_where_their_fixed_cost_outweighs_the_b
     assert _plan(_cluster()).pipeline.microbatches == 16  # where compute dominates, the bubble still decides
 
 
+def test_planner_interleaves_only_where_the_model_says_it_pays_and_the_plan_runs_as_planned():
+    """A batch of 4 over 4 hosts: 1F1B idles 3/7 of its step. With a cheap runtime the planner gives each host 2
+    stages (interleaved) and says what 1F1B would take; where the interleaved runtime's own cost per micro-batch
+    is high, it keeps 1F1B and says so. The plan's pipeline spec parses back to its layout."""
+    import dataclasses as dc
+
+    from thinwire.plan.planner import PlanOptions, make_plan
+
+    def plan(**kw):
+        return make_plan(_cluster(), dc.replace(_layered_profile(), **kw), workload="charlm", model={},
+                         options=PlanOptions(batch_size=4, codecs=("none",), pipeline=True))
+
+    cheap = plan(pipeline_overhead_s=1e-4, interleaved_overhead_s=2e-4)
+    p = cheap.pipeline
+    assert (p.schedule, p.virtual, len(p.stages), p.hosts) == ("interleaved", 2, 8, ["h0", "h1", "h2", "h3"])
+    assert p.alternative_step_s["1f1b"] > p.predicted_step_s / 0.97
+    assert any("best 1f1b plan" in line for line in cheap.explanation)
+    spec = parse_pipeline_spec(p.spec_text())
+    assert (spec.schedule, spec.stages, spec.virtual, sum(spec.layers)) == ("interleaved", 4, 2, 10)
+    costly = plan(pipeline_overhead_s=1e-4, interleaved_overhead_s=0.05)
+    assert costly.pipeline.schedule == "1f1b" and "interleaved" in costly.pipeline.alternative_step_s
+    assert any("best interleaved plan" in line and "not 3% faster" in line for line in costly.explanation)
+
+
 def test_planner_compresses_only_links_that_pace_the_pipeline():
     fast, slow = _plan(_cluster("10gbit")), _plan(_cluster("5mbit"))
     assert set(fast.pipeline.links) == {"fp32"}

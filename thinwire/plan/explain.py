@@ -241,13 +241,19 @@ def pipeline_lines(pipe, profile, ddp_s: float | None, fits_one: bool) -> list[s
             "A pipeline over the hosts (asked for with --pipeline).")
     links = "/".join(pipe.links) if pipe.links else "none"
     lines = [head,
-             f"{len(pipe.stages)} stages, {pipe.schedule.upper()} over {pipe.microbatches} micro-batches"
+             f"{len(pipe.stages)} stages" + (f", {pipe.virtual} per host" if pipe.virtual > 1 else "")
+             + f", {pipe.schedule.upper()} over {pipe.microbatches} micro-batches"
              + (", activations recomputed in backward to fit memory" if pipe.recompute else "") + f": {stages}.",
              f"Links between stages carry activations as {links} (compressed only where the link paces the "
              f"pipeline). Predicted step {_ms(pipe.predicted_step_s)}; the pace is set by {pipe.bottleneck}.",
              f"Split by measured host speed and memory: the even split by parameters ({'/'.join(map(str, pipe.even_split))} "
              f"layers) is predicted at {_ms(pipe.even_split_step_s)} "
              f"({pipe.even_split_step_s / pipe.predicted_step_s:.2f}x this plan's step)."]
+    for other, step in pipe.alternative_step_s.items():
+        why = ("not 3% faster: its half bubble does not repay twice the hand-overs and its runtime's cost per "
+               "micro-batch" if other == "interleaved" else "its bubble is twice the interleaved schedule's")
+        lines.append(f"The best {other} plan is predicted at {_ms(step)} ({step / pipe.predicted_step_s:.2f}x this "
+                     f"plan's step; {why}).")
     if ddp_s is not None:
         lines.append(f"Uniform DDP fp32 on the same hosts is predicted at {_ms(ddp_s)} per step "
                      f"({ddp_s / pipe.predicted_step_s:.2f}x the pipeline's).")

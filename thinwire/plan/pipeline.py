@@ -16,7 +16,14 @@ Steps of :func:`plan_pipeline`:
 4. **Links**: the most precise uniform format within 5% of the fastest, then each link put back to
    fp32 (or bf16) where that costs at most 2% of the step: compression only on the links that pace
    the pipeline (its loss effect is measured in ``benchmarks/results/pipeline.md``).
-5. **Why**: the same hosts with the split balanced by parameters (what ``--pipeline 1f1b`` does without
+5. **Interleaved where it pays**: the same search with each host holding 2 stages (``ScheduleInterleaved1F1B``,
+   the layer list cut in 2 S, stage k on host ``k % S``, each host's stages within its memory with the
+   micro-batches torch's order keeps in flight), taken only if predicted at least 3% faster than the best
+   1F1B or GPipe plan: its bubble is half 1F1B's, for twice the hand-overs and its runtime's own cost per
+   micro-batch (``profile``'s ``interleaved_overhead_s``; a profile without it is not offered interleaved
+   plans; on this project's CPU hosts it did not pay,
+   ``benchmarks/results/pipeline_interleaved.md``).
+6. **Why**: the same hosts with the split balanced by parameters (what ``--pipeline 1f1b`` does without
    ``layers=``) are priced too, so the explanation says what the uneven split buys.
 """
 
@@ -32,6 +39,8 @@ from thinwire.sim.pipeline import needs_layers, predict_pipeline, stage_speeds
 
 FORMATS = ("fp32", "bf16", "int8")  # most precise first
 UNIFORM_SLACK, LINK_SLACK = 1.05, 1.02
+INTERLEAVED_GAIN = 0.97             # interleaved only where predicted at least 3% faster
+VIRTUAL = 2                         # stages per host the planner tries interleaved with
 STATE_BYTES = 16                    # fp32 weights, gradients and AdamW's two moments per parameter
 
 
@@ -92,55 +101,103 @@ def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: i
         hosts = [hosts[i] for i in keep]
     S = len(hosts)
     speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores, cluster=spec.name)
-    best = None
-    for micro_n in microbatch_counts(batch, S):
-        for recompute in (False, True):  # recomputation only where nothing fits without it, or it is faster
-            got = _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, colocated_cores)
-            if got is not None and (best is None or got[0].step_s < best[0].step_s * 0.999):
-                best = got
-        if best is not None and micro_n >= 4 * S:
-            break  # the bubble is already negligible; more, smaller micro-batches only add overhead
-    if best is None:
+    found = {}
+    # interleaved only where its runtime's own cost is measured (a profile before it cannot price it)
+    priced = profile.interleaved_overhead_s is not None
+    for virtual in (1, VIRTUAL) if n >= VIRTUAL * S and priced else (1,):
+        best = None
+        for micro_n in microbatch_counts(batch, S):
+            if virtual > 1 and micro_n % max(1, micro_n // S):
+                continue  # torch's interleaved schedule runs micro-batches in whole rounds
+            for recompute in (False, True):  # recomputation only where nothing fits without it, or it is faster
+                got = _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, colocated_cores,
+                                virtual)
+                if got is not None and (best is None or got[0].step_s < best[0].step_s * 0.999):
+                    best = got
+            if best is not None and micro_n >= 4 * S:
+                break  # the bubble is already negligible; more, smaller micro-batches only add overhead
+        if best is not None:
+            found[virtual] = best
+    if not found:
         return None
-    pred, runs, links, price, micro_n, recompute, schedule = best
+    steps = {found[v][6]: found[v][0].step_s for v in found}
+    pick = VIRTUAL if VIRTUAL in found and (1 not in found or steps["interleaved"] < found[1][0].step_s
+                                            * INTERLEAVED_GAIN) else 1
+    pred, runs, links, price, micro_n, recompute, schedule = found[pick]
     micro = batch // micro_n
-    even = balanced_split([float(l.parameters) for l in profile.layers], S)
+    even = balanced_split([float(l.parameters) for l in profile.layers], len(runs))
     even_pred = predict_pipeline(**price, runs=even, activations=links)
-    stages = [Stage(host=h.name, first_layer=run[0], last_layer=run[-1],
+    inflight = _inflight(schedule, S, len(runs) // S, micro_n)
+    stages = [Stage(host=hosts[k % S].name, first_layer=run[0], last_layer=run[-1],
                     layers=[profile.layers[i].name for i in run],
                     parameters=sum(profile.layers[i].parameters for i in run),
-                    memory_bytes=stage_memory(profile, run, micro=micro, recompute=recompute,
-                                              inflight=min(micro_n, S - s) if schedule == "1f1b" else micro_n),
-                    seconds_per_microbatch=pred.stage_s[s]) for s, (h, run) in enumerate(zip(hosts, runs))]
+                    memory_bytes=stage_memory(profile, run, micro=micro, recompute=recompute, inflight=inflight[k]),
+                    seconds_per_microbatch=pred.stage_s[k]) for k, run in enumerate(runs)]
     return PipelinePlan(stages=stages, schedule=schedule, microbatches=micro_n, links=links, recompute=recompute,
                         predicted_step_s=pred.step_s, even_split_step_s=even_pred.step_s,
-                        even_split=[len(r) for r in even], bottleneck=pred.bottleneck, note="")
+                        even_split=[len(r) for r in even], bottleneck=pred.bottleneck, note="",
+                        virtual=len(runs) // S, alternative_step_s={k: v for k, v in steps.items() if k != schedule})
 
 
-def _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, colocated_cores):
-    """The split and link formats for one micro-batch count and recomputation choice, or None if none fits."""
+def _inflight(schedule: str, S: int, V: int, M: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once in the schedule's order: 1F1B
+    ``min(M, S - s)``, GPipe all M, interleaved as torch orders it
+    (:func:`thinwire.pipeline.programs.interleaved_programs`)."""
+    if schedule == "gpipe":
+        return [M] * S
+    if schedule == "1f1b":
+        return [min(M, S - s) for s in range(S)]
+    from thinwire.pipeline.programs import interleaved_programs
+
+    most = [0] * (S * V)
+    for prog in interleaved_programs(S, V, M):
+        live = [0] * (S * V)
+        for what, arg in prog:
+            if what in ("F", "B"):
+                live[arg[0]] += 1 if what == "F" else -1
+                most[arg[0]] = max(most[arg[0]], live[arg[0]])
+    return most
+
+
+def _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, colocated_cores, virtual=1):
+    """The split and link formats for one micro-batch count and recomputation choice (``virtual`` stages per
+    host: interleaved), or None if none fits."""
     S = len(hosts)
-    schedule = "1f1b" if micro_n >= S else "gpipe"
+    schedule = "interleaved" if virtual > 1 else "1f1b" if micro_n >= S else "gpipe"
     micro = batch // micro_n
     price = dict(spec=spec, profile=profile, hosts=hosts, microbatches=micro_n, replica_batch=batch, threads=threads,
                  colocated_cores=colocated_cores, recompute=recompute, schedule=schedule)
+    inflight = _inflight(schedule, S, virtual, micro_n)
 
     def fits(s: int, first: int, last: int) -> bool:
-        inflight = min(micro_n, S - s) if schedule == "1f1b" else micro_n
         mem = hosts[s].memory
-        return mem is None or stage_memory(profile, list(range(first, last + 1)), micro=micro, inflight=inflight,
+        return mem is None or stage_memory(profile, list(range(first, last + 1)), micro=micro, inflight=inflight[s],
                                            recompute=recompute) <= mem
+
+    def host_fits(runs) -> bool:  # interleaved: a host holds its stages' state together
+        for h, host in enumerate(hosts):
+            mine = [(k, run) for k, run in enumerate(runs) if k % S == h]
+            need = profile.runtime_bytes + max(sum(l.parameters for l in profile.layers) * 4, sum(
+                _state_bytes(profile, run, micro=micro, inflight=inflight[k], recompute=recompute) for k, run in mine))
+            if host.memory is not None and need > host.memory:
+                return False
+        return True
 
     candidates = []
     for fmt in FORMATS:
-        runs = _split(profile, speeds, fmt, micro, hosts, fits, recompute)
+        if virtual > 1:
+            runs = _split(profile, [speeds[k % S] for k in range(S * virtual)], fmt, micro, hosts, None, recompute)
+            runs = runs if runs is not None and host_fits(runs) else None
+        else:
+            runs = _split(profile, speeds, fmt, micro, hosts, fits, recompute)
         if runs is not None:
-            candidates.append((predict_pipeline(**price, runs=runs, activations=[fmt] * (S - 1)).step_s, fmt, runs))
+            candidates.append((predict_pipeline(**price, runs=runs, activations=[fmt] * (len(runs) - 1)).step_s, fmt,
+                               runs))
     if not candidates:
         return None
     fastest = min(c[0] for c in candidates)
     step, fmt, runs = next(c for c in candidates if c[0] <= fastest * UNIFORM_SLACK)  # most precise that is close
-    links = _relax_links(price, runs, [fmt] * (S - 1), step)
+    links = _relax_links(price, runs, [fmt] * (len(runs) - 1), step)
     return predict_pipeline(**price, runs=runs, activations=links), runs, links, price, micro_n, recompute, schedule
 
 

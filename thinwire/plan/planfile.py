@@ -131,8 +131,9 @@ class Stage:
 
 @dataclasses.dataclass(kw_only=True)
 class PipelinePlan:
-    """A pipeline over the hosts (stage s on ``stages[s].host``), run by ``train --plan`` as
-    ``--pipeline SCHEDULE:stages=S,microbatches=M,layers=...,activations=...`` (:meth:`spec_text`)."""
+    """A pipeline over the hosts (stage s on ``stages[s].host``; interleaved: ``virtual`` stages per host, stage k
+    on the host of stage ``k % hosts``), run by ``train --plan`` as ``--pipeline
+    SCHEDULE:stages=S,microbatches=M,layers=...,activations=...`` (:meth:`spec_text`)."""
 
     stages: list[Stage]
     schedule: str
@@ -144,14 +145,22 @@ class PipelinePlan:
     bottleneck: str
     recompute: bool = False
     note: str = ""
+    virtual: int = 1
+    alternative_step_s: dict[str, float] = dataclasses.field(default_factory=dict)  # other schedules' best, priced
+
+    def __post_init__(self) -> None:
+        check_range("virtual", self.virtual, 1, 64, kind="an integer")
+        check(len(self.stages) % self.virtual == 0, "pipeline.stages", len(self.stages),
+              f"a multiple of virtual ({self.virtual})", "Make the plan again.")
 
     @property
     def hosts(self) -> list[str]:
-        return [s.host for s in self.stages]
+        return [s.host for s in self.stages[: len(self.stages) // self.virtual]]
 
     def spec_text(self) -> str:
         counts = "/".join(str(s.last_layer - s.first_layer + 1) for s in self.stages)
-        text = f"{self.schedule}:stages={len(self.stages)},microbatches={self.microbatches},layers={counts}"
+        text = f"{self.schedule}:stages={len(self.hosts)},microbatches={self.microbatches},layers={counts}"
+        text += f",virtual={self.virtual}" if self.virtual > 1 else ""
         text += ",activations=" + "/".join(self.links) if set(self.links) - {"fp32"} else ""
         return text + (",recompute=on" if self.recompute else "")
 
