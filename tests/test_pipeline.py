@@ -464,6 +464,46 @@ def test_interleaved_model_plays_torchs_program_and_gives_megatrons_bubble():
     assert step(2, 2, 4, send=5.0) > one > step(2, 2, 4)
 
 
+def test_a_layers_call_has_a_fixed_part_measured_from_two_batches_and_priced_per_micro_batch():
+    """charlm's block: a call of 1 sample is far more than half a call of 2 (measured). The fixed part comes
+    from the line through two batch sizes, clamped to [0, the call]; the model prices a micro-batch of m as
+    the fixed part plus the rest in proportion, so 8 micro-batches of 1 cost more compute than 4 of 2."""
+    import dataclasses as dc
+
+    from thinwire.measure.file import LayerRecord
+    from thinwire.measure.layers import fixed_part, measure_layers
+    from thinwire.sim.pipeline import predict_pipeline
+
+    assert fixed_part(0.84, 1, 1.18, 2, 1.18) == pytest.approx(0.50)
+    assert fixed_part(1.0, 1, 0.9, 2, 0.9) == pytest.approx(0.9)  # noise: no negative slope, at most the call
+    assert fixed_part(0.5, 1, 1.0, 2, 1.0) == 0.0
+    rec = LayerRecord(name="b", parameters=1, forward_s=0.6, backward_s=0.9, output_bytes=4, saved_bytes=4,
+                      forward_fixed_s=0.4, backward_fixed_s=0.0)  # measured at a batch of 2: calls 1.2 and 1.8
+    assert rec.forward_call_s(2, 2) == pytest.approx(1.2) and rec.forward_call_s(1, 2) == pytest.approx(0.8)
+    assert rec.backward_call_s(1, 2) == pytest.approx(0.9)  # no fixed part: per sample, as before
+    assert dc.replace(rec, forward_fixed_s=0.0).forward_call_s(4, 2) == pytest.approx(2.4)
+
+    torch.manual_seed(0)
+    model = CharGPT(CFG)
+    from thinwire.workloads.base import Workload
+    data = [(w[0][i], w[1][i]) for w in _data() for i in range(BATCH)]
+    wl = Workload(model=model, train=data, val=data, loss=lm_loss)
+    for r in measure_layers(wl, layer_list(model, charlm_layers), 4, reps=3, warmup=1):
+        assert 0 <= r.forward_fixed_s <= r.forward_s * 4 and 0 <= r.backward_fixed_s <= r.backward_s * 4
+
+    prof, spec = _layered_profile(), _cluster()
+    fixed = dc.replace(prof, layers=[dc.replace(l, forward_fixed_s=l.forward_s * 4, backward_fixed_s=l.backward_s * 4)
+                                     for l in prof.layers])  # half of a call of 8 is fixed
+    runs = [[0, 1, 2], [3, 4], [5, 6], [7, 8, 9]]
+
+    def step(p, m):
+        return predict_pipeline(spec, p, list(spec.hosts), runs, microbatches=m, replica_batch=8,
+                                activations=["fp32"] * 3, threads=1).step_s
+
+    assert step(prof, 8) < step(prof, 4)  # per sample only: more micro-batches, a smaller bubble
+    assert step(fixed, 8) > step(fixed, 4) and step(fixed, 4) > step(prof, 4)
+
+
 def test_the_overhead_probe_times_both_schedules_and_the_model_charges_the_interleaved_ones():
     """The probe's two trivial 2-rank pipelines: an interleaved rank (2 stages, 3 hand-overs each way per
     micro-batch, posted by torch's multi-stage runtime) spends more per micro-batch than a 1F1B stage; the model

@@ -151,7 +151,8 @@ class BucketRecord:
 
 @dataclasses.dataclass(kw_only=True)
 class LayerRecord:
-    """One layer of the workload's layer list (:mod:`thinwire.measure.layers`), per sample at the profile's batch."""
+    """One layer of the workload's layer list (:mod:`thinwire.measure.layers`), per sample at the profile's batch
+    (``layers_batch``), and the part of a call that does not grow with the batch (``*_fixed_s``, per call)."""
 
     name: str
     parameters: int
@@ -160,10 +161,12 @@ class LayerRecord:
     output_bytes: float            # its output: what a pipeline link carries forward (and the gradient back)
     saved_bytes: float             # activations it saves for backward
     width: int = 1                 # the output's last dimension (rows of an int8 link)
+    forward_fixed_s: float = 0.0   # per call, whatever the batch (0: not measured, every cost per sample)
+    backward_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_range("parameters", self.parameters, 0, 2**62, kind="an integer")
-        for name in ("forward_s", "backward_s"):
+        for name in ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s"):
             check_range(name, getattr(self, name), 0, MAX_SECONDS, kind="seconds")
         for name in ("output_bytes", "saved_bytes"):
             check_range(name, getattr(self, name), 0, 1e18)
@@ -172,6 +175,20 @@ class LayerRecord:
     @property
     def seconds(self) -> float:
         return self.forward_s + self.backward_s
+
+    def forward_call_s(self, micro: int, batch: int) -> float:
+        """One forward of ``micro`` samples, measured at ``batch`` (the profile's ``layers_batch``): the fixed
+        part plus the rest in proportion."""
+        return _call_s(self.forward_s, self.forward_fixed_s, micro, batch)
+
+    def backward_call_s(self, micro: int, batch: int) -> float:
+        return _call_s(self.backward_s, self.backward_fixed_s, micro, batch)
+
+
+def _call_s(per_sample: float, fixed: float, micro: int, batch: int) -> float:
+    at = per_sample * max(1, batch)
+    fixed = min(fixed, at)
+    return fixed + (at - fixed) * micro / max(1, batch)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -207,7 +207,9 @@ def _split(profile: Profile, speeds: list[float], fmt: str, micro: int, hosts: l
     recomputed); a cut after layer k costs its output and gradient on the slower host's egress."""
     from thinwire.pipeline.wire import payload_bytes
 
-    layer_s = [(l.seconds + (l.forward_s if recompute else 0.0)) * micro for l in profile.layers]
+    lb = profile.layers_batch
+    layer_s = [l.forward_call_s(micro, lb) * (2 if recompute else 1) + l.backward_call_s(micro, lb)
+               for l in profile.layers]
     slowest = min(h.bandwidth for h in hosts) / 8
     link_s = [2 * payload_bytes(fmt, int(l.output_bytes * micro / 4), l.width) / slowest for l in profile.layers]
     return split_for_speeds(layer_s, speeds, link_s=link_s, fits=fits)

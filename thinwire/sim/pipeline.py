@@ -1,9 +1,9 @@
 """A pipelined run's predicted step from a cluster spec, a profile with per-layer costs, and a layout:
 the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
 
-* **Stage compute** per micro-batch, forward and backward apart: the profile's seconds per sample of the
-  stage's layers (:mod:`thinwire.measure.layers`) times the micro-batch (backward also forwards again when
-  activations are recomputed), plus the schedule's own time per micro-batch
+* **Stage compute** per micro-batch, forward and backward apart: the profile's time of each of the stage's
+  layers for a call of the micro-batch (:mod:`thinwire.measure.layers`: a fixed part per call, the rest in
+  proportion to the samples; backward also forwards again when activations are recomputed), plus the schedule's own time per micro-batch
   (:mod:`thinwire.measure.pipeline_overhead`) and the host CPU of the bytes it sends and receives (the
   profile's collective CPU per byte), half to each, all over the host's speed: as ``thinwire profile
   --cluster`` measured it on that cluster's hosts, all computing at once (:mod:`thinwire.measure.hostspeed`;
@@ -112,10 +112,11 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
         overhead = profile.interleaved_overhead_s / 2  # measured for a rank of 2 stages: per stage
     extra = [(overhead + profile.collective_cpu_s_per_byte * m) / v / 2 for m, v in zip(moved, speeds)]
     wire_f, wire_b = _wire_s(profile, runs, activations, micro)
-    forward = [sum(profile.layers[i].forward_s for i in run) * micro / v + e + w / v
-               for run, v, e, w in zip(runs, speeds, extra, wire_f)]
-    backward = [sum(profile.layers[i].backward_s + (profile.layers[i].forward_s if recompute else 0.0) for i in run)
-                * micro / v + e + w / v for run, v, e, w in zip(runs, speeds, extra, wire_b)]
+    lb = profile.layers_batch
+    fcall = [l.forward_call_s(micro, lb) for l in profile.layers]
+    bcall = [l.backward_call_s(micro, lb) + (f if recompute else 0.0) for l, f in zip(profile.layers, fcall)]
+    forward = [sum(fcall[i] for i in run) / v + e + w / v for run, v, e, w in zip(runs, speeds, extra, wire_f)]
+    backward = [sum(bcall[i] for i in run) / v + e + w / v for run, v, e, w in zip(runs, speeds, extra, wire_b)]
     rate = [h.bandwidth / 8 * efficiency for h in hosts]
     burst = net.burst_bytes if net and net.burst_bytes is not None else 0.0
     send_f = [fwd[s] / rate[s % H] if s < S - 1 else 0.0 for s in range(S)]
