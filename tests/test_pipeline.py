@@ -616,6 +616,30 @@ def test_planner_interleaves_only_where_the_model_says_it_pays_and_the_plan_runs
     assert any("best interleaved plan" in line and "not 3% faster" in line for line in costly.explanation)
 
 
+def test_simulate_prices_an_interleaved_pipeline_per_stage_and_says_when_the_profile_cannot(tmp_path):
+    """``simulate --pipeline interleaved``: a row per stage on its host (stage k on host k % 4); a profile
+    from before the interleaved runtime's probe is priced at 1F1B's overhead, and the table says so."""
+    import dataclasses as dc
+
+    from thinwire.measure.file import save_profile
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: pp\ndefaults: {bandwidth: 1gbit, cpu: 0.5}\nhosts: [{name: h0}, {name: h1}, {name: h2}, "
+                    "{name: h3}]\n")
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    save_profile(_layered_profile(), old)
+    save_profile(dc.replace(_layered_profile(), interleaved_overhead_s=1e-3), new)
+    outs = {}
+    for name, prof in (("old", old), ("new", new)):
+        r = thinwire("simulate", "--profile", str(prof), "--cluster", str(spec), "--pipeline", "interleaved",
+                     "--batch-size", "8", "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs[name] = " ".join(r.stdout.split())
+    assert "8-stage pipeline, 2 per rank" in outs["new"] and "│ 7 │ h3 │ blocks.7+head" in outs["new"]
+    assert "has no interleaved runtime's overhead" in outs["old"]
+    assert "has no interleaved runtime's overhead" not in outs["new"]
+
+
 def test_planner_compresses_only_links_that_pace_the_pipeline():
     fast, slow = _plan(_cluster("10gbit")), _plan(_cluster("5mbit"))
     assert set(fast.pipeline.links) == {"fp32"}

@@ -184,9 +184,12 @@ def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> Table
                             replica_batch=lay.replica_batch, activations=lay.links, replicas=lay.replicas,
                             threads=opts.threads or profile.threads, colocated_cores=opts.colocated_cores,
                             recompute=pipe.recompute, schedule=pipe.schedule)
+    stale = ("; this profile has no interleaved runtime's overhead (`thinwire profile` measures it now): priced at "
+             "1F1B's per stage, which is low" if pipe.schedule == "interleaved" and profile.interleaved_overhead_s is None
+             else "")
     t = Table(title=f"pipeline {pipe.text}: {lay.describe()}; predicted {_ms(pred.step_s)} per step "
                     f"({own.prediction.step_s / pred.step_s:.2f}x data parallelism's {_ms(own.prediction.step_s)}); "
-                    f"paced by {pred.bottleneck}")
+                    f"paced by {pred.bottleneck}{stale}")
     for col in ("stage", "host", "layers", "compute / micro-batch", "sending / micro-batch", "link to next"):
         t.add_column(col, justify="left" if col in ("host", "layers") else "right")
     for s, run in enumerate(lay.runs):
