@@ -336,9 +336,10 @@ def _merged(out, state):
 
 
 @pytest.mark.slow
-def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path, schedule):
     out = tmp_path / "run"
-    killed_at = kill_a_worker_mid_run([*SMALL, "--nproc", "2", "--pipeline", "gpipe", "--max-restarts", "1", "--steps",
+    killed_at = kill_a_worker_mid_run([*SMALL, "--nproc", "2", "--pipeline", schedule, "--max-restarts", "1", "--steps",
                                        "300", "--checkpoint-every", "25", "--eval-every", "150", "--set", "eval_batches=2"],
                                       out, at_step=60, steps=300)
     summary = json.loads((out / "summary.json").read_text())
