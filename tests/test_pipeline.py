@@ -49,7 +49,7 @@ def _reference(cfg=CFG):
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(rank, world, stages, schedule, microbatches, recompute=False, virtual=1, cfg=CFG):
+def _pipelined(rank, world, stages, schedule, microbatches, recompute=False, virtual=1, cfg=CFG, order=None):
     from thinwire.commspec import parse_comm_spec
     from thinwire.compress.sync import Unwrapped, create
     from thinwire.pipeline.runner import Placement, build_rank
@@ -59,7 +59,7 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False, vir
     model = CharGPT(cfg)
     layers = layer_list(model, charlm_layers)
     runs = balanced_split([layer_params(layer) for layer in layers], stages * virtual)
-    place = Placement(stages, world // stages, rank)
+    place = Placement(stages, world // stages, rank, order)
     pipe, stage, cut = build_rank(model, layers, runs, place=place, device=torch.device("cpu"), loss_fn=lm_loss,
                                   microbatches=microbatches, schedule=schedule)
     if recompute:
@@ -88,18 +88,20 @@ def _pipelined(rank, world, stages, schedule, microbatches, recompute=False, vir
 CFG6 = CharLMConfig(layers=6, width=32, heads=2, context=16)  # 8 layers: 4 ranks x 2 interleaved stages
 
 
-@pytest.mark.parametrize("schedule, stages, recompute, virtual", [
-    ("gpipe", 4, False, 1), ("1f1b", 4, False, 1), ("gpipe", 2, False, 1), ("1f1b", 2, False, 1), ("1f1b", 4, True, 1),
-    ("interleaved", 4, False, 2), ("interleaved", 2, False, 2), ("interleaved", 2, True, 2)])
-def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute, virtual):
+@pytest.mark.parametrize("schedule, stages, recompute, virtual, order", [
+    ("gpipe", 4, False, 1, None), ("1f1b", 4, False, 1, None), ("gpipe", 2, False, 1, None),
+    ("1f1b", 2, False, 1, None), ("1f1b", 4, True, 1, None), ("interleaved", 4, False, 2, None),
+    ("interleaved", 2, False, 2, None), ("interleaved", 2, True, 2, None), ("interleaved", 4, False, 2, [2, 0, 3, 1])])
+def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute, virtual, order):
     """4 stages x 1 replica, and 2 stages x 2 replicas (pipeline x data parallel), against one process:
     the charlm's tied embedding lives on the first and last stage; clipping at 0.5 is active; with
     ``recompute`` every layer's activations are recomputed in backward (activation checkpointing).
     Interleaved: each rank holds 2 stages (4 ranks: 8 stages of an 8-layer list; 2 ranks: 4 stages, the
-    tied embedding's two halves on ranks 0 and 1)."""
+    tied embedding's two halves on ranks 0 and 1); ``order``: positions taken by other ranks, as a plan
+    orders them by host (global rank 2 runs position 0's stages 0 and 4)."""
     cfg = CFG6 if stages * virtual > 4 else CFG
     ref_losses, ref_state = _reference(cfg)
-    out = run_ranks(_pipelined, 4, stages, schedule, 4, recompute, virtual, cfg)
+    out = run_ranks(_pipelined, 4, stages, schedule, 4, recompute, virtual, cfg, order)
     state = {}
     for _, part, replica, _ in out:
         if replica == 0:
