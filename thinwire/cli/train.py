@@ -58,7 +58,8 @@ def add_parser(sub) -> None:
                    "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5], "
                    "gossip[:topology=exp2|ring|torus|random,gamma=G], dynamic[:threshold=D,check_every=B]")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="cut the model into stages on different workers: "
-                   "gpipe or 1f1b[:stages=S,microbatches=M,layers=A/B/..] (default none); workers = replicas x stages")
+                   "gpipe, 1f1b or interleaved[:stages=S,microbatches=M,layers=A/B/..,activations=F,virtual=V] "
+                   "(default none); workers = replicas x stages")
     p.add_argument("--partition", help="which training items each worker draws from: iid (default), "
                    "label_skew:alpha=A (Dirichlet class skew, classification) or by_file (a contiguous run each)")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
