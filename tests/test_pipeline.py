@@ -173,7 +173,8 @@ def test_layout_refuses_what_cannot_be_laid_out():
     assert layout(parse_pipeline_spec("interleaved:layers=2/1/1/1"), _layers(5), 2, 8).runs == [[0, 1], [2], [3], [4]]
     with pytest.raises(ConfigError, match=r"pipeline\.stages.*at most the model's 3 layers.*over virtual=2"):
         layout(inter, _layers(3), 2, 8)
-    with pytest.raises(ConfigError, match=r"pipeline\.microbatches.*multiple of its rounds \(micro-batches // stages = 2\)"):
+    with pytest.raises(ConfigError,
+                       match=r"pipeline\.microbatches.*multiple of its rounds \(micro-batches // stages = 2\)"):
         layout(parse_pipeline_spec("interleaved:stages=2,microbatches=5"), _layers(4), 2, 10)
 
 

@@ -102,7 +102,8 @@ class PipelineSpec:
         keys += ["layers=" + "/".join(map(str, self.layers))] if self.layers else []
         keys += ["activations=" + "/".join(self.activations)] if self.activations != ("fp32",) else []
         keys += ["recompute=on"] if self.recompute else []
-        keys += [f"virtual={self.virtual}"] if self.schedule == "interleaved" and self.virtual != DEFAULT_VIRTUAL else []
+        custom = self.schedule == "interleaved" and self.virtual != DEFAULT_VIRTUAL
+        keys += [f"virtual={self.virtual}"] if custom else []
         return self.schedule + (":" + ",".join(keys) if keys else "")
 
 

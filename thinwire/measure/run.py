@@ -126,7 +126,8 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
         network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0, runtime_bytes=runtime,
-        pipeline_overhead_s=pipe_overhead, interleaved_overhead_s=inter_overhead, val_items=len(wl.val) if wl.val is not None else 0)
+        pipeline_overhead_s=pipe_overhead, interleaved_overhead_s=inter_overhead,
+        val_items=len(wl.val) if wl.val is not None else 0)
 
 
 def _resident_bytes() -> int:

@@ -41,6 +41,7 @@ Dynamic programming over (stage, last layer), O(S n^2).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -127,7 +128,7 @@ class Credit:
 def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
                       send_backward_s: list[float], microbatches: int, schedule: str = "1f1b",
                       alpha: float = 0.0, credit_s: list[float] | None = None,
-                      programs: list[list[tuple]] | None = None) -> float:
+                      programs: Sequence[Sequence[tuple]] | None = None) -> float:
     """Seconds from the first action to the last (module docstring). Per stage k: ``forward_s[k]``,
     ``backward_s[k]`` per micro-batch; ``send_forward_s[k]``: its output's seconds on its host's egress
     (unused on the last stage), ``send_backward_s[k]``: its input gradient's (unused on the first).

@@ -50,9 +50,15 @@ def stage_memory(profile: Profile, run: list[int], *, micro: int, inflight: int,
     stage's training state with the activations of ``inflight`` micro-batches (1F1B: at most the stages
     after it; GPipe: all of them) and its input and output buffers. With ``recompute`` a micro-batch in
     flight holds only each layer's input, plus one layer's activations while it is recomputed."""
+    return host_memory(profile, [(run, inflight)], micro=micro, recompute=recompute)
+
+
+def host_memory(profile: Profile, parts: list[tuple[list[int], int]], *, micro: int, recompute: bool = False) -> int:
+    """:func:`stage_memory` of a host holding several stages (interleaved): ``(run, inflight)`` each, their
+    training states together beside the process and the whole model's weights."""
     whole = sum(l.parameters for l in profile.layers) * 4
-    return int(profile.runtime_bytes + max(whole, _state_bytes(profile, run, micro=micro, inflight=inflight,
-                                                                recompute=recompute)))
+    return int(profile.runtime_bytes + max(whole, sum(
+        _state_bytes(profile, run, micro=micro, inflight=inflight, recompute=recompute) for run, inflight in parts)))
 
 
 def _state_bytes(profile: Profile, run: list[int], *, micro: int, inflight: int, recompute: bool = False) -> float:
@@ -175,13 +181,9 @@ def _best_for(spec, profile, hosts, speeds, batch, micro_n, recompute, threads, 
                                            recompute=recompute) <= mem
 
     def host_fits(runs) -> bool:  # interleaved: a host holds its stages' state together
-        for h, host in enumerate(hosts):
-            mine = [(k, run) for k, run in enumerate(runs) if k % S == h]
-            need = profile.runtime_bytes + max(sum(l.parameters for l in profile.layers) * 4, sum(
-                _state_bytes(profile, run, micro=micro, inflight=inflight[k], recompute=recompute) for k, run in mine))
-            if host.memory is not None and need > host.memory:
-                return False
-        return True
+        return all(host.memory is None or host_memory(
+            profile, [(run, inflight[k]) for k, run in enumerate(runs) if k % S == h], micro=micro,
+            recompute=recompute) <= host.memory for h, host in enumerate(hosts))
 
     candidates = []
     for fmt in FORMATS:

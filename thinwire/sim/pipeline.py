@@ -3,7 +3,8 @@ the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
 
 * **Stage compute** per micro-batch, forward and backward apart: the profile's time of each of the stage's
   layers for a call of the micro-batch (:mod:`thinwire.measure.layers`: a fixed part per call, the rest in
-  proportion to the samples; backward also forwards again when activations are recomputed), plus the schedule's own time per micro-batch
+  proportion to the samples; backward also forwards again when activations are recomputed), plus the
+  schedule's own time per micro-batch
   (:mod:`thinwire.measure.pipeline_overhead`) and the host CPU of the bytes it sends and receives (the
   profile's collective CPU per byte), half to each, all over the host's speed: as ``thinwire profile
   --cluster`` measured it on that cluster's hosts, all computing at once (:mod:`thinwire.measure.hostspeed`;
