@@ -3,7 +3,8 @@ mode (local SGD, DiLoCo) in the same loop.
 
     torchrun --nproc-per-node 2 examples/accelerate_train.py --codec int8
     torchrun --nproc-per-node 2 examples/accelerate_train.py --codec int8 --sync local:period=4
-    accelerate launch --num_processes 2 --cpu examples/accelerate_train.py
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py   # on CPUs too; with --cpu
+                                                   # accelerate starts one process, and nothing is averaged
 
 Needs ``pip install 'thinwire[accelerate]'``. thinwire adds one line after ``accelerator.prepare``
 (two more for a sync mode: backward in ``mode.no_sync()`` and ``mode.step(optimizer)``).

@@ -7,7 +7,8 @@
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync gossip:topology=exp2,overlap=1 --codec int8
     torchrun --nproc-per-node 2 examples/sync_modes.py --sync dynamic:threshold=0.05 --codec int8
 
-Three lines differ from the usual DDP recipe (marked <-).
+Four lines differ from the usual DDP recipe (marked <-); the last, evaluating the ranks' average, matters
+only for the modes whose ranks differ between averages.
 """
 
 import argparse
@@ -31,8 +32,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1)))
-    mode = thinwire.sync(model, args.sync, codec=args.codec)               # <- the mode
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mode = thinwire.sync(model, args.sync, codec=args.codec, optimizer=opt)  # <- the mode
 
     g = torch.Generator().manual_seed(1234 + rank)                        # each rank its own data
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(0))

@@ -42,6 +42,27 @@ def test_bad_input_is_refused(tmp_path, args, pattern):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_config_with_a_key_twice_a_file_to_resume_and_a_set_a_flag_overrides(tmp_path):
+    """YAML's keys are unique (PyYAML kept the last in silence); --resume names a folder; a --set that a flag
+    overrides is said, not dropped in silence."""
+    (tmp_path / "dup.yaml").write_text("workload: digits\nsteps: 3\nsteps: 5\n")
+    assert_refused(thinwire("train", "--config", str(tmp_path / "dup.yaml"), "--out", str(tmp_path / "run")),
+                   r"config file .*dup.yaml.*: must be a mapping whose keys are unique, got 'steps'.*line 3")
+    (tmp_path / "afile").write_text("x")
+    assert_refused(thinwire("train", "--resume", str(tmp_path / "afile")), r"resume: .*afile' is a file, not a run folder")
+    assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "run").exists()
+    from thinwire.train.config import load_train_config
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        cfg = load_train_config(None, {"steps": 3}, ["steps=5", "lr=0.1"])
+    assert (cfg.steps, cfg.lr) == (3, 0.1)
+    assert "--set steps=5 is overridden by the flag --steps 3" in err.getvalue()
+
+
 CLUSTER_YAML = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
 
 
@@ -90,7 +111,7 @@ def test_corrupt_checkpoint_and_foreign_model(tmp_path):
                    r"checkpoint .* belongs to a different model \(shape of conv1.weight")
     good = ckpt.read_bytes()
     ckpt.write_bytes(good[: len(good) // 2])
-    assert_refused(thinwire("train", "--resume", str(out), "--steps", "6"), r"checkpoint .* is corrupt or truncated")
+    assert_refused(thinwire("train", "--resume", str(out), "--steps", "6"), r"checkpoint .* is corrupt, truncated or not a checkpoint")
     assert ckpt.read_bytes() == good[: len(good) // 2]  # left as it was
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4
@@ -113,3 +134,60 @@ def test_digits_two_workers_reach_95_percent(tmp_path):
     # 2 ranks ring all-reduce fp32 gradients: 2*(p-1)/p * 4 bytes per parameter per step = 4 bytes/param
     params = sum(p.numel() for p in torch.load(sorted((out / "checkpoints").glob("*.pt"))[-1], weights_only=True)["model"].values())
     assert steps[-1]["bytes_sent"] == params * 4
+
+
+def test_zero_steps_or_batch_is_refused_not_taken_for_the_default(tmp_path):
+    """`simulate --steps 0` priced 1000 steps and `profile --batch-size 0` measured the default batch."""
+    spec = str(ROOT / "examples" / "clusters" / "plan-a-slow-cpu.yaml")
+    assert_refused(thinwire("simulate", "--cluster", spec, "--workload", "digits", "--steps", "0", "--out",
+                            str(tmp_path / "s")),
+                   r"--steps: must be an integer >= 1, got 0")
+    assert_refused(thinwire("profile", "--workload", "digits", "--batch-size", "0", "--out", str(tmp_path / "p.yaml")),
+                   r"--batch-size: must be an integer >= 1, got 0")
+    assert not (tmp_path / "s").exists() and not (tmp_path / "p.yaml").exists()
+
+
+def test_nproc_with_a_cluster_is_refused_not_ignored(tmp_path):
+    """The world size with --cluster is the spec's hosts: --nproc 3 there was silently ignored."""
+    spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
+    assert_refused(thinwire("train", "--cluster", spec, "--nproc", "3", "--workload", "digits", "--out",
+                            str(tmp_path / "run")), r"nproc: must be left out with --cluster SPEC, got 3\. Each of the")
+    assert_refused(thinwire("doctor", "--cluster", spec, "--nproc", "3", "--workload", "digits", "--out",
+                            str(tmp_path / "doc")), r"nproc: must be left out with --cluster SPEC, got 3")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "doc").exists()
+
+
+def test_simulate_refuses_a_gossip_topology_the_hosts_cannot_form(tmp_path):
+    """A torus on 2 hosts was priced (as a ring) where train refuses it."""
+    spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
+    assert_refused(thinwire("simulate", "--cluster", spec, "--workload", "digits", "--sync", "gossip:topology=torus",
+                            "--out", str(tmp_path / "s")), r"sync\.topology: must be ring, exp2 or random with 2 hosts")
+    assert_refused(thinwire("simulate", "--cluster", spec, "--workload", "digits", "--sync", "gossip:topology=torus",
+                            "--hosts", "4,6,7", "--out", str(tmp_path / "s")), r"with 7 hosts")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_torus_that_fewer_hosts_cannot_form_names_min_hosts(tmp_path):
+    spec = str(ROOT / "examples" / "clusters" / "uneven-4.yaml")
+    assert_refused(thinwire("train", "--cluster", spec, "--min-hosts", "2", "--max-restarts", "2", "--workload", "digits", "--sync",
+                            "gossip:topology=torus", "--batch-size", "48", "--out", str(tmp_path / "run")),
+                   r"sync\.topology: must be ring, exp2 or random with [23] hosts, which the run may have \(min_hosts 2\)"
+                   r", got 'torus'\..* Raise --min-hosts to 4")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_local_run_no_longer_than_its_warm_up_says_no_step_is_local(tmp_path):
+    """local's default warm-up is 100 synchronous steps: a 60-step run sent every gradient, and nothing said so."""
+    proc = thinwire("train", "--workload", "digits", "--steps", "3", "--sync", "local:period=8", "--out",
+                    str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "all 3 steps are its synchronous warm-up (warmup=100)" in proc.stderr
+    assert "warm-up" not in thinwire("train", "--workload", "digits", "--steps", "3", "--sync",
+                                     "local:period=2,warmup=0", "--out", str(tmp_path / "two")).stderr
+
+
+def test_cluster_bench_refuses_a_message_smaller_than_one_value(tmp_path):
+    """`--sizes 2` measured a 0-byte all-reduce around the ring and failed inside the switch's workers."""
+    spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
+    assert_refused(thinwire("cluster", "bench", spec, "--sizes", "4KiB,2"),
+                   r"--sizes: must be message sizes of at least 4 bytes \(one fp32 value\), got 2")

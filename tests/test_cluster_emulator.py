@@ -18,7 +18,7 @@ import yaml
 
 from thinwire.cluster import emulator as emulator_mod
 from thinwire.cluster import netns
-from thinwire.cluster.bench import _run_workers, bench, busy_latency
+from thinwire.cluster.bench import _checked_hosts, _run_workers, bench, busy_latency
 from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.cluster.spec import ClusterSpec
 from thinwire.config import from_dict
@@ -97,7 +97,7 @@ def cluster():
         assert {l.split(":")[1] for l in root_links() - before} == set()  # nothing added to our own namespace
 
 
-def test_up_shapes_limits_runs_and_tears_down(cluster):
+def test_up_shapes_limits_runs_and_tears_down(cluster, tmp_path):
     assert cluster.up() is True
     assert cluster.up() is False  # idempotent
     by_name = {s.name: s for s in cluster.status()}
@@ -144,6 +144,18 @@ def test_up_shapes_limits_runs_and_tears_down(cluster):
     cluster.set_link("b1", up=True)
     assert run_in(cluster, "a1", [sys.executable, "-c", PROBE, "10.213.0.3"]).startswith("reachable")
 
+    # another version of the spec (one quota changed) is told from a cluster that is not up at all
+    edited = from_dict(ClusterSpec, spec_data("main"), where="")
+    edited.hosts[2].cpu = 0.25
+    with pytest.raises(ThinwireError, match=r"is up, but from another version of this spec .* `thinwire cluster up "
+                                            r"e.yaml` rebuilds it as this one"):
+        EmulatedCluster(edited).require_up("e.yaml")
+    # `cluster exec`: a command killed by a signal exits as a shell says it (128 + N)
+    from thinwire.cli.main import main as cli_main
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_data("main")))
+    assert cli_main(["cluster", "exec", str(spec_file), "a1", "--", "sh", "-c", "kill -9 $$"]) == 137
+
     # down kills what still runs inside, and is idempotent
     sleeper = cluster.host("a1").spawn(["sleep", "60"])
     deadline = time.monotonic() + 10
@@ -186,6 +198,8 @@ def test_commands_need_the_cluster_up():
     c = EmulatedCluster(make_spec("absent"))
     with pytest.raises(ThinwireError, match=r"cluster 't\d+-absent' is not up; start it with `thinwire cluster up SPEC`"):
         c.status()
+    with pytest.raises(ThinwireError, match=r"--hosts names a1 more than once \(a1,b1,a1\); name each host once"):
+        _checked_hosts(c, ["a1", "b1", "a1"])
 
 
 # `thinwire cluster up`, with every tc call slowed down so a signal surely lands half-way through
@@ -215,3 +229,49 @@ def test_stop_signal_during_up_removes_everything(tmp_path, signum):
     assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err and err.strip().endswith(f"stopped by {signal.Signals(signum).name}; "
                                                           "everything already saved is kept"), err
+
+
+def test_the_oversubscription_warning_counts_engines_and_the_aggregator(monkeypatch, caplog):
+    """Hosts of 1.6 cores on a 2-core machine fit, but with 0.8 core of engines and 0.5 of aggregator they do not."""
+    import logging
+
+    monkeypatch.setattr(emulator_mod.os, "cpu_count", lambda: 2)
+    spec = from_dict(ClusterSpec, {"name": f"ov{os.getpid()}", "subnet": "10.248.0.0/24", "switch": {"cpu": 0.5},
+                                   "defaults": {"bandwidth": "1gbit", "cpu": 0.8, "nic": {"cpu": 0.4}},
+                                   "hosts": [{"name": "h0"}, {"name": "h1"}]}, where="")
+    c = EmulatedCluster(spec)
+    with caplog.at_level(logging.WARNING):
+        c.up()
+    try:
+        assert "adds up to 2.9 cores on this 2-core machine" in caplog.text, caplog.text
+    finally:
+        c.down()
+
+
+def test_down_and_a_rebuild_refuse_while_a_job_runs_on_the_cluster(tmp_path):
+    """`cluster down` (and `up` of an edited spec, which rebuilds) took the hosts from under a running job with
+    exit 0, and the job then failed naming a missing namespace, or said the cluster was not up."""
+    from tests.test_cli import thinwire
+
+    data = spec_data("busy", subnet="10.247.0.0/24")
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(data))
+    c = EmulatedCluster(from_dict(ClusterSpec, data, where=""))
+    c.up()
+    job = c.host("a1").spawn(["sleep", "60"])
+    try:
+        down = thinwire("cluster", "down", str(spec_file))
+        assert down.returncode == 2 and c.is_up(), down.stderr
+        assert f"cluster: t{os.getpid()}-busy is running a job (a1: pid {job.pid})" in down.stderr
+        assert "taking it down would cut it off" in down.stderr and "--force" in down.stderr
+        spec_file.write_text(yaml.safe_dump({**data, "defaults": {"bandwidth": "10mbit"}}))
+        rebuild = thinwire("cluster", "up", str(spec_file))
+        assert rebuild.returncode == 2 and "rebuilding it would cut it off" in rebuild.stderr, rebuild.stderr
+        assert job.poll() is None
+        forced = thinwire("cluster", "down", str(spec_file), "--force")
+        assert forced.returncode == 0 and not c.is_up(), forced.stderr
+    finally:
+        job.kill()
+        job.wait()
+        c.down()
+    assert_nothing_left(c)

@@ -130,7 +130,8 @@ def test_bandwidth_must_be_given_somewhere():
 
 @pytest.mark.parametrize("subnet,match", [("8.8.8.0/24", "Pick a range from 10.0.0.0/8"),
                                           ("10.0.0.0/33", "Write it as ADDRESS/PREFIX"),
-                                          ("10.0.0.0/31", "subnet: must be a private IPv4 network")])
+                                          ("10.0.0.0/31", "subnet: must be a private IPv4 network"),
+                                          ("10.250.3.5/24", r"Write the network's own address: 10.250.3.0/24\.$")])
 def test_subnet_must_be_private_ipv4(subnet, match):
     with pytest.raises(ConfigError, match=match):
         make([{"name": "a"}], subnet=subnet)
@@ -250,3 +251,13 @@ def test_cgroup_v2_controller_thinwire_enabled_is_turned_off_with_the_last_clust
     assert (root / "cgroup.subtree_control").read_text() == "-cpu"
     assert (other / "cgroup.subtree_control").read_text() == "cpu memory"
     assert not cgroup.ENABLED_FILE.exists()
+
+
+@pytest.mark.parametrize("defaults,match", [
+    ({"bandwidth": "10qbit"}, r"^defaults\.bandwidth \(taken by hosts\[0\]\): must be a rate > 0 .*got '10qbit'"),
+    ({"bandwidth": "1gbit", "cpu": -1}, r"^defaults\.cpu \(taken by hosts\[0\]\): must be a number of cores"),
+    ({"bandwidth": "1gbit", "memory": "3 parsecs"}, r"^defaults\.memory \(taken by hosts\[0\]\): must be a size > 0"),
+])
+def test_a_bad_default_is_named_where_it_is_set_not_only_as_the_first_hosts(defaults, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(ClusterSpec, {"name": "t", "defaults": defaults, "hosts": [{"name": "a"}, {"name": "b"}]}, where="")

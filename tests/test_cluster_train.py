@@ -57,7 +57,7 @@ def _wait_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 120)
     deadline = time.time() + limit
     while time.time() < deadline and proc.poll() is None:
         path = out / "metrics.jsonl"
-        if path.exists() and any(json.loads(l).get("step", 0) >= step for l in path.read_text().splitlines() if l.strip()):
+        if path.exists() and any(json.loads(l).get("step", 0) >= step for l in path.read_text().splitlines(keepends=True) if l.endswith("\n") and l.strip()):
             return
         time.sleep(0.2)
     raise AssertionError(f"run did not reach step {step}: {proc.poll()}")
@@ -72,6 +72,21 @@ def test_train_over_emulated_links(cluster, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["val_accuracy"] > 0.9
     assert summary["bytes_sent_total"] > 0 and (out / "hosts" / "h1.log").exists()
+
+
+def test_a_second_job_on_a_busy_cluster_is_refused_in_one_line(cluster, tmp_path):
+    """Its agents met the first job's rendezvous port taken (EADDRINUSE) and printed pages of tracebacks."""
+    from tests.test_cli import assert_refused, thinwire
+
+    spec, c = cluster
+    other = next(h for h in c.hosts() if h.name == "h1").spawn(["sleep", "60"])
+    try:
+        assert_refused(thinwire("train", "--cluster", str(spec), "--workload", "digits", "--out", str(tmp_path / "run")),
+                       rf"cluster: tf{os.getpid()} is running another job \(h1: pid [0-9]+.*\); wait for it")
+    finally:
+        other.kill()
+        other.wait()
+    assert not (tmp_path / "run").exists()
 
 
 def test_cut_link_fails_fast_naming_the_host(cluster, tmp_path):
@@ -139,6 +154,7 @@ def test_stop_signal_leaves_nothing_running_in_the_hosts(cluster, tmp_path, sign
             proc.communicate()
     assert proc.returncode == 128 + signum, err[-3000:]
     assert f"thinwire: stopped by {signal.Signals(signum).name}" in err
+    assert "Traceback" not in err, err[-3000:]  # the first host's agent, on the console, stops without torchrun's
     assert c.is_up()
     ckpt.load(ckpt.latest(out))
 

@@ -71,3 +71,86 @@ def test_attach_refuses_plain_module_and_double_attach():
 
     (msg,) = run_ranks(twice, 1)
     assert "already attached" in msg
+
+
+def _attach_error(rank, world, model_kind, kwargs):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2)) if model_kind == "sparse" \
+        else _model()
+    try:
+        thinwire.attach(DDP(net), "int8", **kwargs).close()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind, kwargs, match", [
+    ("sparse", {}, r"thinwire.attach: 0 makes sparse gradients \(sparse=True\).*build the embedding with sparse=False"),
+    ("dense", {"timeout_s": -1}, r"thinwire.attach: timeout_s must be a number of seconds > 0 or None .*got -1"),
+    ("dense", {"timeout_s": 0}, r"timeout_s must be a number of seconds > 0 or None .*got 0"),
+])
+def test_attach_refuses_what_its_hook_cannot_run_in_one_line(kind, kwargs, match):
+    """A sparse embedding failed at its first backward inside a codec (aten::aminmax on SparseCPU); a negative
+    timeout inside gloo (enforce fail), and 0 silently meant no timeout."""
+    (msg,) = run_ranks(_attach_error, 1, kind, kwargs)
+    assert msg is not None and __import__("re").search(match, msg), msg
+
+
+def _peer_hangs(rank: int, world: int, spec: str):
+    """Rank 2 stops answering at the fourth step (a host whose link went down); the others' step must fail."""
+    import time
+
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    state = thinwire.attach(model, spec, min_compress_bytes=0, timeout_s=2)
+    x, y = _batch()
+    try:
+        for step in range(5):
+            if rank == 2 and step == 3:
+                time.sleep(4)
+                return "gone"
+            nn.functional.mse_loss(model(x), y).backward()
+        return "trained on"
+    except RuntimeError as e:
+        return f"failed at step {step}: {str(e)[:60]}"
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("spec", ["none", "bf16", "randomk:ratio=0.5", "int8"])
+def test_a_peer_that_stops_answering_fails_the_step_with_every_codec(spec):
+    """The all-reduces issued from DDP's thread (fp32, bf16, random-k) completed their step after the timeout
+    without an error, leaving the bucket's own values as the "average": a host killed in an elastic run left
+    the others stepping on their own gradients, ~10x faster, until the next checkpoint's collective failed."""
+    got = run_ranks(_peer_hangs, 3, spec, timeout=60)
+    assert got[2] == "gone"
+    assert all(r.startswith("failed at step 3") for r in got[:2]), got
+
+
+def _float64_grads(rank: int, world: int, spec: str):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model().double())
+    state = thinwire.attach(model, spec, min_compress_bytes=0)
+    x, y = _batch()
+    share = len(x) // world
+    try:
+        for _ in range(2):
+            model.zero_grad()
+            nn.functional.mse_loss(model(x[rank * share:(rank + 1) * share].double()),
+                                   y[rank * share:(rank + 1) * share].double()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+    finally:
+        state.close()
+
+
+def test_powersgd_runs_on_float64_parameters():
+    """Its Q started as float32 and the product with a float64 gradient failed ("double != float")."""
+    a, b = run_ranks(_float64_grads, 2, "powersgd:rank=2")
+    assert all(g.dtype == torch.float64 and torch.isfinite(g).all() for g in a)
+    assert all(torch.equal(g, h) for g, h in zip(a, b))

@@ -7,6 +7,7 @@ reaches is local SGD with the check period, and its resume is bit-identical too.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -111,6 +112,8 @@ def test_spec_and_refusals():
     with pytest.raises(ConfigError, match="sync.gamma.*explicit consensus step.*topk"):
         check_sync_pairing(parse_sync_spec("gossip:topology=ring"), parse_comm_spec("topk:ratio=0.01"))
     check_sync_pairing(parse_sync_spec("gossip:topology=ring,gamma=0.1"), parse_comm_spec("topk:ratio=0.01"))
+    with pytest.raises(ConfigError, match=r"sync\.gamma: must be left out with a lossless codec \(--compression none\)"):
+        check_sync_pairing(parse_sync_spec("gossip:topology=ring,gamma=0.3"), parse_comm_spec("none"))  # had no effect
     with pytest.raises(ConfigError, match="compression.*other than powersgd"):
         check_sync_pairing(parse_sync_spec("gossip:topology=torus,gamma=0.5"), parse_comm_spec("powersgd"))
     for bad in ("gossip:gamma=0", "gossip:gamma=1.5", "gossip:gamma=nan", "local:period=4,gamma=0.5"):
@@ -242,6 +245,11 @@ def test_resume_is_bit_identical_through_the_trainer(tmp_path, codec, topology):
     for ra, rb in zip(a["ranks"], b["ranks"]):
         _assert_equal(ra["sync"], rb["sync"])
         _assert_equal(ra["model"], rb["model"])
+    # validation's averages are counted over the whole run, as training's bytes are (the split run's first part
+    # also validated at its last step)
+    consensus = [json.loads((tmp_path / o / "summary.json").read_text())["bytes_sent_consensus_all_ranks"]
+                 for o in ("straight", "split")]
+    assert consensus[1] >= consensus[0] > 0, consensus
 
 
 # -- dynamic averaging ------------------------------------------------------------------------------

@@ -67,8 +67,15 @@ def digits_profile():
 def test_advice_follows_the_measurements(digits_profile):
     fast = _report(0.0, digits_profile)  # a free network: nothing can help
     assert fast["recommendation"]["action"] == "keep" and "nothing thinwire offers" in fast["recommendation"]["why"]
-    slow = _report(5.0, digits_profile)  # communication 100x the compute: compression must help
+    from thinwire.doctor.advise import job_args
+    from thinwire.train.config import load_train_config
+
+    job = load_train_config(None, {"workload": "digits", "batch_size": 128, "nproc": 2}, ["model.hidden=512"])
+    slow = _report(5.0, digits_profile, job=job_args(job, 2))  # communication 100x the compute: compression must help
     assert slow["recommendation"]["action"] == "compress"
+    # the command trains the job doctor measured: its model options, batch and workers
+    assert slow["recommendation"]["command"].startswith(
+        "thinwire train --workload digits --set model.hidden=512 --batch-size 128 --nproc 2 --compression ")
     assert slow["recommendation"]["codec"] != "none" and slow["codecs"][0]["speedup"] > 2
     assert slow["measured"]["comm_share"] > 0.9
     assert slow["recommendation"]["command"].endswith(f"--compression {slow['recommendation']['codec']}")
@@ -138,6 +145,7 @@ def test_doctor_refuses_an_existing_folder_and_a_bad_workload(tmp_path):
     assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     (out / "keep.txt").unlink()  # a doctor stopped before its report (Ctrl-C): the same command runs again there
     (out / "config.yaml").write_text("workload: digits\n")
+    (out / "hosts").mkdir()  # an emulated cluster's host logs (doctor --cluster)
     proc = thinwire("doctor", "--data", "/nonexistent/corpus", "--out", str(out))  # checked after the folder
     assert "exists and is not empty" not in proc.stderr and "data: path '/nonexistent/corpus'" in proc.stderr
     (out / "report.json").write_text("{}")  # a finished one is kept
@@ -169,3 +177,22 @@ def test_on_a_cluster_with_a_switch_doctor_tries_int8_through_it_and_says_how_to
     guarded = apply_guard(r, {"int8": ConvergenceRecord(factor=1.02, loss=1.004, reference_loss=1.0, steps=60, world=4,
                                                          gap=0.004, orders=3)}, "p.yaml")
     assert guarded["recommendation"]["codec"] == "int8@switch" and "--aggregation switch" in guarded["recommendation"]["command"]
+
+
+def test_the_suggested_command_gives_each_model_option_back_as_it_was():
+    """Options are written as --set reads them (YAML): None as null (str gave 'None', read back as a string)."""
+    import shlex
+    from types import SimpleNamespace
+
+    from thinwire.config import parse_value
+    from thinwire.doctor.advise import job_args
+
+    model = {"tag": None, "flag": True, "name": "no", "digits": "1", "widths": [1, 2], "lr": 0.5, "text": "a b"}
+    words = shlex.split(job_args(SimpleNamespace(workload="mine:make", model=model, data=None, batch_size=None,
+                                                 cluster=None), 2))
+    back = {}
+    for flag, value in zip(words, words[1:]):
+        if flag == "--set":
+            key, text = value.split("=", 1)
+            back[key.removeprefix("model.")] = parse_value(text, what=f"--set {key}")
+    assert back == model

@@ -37,6 +37,7 @@ def _spec(tmp_path: Path, hosts: int = 3) -> Path:
     (["--min-hosts", "0", "--max-restarts", "1"], r"min_hosts: must be an integer in \[1, 4096\], got 0"),
     (["--min-hosts", "2", "--max-restarts", "1", "--batch-size", "64"],
      r"batch_size: must be divisible by every number of hosts the run may have \(2 to 3 with min_hosts 2\).*multiple of 6"),
+    (["--min-hosts", "4", "--max-restarts", "1"], r"min_hosts: must be at most the 3 hosts of .*spec.yaml, got 4"),
 ])
 def test_bad_elastic_input_is_refused_before_launch(tmp_path, extra, pattern):
     proc = thinwire("train", "--workload", "digits", "--cluster", str(_spec(tmp_path)), *extra,
@@ -91,6 +92,21 @@ def test_a_host_that_comes_back_as_the_run_finishes_is_not_a_failure(tmp_path):
     assert agents[2].gone
 
 
+def test_the_host_whose_worker_failed_is_named_though_its_agent_is_slower_to_exit(tmp_path):
+    # h2's worker raised; h0 (its output on the console, unread) and h1 lost it and their agents exited, while
+    # h2's agent still tries to reach the rendezvous store that went with h0: h2 is the cause, named with its code
+    agents = _agents(1, 1, None)
+    agents[0].log = None
+    for a, says in zip(agents[1:], ["thinwire[1]: stopped: lost another worker (Connection closed by peer)",
+                                    "[rank2]: Traceback (most recent call last):\n[rank2]: ValueError: a bad sample"]):
+        a.log = tmp_path / f"{a.host.name}.log"
+        a.log.write_text(says + "\n")
+    exits_at = time.monotonic() + 3  # longer than the 1.5 s the others' agents once got
+    agents[2].proc.poll = lambda: None if time.monotonic() < exits_at else 1
+    with pytest.raises(ThinwireError, match=r"host h2 .* failed with exit code 1 and the other hosts were stopped"):
+        cluster_launch._wait(_Cluster(), agents, tmp_path)
+
+
 def test_a_host_failing_while_too_few_are_left_stops_the_run(tmp_path):
     with pytest.raises(ThinwireError, match=r"host h1 .* failed with exit code 1.* 1 host\(s\) left, fewer than min_hosts 2"):
         cluster_launch._wait(_Cluster(), _agents(None, 1, 1), tmp_path, min_hosts=2)
@@ -121,7 +137,7 @@ def _max_step(out: Path) -> int:
     path = out / "metrics.jsonl"
     if not path.exists():
         return 0
-    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()), default=0)
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n") and line.strip()), default=0)
 
 
 # long enough that the restored host rejoins mid-run: a step takes ~15 ms, the rejoin ~10 s (its agent's

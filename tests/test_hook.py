@@ -243,6 +243,18 @@ def test_bf16_sends_like_pytorchs_bf16_hook_and_keeps_no_residual():
         assert r["stats"]["residual_bytes"] == 0 and not r["state"]["residuals"]["params"]
 
 
+def test_unbiased_randomk_keeps_no_residual_and_its_average_stays_the_gradients_scale():
+    """randomk:rescale=true is unbiased (values scaled by numel/k): with a residual it added back what the scaled
+    values already carried, and the residual grew by about numel/k each step (a diverged run's val loss 11.5)."""
+    steps = 6
+    results = run_ranks(_hook_average, 2, "randomk:ratio=0.1,rescale=true", steps, 100.0)
+    for r in results:
+        assert r["stats"]["residual_bytes"] == 0 and not r["state"]["residuals"]["params"]
+    mean = torch.cat([g.flatten() for g in true_mean(2, steps - 1)])
+    got = torch.cat([g.flatten() for g in results[0]["grads"][steps - 1]])
+    assert got.norm() < 10 * mean.norm()  # with the residual: ~steps x numel/k times larger
+
+
 class _Int8ThenBf16(Policy):
     def codec_for(self, bucket, numel, step):
         from thinwire.compress.spec import parse_codec_spec

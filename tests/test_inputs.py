@@ -112,9 +112,9 @@ def test_set_values_are_yaml_1_2_scalars():
 @pytest.mark.parametrize("changes, match", [
     pytest.param({"defaults": {"bandwidth": float("inf")}}, r"defaults\.bandwidth: must be a finite number or a string",
                  id="bandwidth-inf"),
-    pytest.param({"defaults": {"bandwidth": "inf"}}, r"hosts\[0\]\.bandwidth: must be a rate", id="bandwidth-inf-text"),
-    pytest.param({"defaults": {"bandwidth": "1e999mbit"}}, r"hosts\[0\]\.bandwidth: must be a rate", id="bandwidth-1e999"),
-    pytest.param({"defaults": {"bandwidth": "1mbit", "cpu": 1e-320}}, r"hosts\[0\]\.cpu: must be a number of cores in",
+    pytest.param({"defaults": {"bandwidth": "inf"}}, r"defaults\.bandwidth \(taken by hosts\[0\]\): must be a rate", id="bandwidth-inf-text"),
+    pytest.param({"defaults": {"bandwidth": "1e999mbit"}}, r"defaults\.bandwidth \(taken by hosts\[0\]\): must be a rate", id="bandwidth-1e999"),
+    pytest.param({"defaults": {"bandwidth": "1mbit", "cpu": 1e-320}}, r"defaults\.cpu \(taken by hosts\[0\]\): must be a number of cores in",
                  id="cpu-1e-320"),
     pytest.param({"links": [{"between": ["g1", "g2"], "bandwidth": "1mbit", "latency": float("nan")}]},
                  r"links\[0\]\.latency: must be a finite number or a string or null, got nan", id="latency-nan"),
@@ -305,6 +305,24 @@ def test_checkpoint_without_signature(tmp_path):
         ckpt.load(path)
 
 
+def test_a_damaged_or_foreign_checkpoint_is_refused_as_such(tmp_path):
+    """torch.load reads a zip entry without its checksum: damaged numbers would load as other numbers."""
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"format": ckpt.FORMAT, "step": 1, "wall_s": 0.0, "model": {"w": torch.ones(64)}, "optimizer": {},
+                "scheduler": {}, "signature": {}, "ranks": []}, path)
+    good = path.read_bytes()
+    at = good.index(torch.ones(64).numpy().tobytes())  # the tensor's bytes, stored as they are
+    path.write_bytes(good[:at] + b"\xff" * 16 + good[at + 16:])
+    with pytest.raises(ThinwireError, match=r"is damaged: its entry '.*/data/0' does not match its checksum"):
+        ckpt.load(path)
+    assert path.read_bytes() != good  # left as it was
+    for junk, match in ((b"garbage\n", r"is corrupt, truncated or not a checkpoint: it is not the zip archive"),
+                        (b"\0\0\0\0" + good[4:], r"is damaged: its entry '.*data.pkl' does not match")):
+        path.write_bytes(junk)
+        with pytest.raises(ThinwireError, match=match):
+            ckpt.load(path)
+
+
 def test_malicious_pickle_is_reported_as_refused(tmp_path, capsys):
     path = tmp_path / "step_000000001.pt"
     torch.save({"format": ckpt.FORMAT, "x": _Evil()}, path)
@@ -331,3 +349,33 @@ def test_malicious_pickle_is_reported_as_refused(tmp_path, capsys):
 def test_number_flags_of_plan_simulate_and_profile_are_bounded(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
+
+
+class _OneHeadUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_head():
+    """A user's model with a layer its forward never calls."""
+    from thinwire.workloads.base import Workload
+
+    g = torch.Generator().manual_seed(0)
+    data = [(x, int(x.sum() > 0)) for x in torch.randn(128, 8, generator=g)]
+    return Workload(model=_OneHeadUnused(), train=data, val=data, loss=torch.nn.functional.cross_entropy,
+                    task="classification", batch_size=16, steps=4)
+
+
+def test_a_parameter_the_loss_does_not_use_is_named_not_a_ddp_traceback(tmp_path):
+    """DDP's error advises find_unused_parameters, which thinwire does not take: the parameters are named with
+    the fix that applies."""
+    from tests.test_cli import thinwire
+
+    proc = thinwire("train", "--workload", "tests.test_inputs:unused_head", "--nproc", "2", "--out", str(tmp_path / "r"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "model: spare.weight, spare.bias got no gradient in step 1: the loss does not depend on them" in proc.stderr
+    assert "p.requires_grad_(False)" in proc.stderr

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,26 @@ def test_the_engine_runs_the_communication_threads_and_changes_no_numerics(tmp_p
         assert (nic / "cpu.cfs_quota_us").read_text().strip() == "2500"  # 0.25 core of a 10 ms period
         assert [s.nic_cpu for s in c.status()] == [0.25, 0.25]
         on = _train(spec, tmp_path / "on", "auto")
-        off = _train(spec, tmp_path / "off", "off")
+        seen: set[str] = set()  # what the engines' cgroups held while the inline run trained
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.05):
+                for h in ("h0", "h1"):
+                    seen.update(Path(c.cgroups.nic_tasks_file(h)).read_text().split())
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            off = _train(spec, tmp_path / "off", "off")
+        finally:
+            done.set()
+            watcher.join()
     finally:
         c.down()
-    # the engine thread, gloo's I/O loop and its collective workers
-    assert on["offload"]["engine_cpu"] == 0.25 and on["offload"]["threads_on_engine"] >= 3, on["offload"]
-    assert "offload" not in off
+    # the engine thread, gloo's I/O loop and its two collective workers, counted before the engine stops
+    assert on["offload"]["engine_cpu"] == 0.25 and on["offload"]["threads_on_engine"] >= 4, on["offload"]
+    assert "offload" not in off and not seen, seen  # offload=off keeps everything inline, on the host's own CPU
     assert on["val_loss"] == off["val_loss"] and on["val_accuracy"] > 0.8
 
 

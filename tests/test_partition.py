@@ -129,3 +129,17 @@ def test_charlm_drift_switches_to_a_corpus_of_the_same_length():
     assert build_workload("charlm", opts, None).data_at is None
     with pytest.raises(ConfigError, match="model.drift.*rot13 or swapcase"):
         build_workload("charlm", {**opts, "drift": "french"}, None)
+
+
+def test_by_file_on_a_corpus_of_fewer_files_than_workers_says_so(tmp_path):
+    """The cuts fall at equal shares of the corpus, not at file boundaries: with one file, two workers train on
+    parts of it, and the trainer says so rather than letting "by_file" promise a file each."""
+    from tests.test_cli import thinwire as cli
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("hello world " * 400)
+    proc = cli("train", "--data", str(tmp_path / "corpus"), "--nproc", "2", "--partition", "by_file", "--steps", "1",
+               "--set", "model.layers=1", "--set", "model.width=16", "--set", "model.context=16",
+               "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the corpus has 1 file(s) for 2 workers, so some workers train on parts of the same file" in proc.stderr

@@ -3,6 +3,7 @@ GPipe and 1F1B, alone and as 2 x 2 pipeline x data parallel; the spec, the layou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -171,8 +172,13 @@ def test_layout_refuses_what_cannot_be_laid_out():
     got = layout(inter, _layers(5), 2, 8)
     assert (got.stages, got.virtual, len(got.runs), got.links, got.rank_stages(1)) == (2, 2, 4, ["fp32"] * 3, [1, 3])
     assert layout(parse_pipeline_spec("interleaved:layers=2/1/1/1"), _layers(5), 2, 8).runs == [[0, 1], [2], [3], [4]]
-    with pytest.raises(ConfigError, match=r"pipeline\.stages.*at most the model's 3 layers.*over virtual=2"):
+    with pytest.raises(ConfigError, match=r"pipeline\.virtual: must be at most 1: 2 ranks x virtual stages each hold "
+                                          r"at least one of the model's 3 layers.*got 2"):  # 2 stages fit, 4 do not
         layout(inter, _layers(3), 2, 8)
+    with pytest.raises(ConfigError, match=r"pipeline\.stages.*at most the model's 3 layers.*over virtual=2"):
+        layout(parse_pipeline_spec("interleaved:stages=4"), _layers(3), 4, 8)
+    with pytest.raises(ConfigError, match=r"pipeline\.stages: must be at least 2 with the interleaved schedule.*got 1"):
+        layout(parse_pipeline_spec("interleaved:stages=1"), _layers(4), 1, 8)  # torch's schedule fails on one rank
     with pytest.raises(ConfigError,
                        match=r"pipeline\.microbatches.*multiple of its rounds \(micro-batches // stages = 2\)"):
         layout(parse_pipeline_spec("interleaved:stages=2,microbatches=5"), _layers(4), 2, 10)
@@ -212,16 +218,25 @@ SMALL = ["--set", "model.layers=2", "--set", "model.width=32", "--set", "model.h
     (["--nproc", "2", "--pipeline", "1f1b", "--precision", "int8"], r"precision.*fp32 or bf16 with --pipeline"),
     (["--nproc", "2", "--pipeline", "1f1b", "--sync", "delayed"], r"sync.*allreduce, local:period=H or diloco"),
     (["--nproc", "2", "--pipeline", "1f1b", "--compression", "auto"], r"compression.*thinwire codec"),
+    (["--nproc", "2", "--pipeline", "gpipe:layers=2/2", "--sync", "diloco:period=15,fragments=15"],
+     r"sync\.fragments: must be at most 14, the trainable parameter tensors of pipeline stage 0 \(embed, blocks\.0\)"),
     (["--nproc", "2", "--workload", "digits", "--pipeline", "1f1b"], r"has no layer list"),
     (["--nproc", "2", "--workload", "tests.test_pipeline:odd_width", "--pipeline", "gpipe:activations=int8"],
      r"pipeline\.activations: int8 packs rows of an even length; layer 0 outputs width 15"),
     (["--nproc", "2", "--workload", "tests.test_pipeline:wrong_order", "--pipeline", "gpipe"],
      r"pipeline: layer 1 \(1\) cannot take the output of the layer before it"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:layers_leave_out", "--pipeline", "gpipe"],
+     r"pipeline: tests.test_pipeline:layers_leave_out's layer list leaves out 0.weight, 0.bias of the model"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:layers_foreign", "--pipeline", "gpipe"],
+     r"pipeline: tests.test_pipeline:layers_foreign's layer extra holds parameters that are not the model's"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:layers_raise", "--pipeline", "gpipe"],
+     r"pipeline: tests.test_pipeline:layers_raise's layers\(model\) raised RuntimeError: my layers function broke"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:layers_not_module", "--pipeline", "gpipe"],
+     r"layers\(model\)\[1\] must be a \(name, nn.Module\) pair, got int"),
 ])
 def test_train_refuses_a_bad_pipeline_before_anything_starts(tmp_path, args, match):
     out = tmp_path / "run"
-    base = [] if any(w in args for w in ("digits", "tests.test_pipeline:odd_width", "tests.test_pipeline:wrong_order")) \
-        else SMALL
+    base = [] if any(w == "digits" or w.startswith("tests.test_pipeline:") for w in args) else SMALL
     r = thinwire("train", *base, "--steps", "2", *args, "--out", str(out))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert __import__("re").search(match, r.stderr), r.stderr
@@ -250,6 +265,31 @@ def parameter_free_tail():
 def wrong_order():
     """A user workload whose layer list does not chain (a 16-wide layer after an 8-wide one)."""
     return _toy(nn.Sequential(nn.Linear(16, 8), nn.Linear(16, 2)))
+
+
+def _listed(layers):
+    """A user workload (a Linear, a ReLU, a Linear) with the layer list ``layers(model)``."""
+    wl = _toy(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2)))
+    return dataclasses.replace(wl, layers=layers)
+
+
+def layers_leave_out():
+    return _listed(lambda m: [("in", m[0]), ("out", m[2])][1:])
+
+
+def layers_foreign():
+    extra = nn.Linear(16, 16)
+    return _listed(lambda m: [("in", m[0]), ("extra", extra), ("act", m[1]), ("out", m[2])])
+
+
+def layers_raise():
+    def broken(m):
+        raise RuntimeError("my layers function broke")
+    return _listed(broken)
+
+
+def layers_not_module():
+    return _listed(lambda m: [("in", m[0]), ("x", 3)])
 
 
 # -- the CLI: equal to data parallelism, resume, a killed stage ---------------------------------------
@@ -298,6 +338,8 @@ def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
     c_model = _merged(split, c)
     for name in b_model:
         assert torch.equal(b_model[name], c_model[name]), name
+    acts = [json.loads((o / "summary.json").read_text())["pipeline"]["activation_bytes_sent"] for o in (piped, split)]
+    assert acts[1] >= acts[0], acts  # the whole run's hand-overs (the resumed one's first step infers shapes again)
     for rank in range(4):  # every stage's optimizer state continued exactly
         sb, sc = (ckpt.load_shard(_last(o), rank)["stage_optimizer"]["state"] for o in (piped, split))
         assert all(torch.equal(sb[i]["exp_avg_sq"], sc[i]["exp_avg_sq"]) for i in sb)
@@ -642,6 +684,11 @@ def test_simulate_prices_an_interleaved_pipeline_per_stage_and_says_when_the_pro
     assert "8-stage pipeline, 2 per rank" in outs["new"] and "│ 7 │ h3 │ blocks.7+head" in outs["new"]
     assert "has no interleaved runtime's overhead" in outs["old"]
     assert "has no interleaved runtime's overhead" not in outs["new"]
+    for bad in ("2f2b", "interleaved:virtual=1"):  # refused before anything is written
+        r = thinwire("simulate", "--profile", str(new), "--cluster", str(spec), "--pipeline", bad, "--batch-size", "8",
+                     "--out", str(tmp_path / "bad"))
+        assert r.returncode == 2 and "pipeline" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert not (tmp_path / "bad").exists()
 
 
 def test_planner_compresses_only_links_that_pace_the_pipeline():

@@ -264,6 +264,16 @@ def test_model_that_fits_nowhere_is_refused():
         plan_for(four(**{f"h{i}": {"memory": "1MiB"} for i in range(4)}))
 
 
+def test_hosts_that_cannot_hold_the_worker_process_itself_are_told_so_not_to_shrink_the_model():
+    import dataclasses as dc
+
+    prof = dc.replace(profile(params=1000), runtime_bytes=240 * 2**20)  # Python and torch, before any model
+    with pytest.raises(ThinwireError, match=r"needs 2\d\d\.\d MiB on a host \(the worker process itself 240\.0 MiB "
+                                            r"\(Python, torch\), then parameters.*Give the hosts more memory "
+                                            r"\(hosts\[\]\.memory\): at least 2\d\d MiB\.$"):
+        plan_for(four(**{f"h{i}": {"memory": "200MiB"} for i in range(4)}), prof=prof)
+
+
 def test_model_too_big_for_any_host_without_a_layer_list_fits_nowhere():
     with pytest.raises(ThinwireError, match=r"fits nowhere.*has no layer list to pipeline"):
         plan_for(four(**{f"h{i}": {"memory": "8MiB"} for i in range(4)}))  # 800k params need ~15 MiB
@@ -286,6 +296,9 @@ def test_cli_writes_and_prints_a_plan(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and out.is_file() and "chosen" in text and "Uniform DDP fp32 over 4 hosts" in text
     assert read_plan(out).chosen is not None
+    # the command that runs it names what the plan was made for: `--plan` alone ran charlm, refused for a user's workload
+    assert (f"run it: thinwire train --cluster {EXAMPLES / 'plan-a-slow-cpu.yaml'} --plan {out} --workload charlm "
+            "--batch-size 32") in " ".join(text.split())
 
 
 def test_cli_refusals_exit_non_zero(tmp_path, capsys):
@@ -516,6 +529,13 @@ def test_a_plan_on_fewer_hosts_pays_for_validating_more_items_on_each():
     two = next(a for a in heavy.alternatives if len(a.hosts) == 2)
     assert two.validation_s == pytest.approx(2 * heavy.chosen.validation_s)
     assert heavy.chosen.predicted_step_s > two.predicted_step_s  # chosen for its time to target, not its step
+    # the table's "time to fp32 loss" column is the ranking's quantity: the chosen plan's is the largest
+    from thinwire.cli.plan import candidates_table
+
+    table = candidates_table(heavy)
+    times = [float(v.rstrip("x")) for v in table.columns[4]._cells]
+    assert times[0] == max(times) and times[0] > next(
+        t for t, d in zip(times, [heavy.chosen, *heavy.alternatives]) if d is two), times
     light = plan_for(spec, prof=prof, batch=32, eval_every=1000, eval_batches=1)
     assert light.chosen.name == alone.chosen.name
 
@@ -613,3 +633,86 @@ def test_a_switch_plan_is_checked_and_runs_with_the_aggregator(tmp_path):
     assert _pipeline_from_plan(TrainConfig(workload="charlm", cluster="spec.yaml", plan=str(ring))).aggregation == "ring"
     with pytest.raises(ConfigError, match=r"^aggregation: must be ring with a plan whose collective is ring"):
         _pipeline_from_plan(TrainConfig(workload="charlm", cluster="spec.yaml", plan=str(ring), aggregation="switch"))
+
+
+def test_plan_and_profile_refuse_an_out_that_is_one_of_their_inputs(tmp_path):
+    """`plan --out` the spec or the profile replaced it with the plan: refused before anything is measured."""
+    import shutil
+
+    from tests.test_cli import assert_refused, thinwire
+
+    spec = tmp_path / "spec.yaml"
+    shutil.copy(EXAMPLES / "plan-a-slow-cpu.yaml", spec)
+    before = spec.read_bytes()
+    assert_refused(thinwire("plan", "--cluster", str(spec), "--out", str(spec)),
+                   r"--out: must be a file other than the --cluster input, got '.*spec.yaml'\. writing it would replace")
+    assert_refused(thinwire("plan", "--cluster", str(EXAMPLES / "plan-a-slow-cpu.yaml"), "--profile", str(spec),
+                            "--out", str(tmp_path / "." / "spec.yaml")), r"other than the --profile input")
+    assert_refused(thinwire("profile", "--cluster", str(spec), "--out", str(spec)), r"other than the --cluster input")
+    assert spec.read_bytes() == before
+
+
+def test_a_links_latency_slows_only_the_rings_that_cross_it():
+    """Four hosts on a LAN and one behind a 40 ms link: the LAN's ring waits for no 40 ms hop, so the plan keeps
+    the LAN hosts (it trained on the far host alone, every LAN ring priced at 40 ms a hop)."""
+    from thinwire.plan.planner import host_models, problem
+    from thinwire.plan.search import ring_network
+    from thinwire.sim import inputs
+
+    lan = [HostSpec(name=f"a{i}", group="lab") for i in range(4)]
+    spec = ClusterSpec(name="lat", defaults=DefaultsSpec(bandwidth="1gbit", cpu=1.0),
+                       hosts=[*lan, HostSpec(name="far", group="remote")],
+                       links=[LinkSpec(between=["lab", "remote"], bandwidth="1gbit", latency="40ms")])
+    prof = profile()
+    opts = PlanOptions(batch_size=32, codecs=CODECS)
+    pb, _ = problem(spec, prof, opts, host_models(spec, prof, opts))
+    assert ring_network(pb, [0, 1, 2, 3]).alpha_s == pb.alpha_s
+    assert ring_network(pb, [0, 1, 2, 3, 4]).alpha_s == pytest.approx(pb.alpha_s + 0.040)
+    sim_lan = inputs.ring_network(spec, spec.hosts[:4], prof).alpha_s
+    assert inputs.ring_network(spec, spec.hosts, prof).alpha_s == pytest.approx(sim_lan + 0.040)
+    assert "far" not in plan_for(spec).hosts
+
+
+def test_a_lossy_codec_must_gain_min_gain_to_be_recommended():
+    """On one host nothing is sent: every codec's plan takes the same time, and the lightest (none) is recommended,
+    not the first codec in alphabetical order (bf16); on fast links a 0.2% gain does not buy int8's rounding."""
+    one = ClusterSpec(name="one", defaults=DefaultsSpec(bandwidth="1gbit", cpu=1.0), hosts=[HostSpec(name="h0")])
+    plan = plan_for(one)
+    assert set(plan.chosen.codecs) == {"none"}, plan.chosen
+    fast = ClusterSpec(name="fast", defaults=DefaultsSpec(bandwidth="100gbit", cpu=1.0),
+                       hosts=[HostSpec(name=f"h{i}") for i in range(2)])
+    plan = plan_for(fast, codecs=("none", "int8"))
+    top = plan.chosen
+    lossless = [d for d in [plan.chosen, *plan.alternatives] if set(d.codecs) == {"none"}]
+    assert set(top.codecs) == {"none"} or top.predicted_step_s < 0.98 * min(d.predicted_step_s for d in lossless)
+
+
+def test_codecs_with_several_parameters_are_one_codec_each():
+    """`--codecs none,int8:block=64,stochastic=true` is two codecs (split at every comma, the second parameter was
+    refused as a codec named 'stochastic=true'); a typo is still refused naming it."""
+    from thinwire.cli.plan import codec_list
+
+    assert codec_list("int8:block=64,stochastic=true,topk:ratio=0.05,approx=true,bf16") == (
+        "none", "int8:block=64,stochastic=true", "topk:ratio=0.05,approx=true", "bf16")
+    with pytest.raises(ConfigError, match=r"compression: must be one of .*got 'int9'"):
+        codec_list("none,int9")
+
+
+def test_plan_colocated_applies_the_profiles_co_run_speed_as_simulate_does():
+    """`--colocated` hosts share cores: simulate slowed them by the profile's measured co-run speed, plan did not."""
+    import dataclasses as dc
+
+    from thinwire.plan.planner import host_models
+    from thinwire.sim import inputs
+
+    spec = load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml")
+    prof = dc.replace(profile(), corun_speed={"2": 0.6, "3": 0.5, "4": 0.45})
+    opts = PlanOptions(batch_size=32, codecs=CODECS, colocated_cores=2)
+    planned = [h.speed for h in host_models(spec, prof, opts)]
+    hosts = inputs.replicate_hosts(spec, len(spec.hosts))
+    cores = inputs.host_cores(hosts, threads=prof.threads, colocated_cores=2)
+    simulated = inputs.host_speeds(cores, profile_threads=prof.threads, threads=prof.threads, profile=prof,
+                                   colocated_cores=2)
+    assert planned == pytest.approx(simulated)
+    alone = [h.speed for h in host_models(spec, prof, PlanOptions(batch_size=32, codecs=CODECS))]
+    assert all(a < b for a, b in zip(planned, alone)), (planned, alone)

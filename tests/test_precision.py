@@ -8,12 +8,14 @@ import copy
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+
 import torch
 from torch import nn
 
@@ -322,6 +324,51 @@ def test_checkpointing_when_one_sample_does_not_fit_and_a_clear_error_when_nothi
         plan_memory(_Deep(), budget=2**20, budget_text="1MiB", batch=2, **DEEP)
 
 
+def _bn_sample(n: int, i: int = 0):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(n, 16384, generator=g), torch.randint(0, 8, (n,), generator=g)
+
+
+def _bn_mlp():  # BatchNorm in training refuses a batch of one sample; wide rows: activations grow with the batch
+    torch.manual_seed(0)
+    return nn.Sequential(nn.BatchNorm1d(16384), nn.ReLU(), nn.Linear(16384, 8))
+
+
+BN = dict(MEM, sample=_bn_sample, loss_fn=nn.functional.cross_entropy)
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_planned_from_two():
+    """The plan measured micro-batches of one sample first, and BatchNorm's ValueError came out as a traceback
+    whatever the budget; no micro-batch of the plan may hold one sample (9 = 5 + 4, not 5 + 2 + 2 ... + 1)."""
+    big = plan_memory(_bn_mlp(), budget=2**30, batch=9, **BN)
+    assert big.micro_sizes == [9]
+    two, nine = step_peak(_bn_mlp(), [2, 2], **BN), step_peak(_bn_mlp(), [9], **BN)
+    plan = plan_memory(_bn_mlp(), budget=two + (nine - two) // 2, batch=9, checkpoint_fallback=False, **BN)
+    assert len(plan.micro_sizes) > 1 and min(plan.micro_sizes) >= 2 and sum(plan.micro_sizes) == 9
+    with pytest.raises(ThinwireError, match=r"micro-batches of 2 samples \(the model cannot train on one\)"):
+        plan_memory(_bn_mlp(), budget=two // 2, batch=9, checkpoint_fallback=False, **BN)
+
+
+def test_the_refusal_names_a_minimum_above_the_budget_it_refuses():
+    """It measured again and named that peak: a minimum of 18.2 MiB for a budget of 18.5 MiB it refused."""
+    model = _mlp()
+    one = step_peak(model, [1, 1], **MEM)
+    calls = []
+
+    def noisy(model, sizes, **kw):  # the second measurement of the same step reads 10% lower
+        calls.append(tuple(sizes))
+        return one if calls.count(tuple(sizes)) == 1 else int(one * 0.9)
+    import thinwire.precision.memory as memory
+    orig, memory.step_peak = memory.step_peak, noisy
+    try:
+        with pytest.raises(ThinwireError) as e:
+            plan_memory(model, budget=one - 1, budget_text="X", batch=8, checkpoint_fallback=False, **MEM)
+    finally:
+        memory.step_peak = orig
+    number, unit = re.search(r"must be at least ([\d.]+) (KiB|MiB|GiB)", str(e.value)).groups()
+    assert float(number) * 2 ** {"KiB": 10, "MiB": 20, "GiB": 30}[unit] > one - 1, str(e.value)
+
+
 def test_peak_memory_counts_live_tensors():
     keep = torch.zeros(1000)  # 4000 bytes, existing before
     with PeakMemory(torch.device("cpu"), keep) as m:
@@ -383,3 +430,24 @@ def test_int8_conversion_says_which_kinds_of_layer_compute_in_fp32(caplog):
     with caplog.at_level(logging.INFO, logger="thinwire"):
         convert(model, "int8")
     assert "precision int8: 1 layer converted; Embedding, LSTM compute in fp32" in caplog.text, caplog.text
+
+
+def test_auto_that_does_not_choose_int8_drops_its_trials_noise_buffer_and_counts(monkeypatch):
+    """--precision auto's int8 trial left its 4 MB noise buffer in every later measurement: a budget refused at
+    int8's minimum after bf16 was chosen, and an fp32 run's peak reported 2.3x a plain fp32 run's."""
+    from thinwire.precision import setup as setup_mod
+    from thinwire.precision.auto import PrecisionChoice
+    from thinwire.precision.int8 import COUNTERS, DITHER
+
+    def trial_then_fp32(model, *a, **kw):
+        trial = copy.deepcopy(model)
+        convert(trial, "int8", stochastic=True)
+        x, _ = _mlp_sample(2)
+        trial(x).sum().backward()  # the trial's int8 steps: noise drawn, int8 matmuls counted
+        assert DITHER.tensors() and COUNTERS.int8 > 0
+        return PrecisionChoice("fp32", "faster", [])
+
+    monkeypatch.setattr(setup_mod, "choose_precision", trial_then_fp32)
+    setup = setup_mod.prepare_precision(_mlp(), "auto", device=torch.device("cpu"), batch=4, sample=_mlp_sample,
+                                        loss_fn=_token_loss, optimizer_fn=MEM["optimizer_fn"], ddp=False)
+    assert setup.mode == "fp32" and DITHER.tensors() == [] and COUNTERS.int8 == 0

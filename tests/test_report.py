@@ -62,7 +62,29 @@ def _non_utf8(folder):
         f.write(b'\xff\xfe\x00garbage\n{"event": "resume", "step": 40, "from": "/runs/caf\xe9"}\n')
 
 
+def _resumed(folder):
+    """Stopped after step 40, went on from its step-30 checkpoint: steps 31-40 trained again."""
+    _run(folder, 1.0)
+    again = [{"event": "resume", "step": 30}] + [{"step": s, "loss": 2.0 / s, "wall_s": 0.1 * s, "step_time_s": 0.1,
+                                                   "compute_s": 0.06, "comm_wait_s": 0.03} for s in range(31, 41)]
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in again))
+
+
+def test_report_draws_a_resumed_run_as_it_stands(tmp_path):
+    """The records of steps a run trained again after a resume replace the ones written before it."""
+    from thinwire.report import read_run
+
+    _resumed(tmp_path / "resumed")
+    run = read_run(str(tmp_path / "resumed"))
+    assert [p[0] for p in run.train] == list(range(1, 41))
+    assert [p[2] for p in run.train[30:]] == [2.0 / s for s in range(31, 41)]
+    assert [p[0] for p in run.val] == [10, 20, 30]  # step 40's validation belonged to the steps trained again
+    assert run.skipped == {"record redone": 11}
+
+
 @pytest.mark.parametrize("make, expected", [
+    (_resumed, "run resumed: skipped 11 records of steps trained again after a resume"),
     (_nonfinite, "run nonfinite: skipped 3 non-finite losses"),
     (_partial, "run partial: skipped 1 partial line"),
     (_no_steps, "run no_steps: no step records with a finite loss to plot"),
@@ -102,3 +124,33 @@ def test_scan_metrics_never_raises_on_content(tmp_path):
     records, skipped = scan_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert skipped == {"unreadable line": 3}
+
+
+def test_a_run_folder_that_cannot_take_the_plots_is_refused_in_one_line(tmp_path):
+    """Without --out the plots go into the first run's folder: one that cannot be written is named up front."""
+    import shutil
+    import subprocess
+
+    from tests.test_cli import assert_refused, thinwire
+
+    _run(tmp_path / "a", 1.0)
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(tmp_path / "a")]).returncode != 0:
+        pytest.skip("needs chattr +i (root on a file system that has it): root may write any folder otherwise")
+    try:
+        assert_refused(thinwire("report", str(tmp_path / "a")), r"--out: must be a folder that can be written, got "
+                       r"'.*a'\. .* cannot take new files")
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "a")])
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["metrics.jsonl"]
+
+
+def test_runs_whose_folders_share_a_name_get_names_that_tell_them_apart(tmp_path):
+    from thinwire.report import _runs
+
+    (tmp_path / "int8").mkdir()
+    (tmp_path / "fp32").mkdir()
+    _run(tmp_path / "int8" / "run", 1.0)
+    _run(tmp_path / "fp32" / "run", 2.0)
+    _run(tmp_path / "solo", 3.0)
+    names = [r.name for r in _runs([str(tmp_path / "int8" / "run"), str(tmp_path / "fp32" / "run"), str(tmp_path / "solo")])]
+    assert names == ["int8/run", "fp32/run", "solo"]

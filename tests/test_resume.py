@@ -23,9 +23,19 @@ def _final_model(out: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("nproc, compression", [(1, "none"), (2, "topk:ratio=0.05")])
-def test_resume_is_bit_identical(tmp_path, nproc, compression):
-    common = ["--workload", "digits", "--nproc", str(nproc), "--compression", compression, "--eval-every", "5"]
+# charlm with int8 in buckets of 30 KB: DDP's first iteration after a resume hands over one bucket of every
+# parameter where the run that was never stopped had rebuilt three, and int8's blocks then fall elsewhere
+SMALL_CHARLM = ["--workload", "charlm", "--set", "model.layers=1", "--set", "model.width=32", "--batch-size", "8",
+                "--set", "bucket_mb=0.03"]
+
+
+@pytest.mark.parametrize("nproc, compression, workload", [(1, "none", ["--workload", "digits"]),
+                                                          (2, "topk:ratio=0.05", ["--workload", "digits"]),
+                                                          (2, "int8", SMALL_CHARLM),
+                                                          # int8 compute: its stochastic rounding's noise goes on
+                                                          (1, "none", [*SMALL_CHARLM, "--precision", "int8"])])
+def test_resume_is_bit_identical(tmp_path, nproc, compression, workload):
+    common = [*workload, "--nproc", str(nproc), "--compression", compression, "--eval-every", "5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert thinwire("train", *common, "--steps", "12", "--out", str(straight)).returncode == 0
     first = thinwire("train", *common, "--steps", "6", "--out", str(split))
@@ -43,8 +53,14 @@ def test_resume_is_bit_identical(tmp_path, nproc, compression):
     for ra, rb in zip(a["ranks"], b["ranks"]):  # error-feedback residuals continue identically
         for key, res in ra["comm"]["residuals"]["params"].items():
             assert torch.equal(res, rb["comm"]["residuals"]["params"][key]), key
+    if "int8" in workload:
+        summaries = [json.loads((o / "summary.json").read_text())["precision_report"] for o in (straight, split)]
+        # the whole run's count (the split run's also has its first part's last validation)
+        assert summaries[1]["int8_matmuls"] >= summaries[0]["int8_matmuls"] > 0, summaries
     if compression != "none":
-        assert a["ranks"][0]["comm"]["residuals"]["params"], "top-k must have left residuals"
+        assert a["ranks"][0]["comm"]["residuals"]["params"], "the codec must have left residuals"
+    if compression == "int8":  # the case above: DDP rebuilt its buckets, and the resumed first step averaged them so
+        assert len(b["ranks"][0]["comm"]["layouts"]) == 3, b["ranks"][0]["comm"]["layouts"]
     events = [json.loads(l).get("event") for l in (split / "metrics.jsonl").read_text().splitlines()]
     assert events.count("resume") == 1
     if nproc == 1:  # already there: it says so, and the checkpoint is left as it was
@@ -54,6 +70,53 @@ def test_resume_is_bit_identical(tmp_path, nproc, compression):
         assert torch.equal(_final_model(split)["model"][name], b["model"][name])
     counts = [json.loads((o / "summary.json").read_text())["compression_stats"]["counts"] for o in (straight, split)]
     assert counts[0] == counts[1] and sum(counts[0].values()) >= 12, counts  # the whole run, not the resumed part
+
+
+def test_a_run_stopped_before_its_first_checkpoint_trains_again_from_step_0_on_resume(tmp_path):
+    """Its folder holds a config and a log but no checkpoint: --out says to resume it, and --resume does."""
+    from tests.test_cli import assert_refused
+    from thinwire.report import read_run
+
+    out, straight = tmp_path / "stopped", tmp_path / "straight"
+    common = ["--workload", "digits", "--steps", "4", "--eval-every", "2"]
+    assert thinwire("train", *common, "--out", str(straight)).returncode == 0
+    first = thinwire("train", *common, "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    for path in (out / "checkpoints").glob("step_*.pt"):  # as if stopped at step 4 before its checkpoint was written
+        path.unlink()
+    (out / "summary.json").unlink()
+    assert_refused(thinwire("train", *common, "--out", str(out)),
+                   rf"already holds a run, which stopped before its first checkpoint. Train it again from step 0 with "
+                   rf"--resume {out}")
+    again = thinwire("train", "--resume", str(out))
+    assert again.returncode == 0, again.stderr
+    assert "holds no checkpoint: its run stopped before its first one" in again.stderr
+    a, b = _final_model(straight), _final_model(out)
+    assert a["step"] == b["step"] == 4 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    run = read_run(str(out))  # the steps trained again replace the first attempt's in the plot
+    assert [p[0] for p in run.train] == [1, 2, 3, 4] and run.skipped["record redone"] == 6
+    (tmp_path / "empty").mkdir()
+    assert_refused(thinwire("train", "--resume", str(tmp_path / "empty")), r"resume: .* holds no checkpoint")
+    assert_refused(thinwire("train", "--resume", str(tmp_path / "nothing-here")),
+                   r"resume: '.*nothing-here' does not exist\. Pass the --out folder of an earlier run")
+
+
+def test_a_resume_with_another_lr_weight_decay_or_batch_applies_them_and_counts_samples(tmp_path):
+    """The optimizer's and scheduler's state dicts bring back the checkpoint's learning rate and weight decay:
+    the ones this launch was given (and its config.yaml records) must be the ones used, and samples add up."""
+    out = tmp_path / "run"
+    first = thinwire("train", "--workload", "digits", "--steps", "2", "--eval-every", "2", "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    again = thinwire("train", "--resume", str(out), "--steps", "4", "--lr", "0.01", "--set", "weight_decay=0.2",
+                     "--batch-size", "32")
+    assert again.returncode == 0, again.stderr
+    assert "resumed with lr 0.002 -> 0.01, weight_decay 0.01 -> 0.2, batch 64 -> 32" in " ".join(again.stdout.split())
+    last = _final_model(out)
+    assert last["scheduler"]["base_lrs"] == [0.01]
+    assert {g["weight_decay"] for g in last["optimizer"]["param_groups"]} == {0.2}
+    assert last["samples"] == 2 * 64 + 2 * 32
+    lrs = [json.loads(l)["lr"] for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    assert lrs[2] / lrs[1] > 4  # the warm-up's step 3 at the new peak: 5x the old one's slope
 
 
 def _worker_pids(config: Path) -> list[int]:
@@ -73,7 +136,9 @@ def _last_step(out: Path) -> int:
     path = out / "metrics.jsonl"
     if not path.exists():
         return 0
-    steps = [json.loads(l).get("step", 0) for l in path.read_text().splitlines() if l.strip()]
+    text = path.read_text()
+    whole = text[:text.rfind("\n") + 1]  # a line being written is read once it ends
+    steps = [json.loads(l).get("step", 0) for l in whole.splitlines() if l.strip()]
     return max(steps, default=0)
 
 

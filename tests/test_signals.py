@@ -60,6 +60,8 @@ def test_a_lost_peer_is_told_from_gloo_and_nccl_messages():
                            "for recv operation to complete")
     assert lost_peer(timeout) == "Timed out waiting 300000ms for recv operation to complete"
     assert lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error")) is not None
+    # gloo, once a peer cut off mid-collective (`thinwire cluster kill`) has been waited for until timeout_s
+    assert lost_peer(RuntimeError("Application timeout caused pair closure")) == "Application timeout caused pair closure"
     assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert lost_peer(KeyError("x")) is None
     assert lost_peer(BrokenPipeError(32, "Broken pipe")) is None  # the console's pipe, not a peer
@@ -94,3 +96,59 @@ def test_a_failed_job_is_named_by_the_worker_that_caused_it(tmp_path):
                    "attribute 'to'"), msg
     both = {0: failure(0, LOST_PEER_EXIT), 1: failure(1, LOST_PEER_EXIT)}  # a cut link: nobody died
     assert str(_worker_failed(ChildFailedError("w", both), 0)).startswith("the workers lost their connections to each other")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 3.0])
+def test_ctrl_c_while_the_workers_start_says_one_line(tmp_path, after_s):
+    """Ctrl-C reaches the terminal's whole process group: the launcher and workers still importing torch. Each
+    leaves quietly (a worker with 130, the launcher with its one line), whenever it lands."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_cli import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--nproc", "2", "--workload", "digits",
+                             "--steps", "300", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == "thinwire: stopped by SIGINT; everything already saved is kept", out[-3000:]
+
+
+def test_ctrl_c_inside_torchs_import_of_numpy_is_not_swallowed(tmp_path):
+    """torch's C extension imports numpy and only warns when that import raises: a Ctrl-C landing there was
+    lost (the run went on, or numpy, left half imported, failed later with a RecursionError). Here the signal
+    is sent from inside numpy's import, deterministically; the launcher must still stop with its one line."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.test_cli import ROOT
+
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+
+        class CtrlCInsideNumpy:  # a finder that presses Ctrl-C as torch's import reaches numpy.linalg
+            def find_spec(self, name, path=None, target=None):
+                if name == "numpy.linalg":
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, CtrlCInsideNumpy())
+        from thinwire.cli.main import main
+        sys.exit(main(["train", "--workload", "digits", "--steps", "3", "--out", {str(tmp_path / "run")!r}]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and out.strip().splitlines()[-1] == \
+        "thinwire: stopped by SIGINT; everything already saved is kept", out[-3000:]
+    assert not (tmp_path / "run").exists()

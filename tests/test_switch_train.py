@@ -86,8 +86,8 @@ def test_with_restarts_left_a_dead_aggregator_costs_one_and_the_run_finishes_on_
                   "--max-restarts", "1")
     deadline = time.time() + 120
     while time.time() < deadline and not any(
-            json.loads(l).get("step", 0) >= 30 for l in ((out / "metrics.jsonl").read_text().splitlines()
-                                                         if (out / "metrics.jsonl").exists() else []) if l.strip()):
+            json.loads(l).get("step", 0) >= 30 for l in ((out / "metrics.jsonl").read_text().splitlines(keepends=True)
+                                                         if (out / "metrics.jsonl").exists() else []) if l.endswith("\n")):
         time.sleep(0.2)
     for pid in c.cgroups.pids(AGGREGATOR_GROUP):
         os.kill(pid, 9)
@@ -95,9 +95,12 @@ def test_with_restarts_left_a_dead_aggregator_costs_one_and_the_run_finishes_on_
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 400 and (out / "config-ring.yaml").exists()
+    assert summary["restarts"] == 1  # the fallback's, though torchelastic's count started again
     events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in l]
     resumed = [e for e in events if e["event"] in ("resume", "restart")]
     assert resumed and resumed[-1]["step"] >= 20  # from the last checkpoint, not from scratch
+    starts = (out / "hosts" / "h1.log").read_text().count("--- thinwire: h1's agent started")
+    assert starts == 2, starts  # the first attempt's lines are kept
 
 
 def test_auto_with_the_switch_sends_through_the_aggregator_exactly_the_buckets_it_chose_to(cluster, tmp_path):

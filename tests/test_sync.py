@@ -4,6 +4,7 @@ refusals, the bytes they put on the wire, and a mid-period resume through ``thin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -150,6 +151,75 @@ def test_delayed_predicts_only_in_training_forward_and_restores_the_true_weights
         assert any(m.abs().max() > 0 for m in moved)
         for m, u in zip(moved, expected):
             torch.testing.assert_close(m, u, rtol=1e-5, atol=1e-7)
+
+
+def _loop_resumed(rank: int, world: int, stop: int | None, mode_spec: str = "delayed", codec: str = "int8",
+                  net=_net, optimizer=torch.optim.AdamW) -> dict:
+    """A user's loop with ``mode_spec`` that saves its state at step ``stop`` as the README says and goes on in
+    fresh objects, as a resumed process would; None: straight through. Each rank's own final state."""
+    def fresh(saved=None):
+        ddp = DistributedDataParallel(net())
+        opt = optimizer(ddp.parameters(), lr=LR)
+        mode = thinwire.sync(ddp, mode_spec, codec=codec, optimizer=opt)
+        if saved is not None:
+            ddp.module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            mode.load_state_dict(saved["mode"])
+            mode.comm.load_state_dict(saved["comm"])
+        return ddp, opt, mode
+
+    ddp, opt, mode = fresh()
+    for step in range(STEPS):
+        if step == stop:
+            saved = copy.deepcopy({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+                                   "mode": mode.state_dict(), "comm": mode.comm.state_dict()})
+            mode.close()
+            ddp, opt, mode = fresh(saved)
+        x, y = _data(step, rank)
+        with mode.no_sync():
+            _loss(ddp, x, y).backward()
+        mode.step(opt)
+        opt.zero_grad(set_to_none=True)
+    mode.close()
+    return {k: v.clone() for k, v in ddp.module.state_dict().items()}
+
+
+def test_delayed_resumes_exactly_in_a_users_loop_given_its_optimizer():
+    """The first step after a resume predicts with the optimizer (passed to thinwire.sync), not by the
+    last update: a loop that steps with mode.step(opt) told it only after that step's forward."""
+    straight = run_ranks(_loop_resumed, 2, None)[0]
+    resumed = run_ranks(_loop_resumed, 2, 3)[0]
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
+def _delayed_with_a_nan(rank: int, world: int) -> list[int]:
+    """A user's loop that skips the optimizer step on a non-finite gradient, as the trainer does; rank 1's loss is
+    NaN at step 2 only. The steps it skipped."""
+    ddp = DistributedDataParallel(_net())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    mode = thinwire.sync(ddp, "delayed", codec="none", optimizer=opt)
+    skipped = []
+    for step in range(STEPS + 2):
+        x, y = _data(step, rank)
+        with mode.no_sync():
+            loss = _loss(ddp, x, y)
+            (loss * float("nan") if step == 2 and rank == 1 else loss).backward()
+        mode.before_step()
+        if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in ddp.parameters()):
+            opt.step()
+        else:
+            skipped.append(step)
+        mode.after_step()
+        opt.zero_grad(set_to_none=True)
+    mode.close()
+    return skipped
+
+
+def test_delayed_skips_one_step_for_one_nan_gradient():
+    """Step 2's NaN reaches the weights' update one step late, at step 3, which is skipped. Kept as rank 1's own
+    gradient, it predicted step 3's weights as NaN, hence a NaN gradient, and so on: every later step skipped."""
+    assert run_ranks(_delayed_with_a_nan, 2) == [[3], [3]]
 
 
 def test_delayed_works_with_a_lossy_codec_and_keeps_ranks_identical():
@@ -375,6 +445,7 @@ def test_spec_defaults_and_text():
     ("diloco:period=16,fragments=4,delay=4", r"sync\.delay: must be a whole number in \[0, 3\] \(fewer than "
                                               r"period/fragments = 4 steps\), got 4"),
     ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
+    ("diloco:period=8,alpha=0.5", r"sync\.alpha: must be given only with fragments > 1 or delay > 0, got 0\.5"),
     ("delayed:period=2", r"sync: must be delayed with keys predict"),
     ("delayed:predict=2", r"sync\.predict: must be one of own, last, off, got '2'\. own \(default\) computes each gradient"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
@@ -485,6 +556,38 @@ def test_validation_waits_for_the_next_average_and_survives_a_resume(tmp_path):
     assert "every rank starts from the ranks' average, and local's own state afresh" in " ".join(proc.stdout.split())
 
 
+def batchnorm_workload():
+    """A classifier with BatchNorm, whose running statistics each rank keeps apart where forward runs outside
+    DDP's sync (delayed, local steps)."""
+    from thinwire.workloads.base import Workload
+
+    g = torch.Generator().manual_seed(0)
+    data = [(x, int(x[:4].sum() > 0)) for x in torch.randn(512, 12, generator=g)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return Workload(model=model, train=data[:384], val=data[384:], loss=torch.nn.functional.cross_entropy,
+                    task="classification", batch_size=32, steps=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["delayed", "local:period=4,warmup=2"])
+def test_resume_keeps_each_ranks_batchnorm_statistics(tmp_path, mode):
+    """Each rank's BatchNorm statistics are its own where forward runs outside DDP's sync: kept in the checkpoint
+    (delayed's ranks share their parameters, so only the buffers), and not overwritten by rank 0's at the
+    resumed first forward, which DDP broadcasts by default."""
+    common = ["--workload", "tests.test_sync:batchnorm_workload", "--nproc", "2", "--compression", "int8", "--sync",
+              mode, "--eval-every", "5"]
+    a, b = _straight_and_resumed(common, tmp_path / "straight", tmp_path / "split")
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for ra, rb in zip(a["ranks"], b["ranks"]):
+        own_a, own_b = ra.get("model") or ra["buffers"], rb.get("model") or rb["buffers"]
+        assert not torch.equal(a["ranks"][0].get("model", a["ranks"][0].get("buffers"))["1.running_mean"],
+                               a["ranks"][1].get("model", a["ranks"][1].get("buffers"))["1.running_mean"])
+        for name in own_a:
+            assert torch.equal(own_a[name], own_b[name]), name
+
+
 def _straight_and_resumed(common: list[str], straight: Path, split: Path) -> tuple[dict, dict]:
     """The last checkpoints of 10 steps straight and of 6 steps resumed to 10, with the same flags."""
     from tests.test_cli import thinwire as cli
@@ -539,6 +642,11 @@ def test_periodic_step_spreads_one_average_over_the_period():
     # streaming, 4 fragments of 40 ms (wire and codec) every 4 steps, 1 step (100 ms) of compute hides each
     assert price("diloco:period=16,fragments=4") == pytest.approx(0.100)
     assert price("diloco:period=16,fragments=4,delay=0") == pytest.approx(0.110)  # one fragment at a time, exposed
+    assert price("auto") == pytest.approx(0.160)  # delayed is priced where the run would choose it
+    ruled_out = dataclasses.replace(parse_sync_spec("auto"), try_delayed=False)  # by a guard (check_sync_pairing)
+    assert kind(ruled_out).step_s(ruled_out, parts) == 0.230
+    near = StepParts(allreduce_step_s=0.162, compute_s=0.100, comm_s=0.150, codec_s=0.010)  # delayed 1.2% faster
+    assert kind(parse_sync_spec("auto")).step_s(parse_sync_spec("auto"), near) == 0.162  # under MARGIN: allreduce
     local, delayed = (parse_sync_spec(t) for t in ("local:period=4", "delayed"))
     assert kind(local).bytes_per_step(local, 1_000_000) == 250_000
     assert kind(delayed).bytes_per_step(delayed, 1_000_000) == 1_000_000
@@ -717,13 +825,13 @@ def test_auto_times_allreduce_then_delayed_then_keeps_its_choice(forced):
             torch.testing.assert_close(r["params"][k], w[k], rtol=1e-5, atol=1e-6)
 
 
-def _guard_profile(path, delayed_gap: float | None) -> str:
+def _guard_profile(path, delayed_gap: float | None, workload: str = "w") -> str:
     """A profile whose convergence guard ran delayed ``delayed_gap`` above fp32's loss (None: no record)."""
     from thinwire.measure.file import BucketRecord, ComputePoint, ConvergenceRecord, Profile, save_profile
 
     sync = {} if delayed_gap is None else {"delayed": ConvergenceRecord(
         factor=None, loss=2.0 * (1 + delayed_gap), reference_loss=2.0, steps=60, world=4)}
-    save_profile(Profile(workload="w", model={}, parameters=10, threads=1,
+    save_profile(Profile(workload=workload, model={}, parameters=10, threads=1,
                          compute=[ComputePoint(batch=8, pre_s=0.01, backward_s=0.01, post_s=0.001)],
                          buckets=[BucketRecord(numel=10, ready_frac=1.0, params=[0], shapes=[[10]])], sync=sync), path)
     return str(path)
@@ -830,3 +938,109 @@ def test_delayed_prediction_leaves_the_optimizers_state_and_hooks_alone():
         assert torch.equal(v, state[k]), k
     opt.step()  # the hook is back
     assert calls == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [
+    ("diloco:period=4,warmup=0", "diloco:period=2,warmup=0"),
+    ("diloco:period=4,fragments=2,warmup=0", "diloco:period=4,fragments=4,warmup=0"),
+])
+def test_a_resume_with_another_sync_mode_starts_every_rank_from_the_average(tmp_path, first, then):
+    """Each rank's state is its mode's (its own parameters mid-period, an anchor, fragments' pending sends):
+    under another mode it is meaningless. Loaded anyway, the ranks never agreed again (each anchored at its own
+    parameters) or the run failed with a traceback; now they start from the checkpoint's average."""
+    from tests.test_cli import thinwire as cli
+
+    out = tmp_path / "run"
+    common = ["--workload", "digits", "--nproc", "2", "--eval-every", "100", "--checkpoint-every", "6"]
+    proc = cli("train", *common, "--sync", first, "--steps", "6", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("train", "--resume", str(out), "--sync", then, "--steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint trained with --sync {first}, this job with {then}: every rank starts from the ranks' " \
+           "average" in " ".join(proc.stdout.split())
+    last = torch.load(out / "checkpoints" / "step_000000008.pt", weights_only=False)
+    if "fragments" not in then:  # step 8 ends an outer step: the ranks hold one model again
+        for name, value in last["ranks"][0]["model"].items():
+            assert torch.equal(value, last["ranks"][1]["model"][name]), name
+
+
+@pytest.mark.slow
+def test_a_relative_guard_path_is_kept_absolute_so_a_resume_from_elsewhere_finds_it(tmp_path):
+    from tests.test_cli import thinwire as cli
+
+    here = tmp_path / "here"
+    here.mkdir()
+    _guard_profile(here / "g.yaml", 0.3, workload="digits")
+    proc = cli("train", "--workload", "digits", "--steps", "2", "--sync", "auto:trial=5,warmup=2,guard=g.yaml",
+               "--out", "run", cwd=here)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"guard={here / 'g.yaml'}" in (here / "run" / "config.yaml").read_text()
+    again = cli("train", "--resume", str(here / "run"), "--steps", "3", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_a_guard_profile_of_another_workload_is_refused(tmp_path):
+    from tests.test_cli import assert_refused, thinwire as cli
+
+    guard = _guard_profile(tmp_path / "g.yaml", 0.3)  # workload "w"
+    for flag in ("--sync",):  # --compression auto:guard= is checked alike (test_perf's guard profiles)
+        assert_refused(cli("train", "--workload", "digits", "--steps", "2", flag, f"auto:guard={guard}",
+                           "--out", str(tmp_path / "run")),
+                       rf"{flag[2:]}\.guard: must be a profile of this run's workload \('digits' with model options "
+                       r"\{\}\), got '.*g.yaml'\. it profiles 'w' with \{\}; profile this workload")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sync_names_what_it_needs_for_a_module_outside_ddp_or_a_mode_that_is_no_spec():
+    """A plain module gave AttributeError: 'Linear' object has no attribute 'module' (local, delayed); mode=None an
+    AttributeError too."""
+    with pytest.raises(TypeError, match=r"thinwire\.sync needs a DistributedDataParallel model, got Linear; wrap it"):
+        thinwire.sync(torch.nn.Linear(2, 2), "local:period=4")
+    with pytest.raises(TypeError, match=r"thinwire\.sync: mode must be a sync spec string .* got None"):
+        thinwire.sync(DistributedDataParallel.__new__(DistributedDataParallel), None)
+
+
+def _delayed_bn_consensus(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mode = thinwire.sync(ddp, "delayed", codec="none", optimizer=opt)
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + rank)
+        with mode.no_sync():
+            ddp(x).sum().backward()
+        mode.step(opt)
+        opt.zero_grad(set_to_none=True)
+    own = ddp.module[1].running_var.clone()
+    with mode.consensus():
+        inside = ddp.module[1].running_var.clone()
+    after = ddp.module[1].running_var.clone()
+    mode.close()
+    return {"own": own, "inside": inside, "after": after}
+
+
+def test_delayed_consensus_averages_the_ranks_batchnorm_statistics():
+    """delayed's forward runs outside DDP's sync: each rank keeps its own running statistics, which consensus
+    (validation, the checkpoint's model) returned unaveraged, as the parameters need no average."""
+    a, b = run_ranks(_delayed_bn_consensus, 2)
+    assert not torch.equal(a["own"], b["own"])  # the ranks saw different data
+    torch.testing.assert_close(a["inside"], (a["own"] + b["own"]) / 2)
+    assert torch.equal(a["inside"], b["inside"]) and torch.equal(a["after"], a["own"])
+
+
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
+
+
+@pytest.mark.parametrize("mode", ["local:period=4,warmup=0", "delayed"])
+def test_a_users_loop_resumed_keeps_each_ranks_batchnorm_statistics(mode):
+    """Forward runs outside DDP's sync, so each rank's running statistics are its own: a resumed loop's new
+    DDP wrapper sent rank 0's to every rank at its first forward, which the loop that went on never did."""
+    straight = run_ranks(_loop_resumed, 2, None, mode, "none", _bn_net, torch.optim.SGD)
+    resumed = run_ranks(_loop_resumed, 2, 3, mode, "none", _bn_net, torch.optim.SGD)
+    assert not torch.equal(straight[0]["1.running_mean"], straight[1]["1.running_mean"])
+    for rank in range(2):
+        for k in straight[rank]:
+            assert torch.equal(straight[rank][k], resumed[rank][k]), (rank, k)

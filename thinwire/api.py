@@ -27,15 +27,19 @@ def attach(model, codec="none", **kwargs) -> CommState:
     return _attach(model, codec, **kwargs)
 
 
-def sync(model, mode="allreduce", codec="none", **kwargs):
+def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     """A sync mode on a DDP model: when gradients or parameters are averaged (``thinwire sync`` forms:
     ``"allreduce"``, ``"delayed"``, ``"local:period=8"``, ``"diloco:period=100"``; see
     :mod:`thinwire.syncspec`), each average through ``codec`` with error feedback. Returns a
     :class:`~thinwire.compress.sync.SyncMode`; its ``comm`` counts bytes and holds the residuals.
 
+    ``optimizer``: the one the loop steps; ``delayed`` predicts each step's weights with it (a copy of its
+    state), from the first step on, a resumed run's included (``mode.step(optimizer)`` alone tells it only
+    after a step).
+
     Example (three lines in a DDP loop)::
 
-        mode = thinwire.sync(ddp_model, "diloco:period=100", codec="int8")
+        mode = thinwire.sync(ddp_model, "diloco:period=100", codec="int8", optimizer=optimizer)
         with mode.no_sync():
             loss_fn(ddp_model(x), y).backward()
         mode.step(optimizer)          # instead of optimizer.step()
@@ -49,7 +53,19 @@ def sync(model, mode="allreduce", codec="none", **kwargs):
     from thinwire.commspec import check_sync_pairing
     from thinwire.syncspec import parse_sync_spec
 
+    from torch.nn.parallel import DistributedDataParallel
+
+    from thinwire.syncspec import SyncSpec
+
+    if not isinstance(model, DistributedDataParallel):  # every mode averages through DDP's process group
+        raise TypeError(f"thinwire.sync needs a DistributedDataParallel model, got {type(model).__name__}; "
+                        "wrap it first: model = DistributedDataParallel(model)")
+    if not isinstance(mode, (str, SyncSpec)):
+        raise TypeError(f"thinwire.sync: mode must be a sync spec string such as 'allreduce', 'delayed' or "
+                        f"'local:period=8' (see thinwire.syncspec), got {mode!r}")
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)
-    return create(model, spec, as_policy(comm), **kwargs)
+    m = create(model, spec, as_policy(comm), **kwargs)
+    m.optimizer = optimizer
+    return m

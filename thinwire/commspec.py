@@ -181,6 +181,10 @@ def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32
         raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")
     if sync.mode == "gossip" and not comm.codec.lossless:
         check_compressed_gossip(sync, comm.codec)
+    elif sync.mode == "gossip" and sync.gamma:  # plain gossip averages exactly: no consensus step to take
+        raise ConfigError("sync.gamma", sync.gamma, "left out with a lossless codec (--compression "
+                          f"{spec_string(comm.codec)})", "gamma is compressed gossip's (CHOCO-SGD) consensus step; "
+                          "with a lossy codec (int8, bfp, topk, ...) it applies.")
     if sync.mode == "auto" and sync.guard:
         return dataclasses.replace(sync, try_delayed=delayed_reaches(sync.guard))
     return sync

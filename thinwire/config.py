@@ -230,11 +230,17 @@ class _Loader(yaml.SafeLoader):
             self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
+        seen = set()
         for key_node, _ in node.value:
             if key_node.tag != "tag:yaml.org,2002:str":
                 shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else key_node.tag
                 raise _YamlRefused(shown, "a mapping with string keys",
                                    "Quote the key, e.g. '1': value.")
+            if key_node.value in seen:  # YAML says keys are unique; PyYAML would keep the last one silently
+                raise _YamlRefused(key_node.value, "a mapping whose keys are unique",
+                                   f"The key appears twice (the second at line {key_node.start_mark.line + 1}); "
+                                   "keep one.")
+            seen.add(key_node.value)
         return super().construct_mapping(node, deep=deep)
 
     def construct_object(self, node, deep=False):
@@ -358,13 +364,18 @@ def save_yaml(obj: Any, path: str | Path) -> Path:
     return path
 
 
-def check_writable(path: str | Path, field: str, *, folder: bool) -> None:
+def check_writable(path: str | Path, field: str, *, folder: bool, inputs: dict[str, str | None] | None = None) -> None:
     """Refuse an output path that cannot be written before any work is done for it (a profile that took
     minutes, lost to a typo in ``--out``): the nearest folder that exists on the way to it must take a
-    new file (tried with a temporary one, which is gone at once), and a file's path must not be a folder."""
+    new file (tried with a temporary one, which is gone at once), and a file's path must not be a folder,
+    nor one of the command's ``inputs`` (flag: path), which writing it would replace."""
     import tempfile
 
     path = Path(path)
+    for flag, given in (inputs or {}).items():
+        if given and Path(given).exists() and path.exists() and path.resolve() == Path(given).resolve():
+            raise ConfigError(field, str(path), f"a file other than the {flag} input",
+                              f"writing it would replace {flag} {short(str(given))}; name another file")
     if not folder and path.is_dir():
         raise ConfigError(field, str(path), "a file to write", f"{short(str(path))} is a folder; name a file in it, "
                           f"e.g. {path / 'out.yaml'}")

@@ -72,7 +72,8 @@ MISSING = Missing()
 
 #: What gloo and NCCL say when the process at the other end of a connection has gone or stopped answering.
 PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting",
-             "remote process exited", "NCCL communicator was aborted")
+             "remote process exited", "NCCL communicator was aborted",
+             "Application timeout caused pair closure")  # gloo: a peer cut off (a host killed) until timeout_s
 #: A worker's exit code when it stopped because another worker had gone (``thinwire.train.worker``), and what it says.
 LOST_PEER_EXIT = 3
 LOST_PEER_SAYS = "stopped: lost another worker"

@@ -7,7 +7,7 @@
 Any run can be plotted, finished, crashed or still being written: what cannot be drawn (a partial
 last line, a line that is not UTF-8 or not JSON, a non-finite loss written as ``null`` or ``"inf"``)
 is skipped, and each run with something skipped, or no step records at all, gets one note, logged as
-a warning (``thinwire report`` prints it): ``run NAME: skipped 1 partial line, 3 non-finite losses``.
+a warning (``thinwire report`` prints it): ``run NAME: skipped 3 non-finite losses, 1 partial line``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ NOUNS = {"partial line": ("partial line", "partial lines"), "non-UTF-8 line": ("
          "unreadable line": ("unreadable line", "unreadable lines"),
          "non-finite loss": ("non-finite loss", "non-finite losses"),
          "non-finite val_loss": ("non-finite val_loss", "non-finite val_losses"),
-         "record without step or wall_s": ("record without step or wall_s", "records without step or wall_s")}
+         "record without step or wall_s": ("record without step or wall_s", "records without step or wall_s"),
+         "record redone": ("record of a step trained again after a resume", "records of steps trained again after a resume")}
 
 
 @dataclasses.dataclass
@@ -75,17 +76,47 @@ def _times(records: list[dict]) -> list[tuple[float, float, float]]:
     return [row for row in rows if None not in row]
 
 
+def current(records: list[dict], skipped: Counter) -> list[dict]:
+    """The records of the run as it stands: a run that stopped and went on from a checkpoint at step S (its
+    ``resume``, ``restart`` or, with no checkpoint, ``start`` event) trained the steps after S again, so the
+    records of those steps written before that event are dropped (counted in ``skipped``)."""
+    out: list[dict] = []
+    for r in records:
+        if r.get("event") in ("start", "resume", "restart") and isinstance(r.get("step"), (int, float)):
+            kept = [o for o in out if "event" in o or not isinstance(o.get("step"), (int, float)) or o["step"] <= r["step"]]
+            if len(kept) < len(out):
+                skipped["record redone"] += len(out) - len(kept)
+            out = kept
+        out.append(r)
+    return out
+
+
 def read_run(path: str) -> Run:
     folder = Path(path)
     if not (folder / METRICS).is_file():
         raise ThinwireError(f"report: {path!r} holds no metrics.jsonl. Pass the --out folder of a run.")
     records, skipped = scan_metrics(folder)
+    records = current(records, skipped)
     return Run(folder.resolve().name or str(path), _points(records, "loss", skipped),
                _points(records, "val_loss", skipped), _times(records), skipped)
 
 
+def distinct_names(paths: list[str]) -> list[str]:
+    """Each folder's name, with as many of its parents as it takes to tell it from the others
+    (``a/run`` and ``b/run``); a folder given twice keeps one name."""
+    parts = [Path(p).resolve().parts for p in paths]
+    names = []
+    for i, mine in enumerate(parts):
+        others = {q for j, q in enumerate(parts) if q != mine}
+        k = 1
+        while k < len(mine) and any(q[-k:] == mine[-k:] for q in others):
+            k += 1
+        names.append("/".join(mine[-k:]) or str(paths[i]))
+    return names
+
+
 def note(run: Run) -> str | None:
-    """``run NAME: skipped 1 partial line, 3 non-finite losses; no step records``, or None."""
+    """``run NAME: skipped 3 non-finite losses, 1 partial line; no step records``, or None."""
     parts = [f"{n} {NOUNS[k][n != 1]}" for k, n in sorted(run.skipped.items())]
     text = f"skipped {', '.join(parts)}" if parts else ""
     if not run.train:
@@ -95,6 +126,8 @@ def note(run: Run) -> str | None:
 
 def _runs(paths: list[str]) -> list[Run]:
     runs = [read_run(p) for p in paths]
+    for run, name in zip(runs, distinct_names(paths)):  # two runs named `run` would share one bar and one legend
+        run.name = name
     for run in runs:
         if (text := note(run)) is not None:
             log.warning(text)

@@ -40,6 +40,16 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+def leave_quietly_on_stop() -> None:
+    """Until a ``stop_signals_raise`` block takes over, a stop signal ends this process at once with ``128 +
+    signum`` and no output: for a worker that is still importing torch (a Ctrl-C then interrupts an import,
+    whose traceback tells the user nothing) and has written nothing yet. Call it before the heavy imports."""
+    import os
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda signum, frame: os._exit(128 + signum))
+
+
 def _raise(signum: int, frame) -> None:
     raise Stopped(signum)
 

@@ -214,6 +214,10 @@ def parse_sync_spec(text: str) -> SyncSpec:
         values["gamma"] = 0.0
     if values.get("alpha") == "auto":
         values["alpha"] = 0.5 if values["delay"] > 0 else 0.0
+    elif mode == "diloco" and not (values["fragments"] > 1 or values["delay"] > 0):  # given: it would be dropped
+        raise ConfigError("sync.alpha", values["alpha"], "given only with fragments > 1 or delay > 0",
+                          "alpha mixes local and global parameters after an overlapped outer step (Streaming "
+                          "DiLoCo); classic DiLoCo replaces the local ones. E.g. diloco:period=H,fragments=F,alpha=0.5")
     return SyncSpec(mode=mode, **values)
 
 

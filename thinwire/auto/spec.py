@@ -51,12 +51,12 @@ class AutoConfig:
     verdicts: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
-        for c in self.candidates:
+        for c in self.candidates:  # an unknown codec first: it is why 'none' may seem missing (int8|foo)
             check(not c.endswith("@switch"), "auto.candidates", c, "codec specs (int8, not int8@switch)",
                   "Where the job has an aggregator on the switch (--aggregation switch), auto tries every int8 "
                   "candidate both around the ring and through the switch by itself.")
             parse_codec_spec(c)
+        check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
         if not self.start:
             object.__setattr__(self, "start", "bf16" if "bf16" in self.candidates else "none")
         check(self.start in self.candidates, "auto.start", self.start, f"one of the candidates ({'|'.join(self.candidates)})",

@@ -32,8 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         cp.set_defaults(func=func)
         return cp
 
-    command("up", cmd_up, "create the hosts, links and cgroups (idempotent)")
-    command("down", cmd_down, "remove everything `up` created (idempotent)")
+    for name, func, help_ in (("up", cmd_up, "create the hosts, links and cgroups (idempotent)"),
+                              ("down", cmd_down, "remove everything `up` created (idempotent)")):
+        command(name, func, help_).add_argument(
+            "--force", action="store_true", help="even while a job runs on the cluster (the job then fails; its "
+            "checkpoints are kept)")
     command("status", cmd_status, "show hosts, addresses, rates and CPU quotas")
     ex = command("exec", cmd_exec, "run a command inside a host (its namespace and cgroups)")
     ex.add_argument("host")
@@ -64,8 +67,21 @@ def _cluster(args: argparse.Namespace) -> EmulatedCluster:
     return EmulatedCluster(load_cluster_spec(args.spec))
 
 
+def _refuse_if_running(cluster: EmulatedCluster, args: argparse.Namespace, doing: str) -> None:
+    """A job on the cluster would lose its hosts under it: refused unless ``--force``."""
+    busy = cluster.running()
+    if busy and not args.force:
+        which = "; ".join(f"{name}: pid {', '.join(map(str, pids[:3]))}{' ...' if len(pids) > 3 else ''}"
+                          for name, pids in busy.items())
+        raise ThinwireError(f"cluster: {cluster.spec.name} is running a job ({which}); {doing} would cut it off. Wait "
+                            f"for it to finish or stop it (Ctrl-C in its terminal) first, or pass --force (the job "
+                            f"fails; `thinwire train --resume OUT` goes on from its last checkpoint).")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
+    if not cluster.is_up():  # a rebuild of another version of the spec removes the one that is up
+        _refuse_if_running(cluster, args, "rebuilding it")
     built = cluster.up()
     Console().print(f"cluster {cluster.spec.name!r} {'is up' if built else 'was already up'}: "
                     f"{len(cluster.spec.hosts)} hosts on {cluster.spec.subnet}")
@@ -74,6 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
+    _refuse_if_running(cluster, args, "taking it down")
     cluster.down()
     Console().print(f"cluster {cluster.spec.name!r} is down")
     return 0
@@ -108,10 +125,11 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not command:
         raise ThinwireError("exec needs a command: `thinwire cluster exec SPEC HOST -- CMD [ARGS...]`.")
     cluster = _cluster(args)
-    cluster.require_up()
+    cluster.require_up(args.spec)
     proc = cluster.host(args.host).spawn(command)
     try:
-        return proc.wait()
+        code = proc.wait()
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says it
     finally:  # stopped (Ctrl-C, SIGTERM, SIGHUP): leave nothing running inside the host
         if proc.poll() is None:
             proc.terminate()
@@ -119,11 +137,15 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    cluster = _cluster(args)
     hosts = args.hosts.split(",") if args.hosts else None
     sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")] if args.sizes else None
+    for size in sizes or []:  # a message of fp32 values: fewer than 4 bytes is none at all
+        if size < 4:
+            raise ThinwireError(f"--sizes: must be message sizes of at least 4 bytes (one fp32 value), got {size}; "
+                                "e.g. --sizes 4KiB,1MiB (the default sizes last about 0.25-1 s each)")
     if args.reps is not None and args.reps < 1:
         raise ThinwireError(f"--reps: must be at least 1, got {args.reps}.")
+    cluster = _cluster(args)
     if args.busy:
         return _bench_busy(cluster, hosts, args)
     args.reps = args.reps or 5

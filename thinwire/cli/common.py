@@ -11,7 +11,7 @@ def add_workload_args(p, *, from_profile: bool = False) -> None:
                    + ("the --profile's workload, else charlm)" if from_profile else "charlm)"))
     p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
                    help="a model option, e.g. --set model.width=256 (repeatable), as `thinwire train` takes it")
-    p.add_argument("--data", help="text file or folder for charlm (only to measure without --profile)")
+    p.add_argument("--data", help="text file or folder for charlm" + (" (only to measure without --profile)" if from_profile else ""))
 
 
 def model_options(sets: list[str]) -> dict:
@@ -28,15 +28,29 @@ def model_options(sets: list[str]) -> dict:
 
 
 def workload_of(args) -> tuple[str, dict]:
-    """The workload and model options asked for: ``--workload`` and ``--set model.*``; where neither is given,
-    the ``--profile``'s own (what it measured: a user's workload profiled once need not be named again),
-    else charlm with its defaults."""
+    """The workload and model options asked for: ``--workload`` and ``--set model.*``; without ``--workload``,
+    the ``--profile``'s own (what it measured: a user's workload profiled once need not be named again), its
+    model options as ``--set`` changes them, else charlm."""
     model = model_options(args.set)
     if args.workload is not None:
         return args.workload, model
-    if getattr(args, "profile", None) and not model:
+    if getattr(args, "profile", None):
         from thinwire.measure.file import load_profile
 
         profile = load_profile(args.profile)
-        return profile.workload, dict(profile.model)
+        return profile.workload, {**dict(profile.model), **model}
     return "charlm", model
+
+
+def split_codecs(text: str) -> tuple[str, ...]:
+    """``--codecs``' specs: split at commas, except those between one codec's parameters
+    (``none,int8:block=64,stochastic=true`` is two codecs; a codec's name never holds ``=``)."""
+    items: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece.split(":", 1)[0] and items and ":" in items[-1]:
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return tuple(items)

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
-    p.add_argument("--nproc", type=int, default=2, help="local worker processes (default 2)")
+    p.add_argument("--nproc", type=int, help="local worker processes (default 2; with --cluster, one per host)")
     p.add_argument("--cluster", help="an emulated cluster spec: one worker per host (needs `thinwire cluster up`)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores / local workers)")
     p.add_argument("--out", help="folder for report.json (default: runs/doctor-TIMESTAMP; must not exist)")
@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.train.distenv import read_env
     from thinwire.workloads.registry import build_workload, check_workload_name
 
+    if args.cluster is None and args.nproc is None:
+        args.nproc = 2
     overrides = {"workload": args.workload, "data": args.data, "batch_size": args.batch_size, "nproc": args.nproc,
                  "cluster": args.cluster, "threads": args.threads, "out": args.out}
     cfg = load_train_config(None, {k: v for k, v in overrides.items() if v is not None}, args.set)
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out or Path("runs") / f"doctor-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     check_writable(out, "out", folder=True)
     # a folder of doctor's own files without its report (a doctor stopped before it finished) is taken over
-    unfinished = out.is_dir() and {p.name for p in out.iterdir()} <= {"config.yaml", "profile.yaml"}
+    # (hosts/: the emulated hosts' logs of a `doctor --cluster`)
+    unfinished = out.is_dir() and {p.name for p in out.iterdir()} <= {"config.yaml", "profile.yaml", "hosts"}
     if out.exists() and any(out.iterdir()) and not unfinished and not env.launched:
         raise ThinwireError(f"out: {str(out)!r} exists and is not empty; doctor never writes over a folder. "
                             "Pass a new --out.")

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from thinwire.errors import ThinwireError
-from thinwire.signals import Stopped, signum_of, stop_signals_raise
+from thinwire.signals import Stopped, deferred, signum_of, stop_signals_raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,10 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; a stop signal anywhere ends it with one line and ``128 + signum``.
+
+    torch is imported with stop signals held back: its C extension imports numpy and, when that import
+    raises, only warns and goes on, so a Ctrl-C landing inside it was swallowed and left numpy half
+    imported (the run then went on, or failed later in numpy with a RecursionError)."""
     logging.basicConfig(level=logging.INFO, format="thinwire: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
         with stop_signals_raise():  # SIGTERM and SIGHUP unwind through every cleanup, as Ctrl-C does
+            with deferred():  # a stop signal during torch's import is raised once it is done, see below
+                import torch  # noqa: F401
+            args = build_parser().parse_args(argv)
             return int(args.func(args) or 0)
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, workload_of
+from thinwire.cli.common import add_workload_args, split_codecs, workload_of
 from thinwire.compress.spec import default_candidates
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
@@ -66,7 +66,7 @@ def codec_list(text: str | None) -> tuple[str, ...]:
 
     if not text:
         return default_candidates()
-    items = tuple(c.strip() for c in text.split(",") if c.strip())
+    items = split_codecs(text)
     if not items:
         raise ConfigError("--codecs", text, "comma-separated codec specs such as none,bf16,int8")
     for c in items:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.plan.planner import PlanOptions, make_plan
     from thinwire.workloads.registry import check_workload_name
 
-    check_writable(args.out, "--out", folder=False)
+    check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--profile": args.profile})
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)
@@ -102,7 +102,20 @@ def run(args: argparse.Namespace) -> int:
     show(plan)
     Console().print(f"wrote {path} (planned in {plan.planning['seconds'] * 1e3:.0f} ms, "
                     f"{plan.planning['candidates_scored']} candidates priced)")
+    Console().print(f"run it: {run_command(args, model, path)}", highlight=False, soft_wrap=True)
     return 0
+
+
+def run_command(args: argparse.Namespace, model: dict, path) -> str:
+    """The `thinwire train` that runs the plan: its cluster, workload, model options, data and batch, which the
+    plan was made for (a plan for another workload is refused), as they were given here."""
+    import shlex
+
+    parts = ["thinwire", "train", "--cluster", args.cluster, "--plan", str(path), "--workload", args.workload]
+    parts += [a for k, v in model.items() for a in ("--set", f"model.{k}={v}")]
+    parts += ["--data", args.data] if args.data else []
+    parts += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def _default_batch(args, model: dict) -> int:
@@ -140,8 +153,17 @@ def show(plan) -> None:
         console.print(f"- {escape(line)}", highlight=False)
 
 
+def _time_s(plan, d) -> float:
+    """A decision's time per step to fp32's loss as the planner ranks it: its step and its share of validation,
+    times the samples it needs."""
+    every = (plan.planning or {}).get("validation", {}).get("every") or 0
+    return (d.predicted_step_s + (d.validation_s / every if every else 0.0)) * d.sample_factor
+
+
 def candidates_table(plan) -> Table:
-    base = plan.baselines.get("uniform_ddp_fp32_s")
+    # the ranking's own quantity (validation included); a plan from before it kept it: steps only
+    timed = "uniform_ddp_fp32_time_s" in plan.baselines
+    base = plan.baselines.get("uniform_ddp_fp32_time_s" if timed else "uniform_ddp_fp32_s")
     t = Table(title=f"plan for {plan.workload} on {plan.cluster}, global batch {plan.global_batch} "
                     "(predicted by the performance model)")
     for col in ("#", "plan", "step ms", "samples x", "time to fp32 loss vs uniform fp32", "compute ms",
@@ -149,7 +171,7 @@ def candidates_table(plan) -> Table:
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, d in enumerate([plan.chosen, *plan.alternatives]):
         t.add_row("chosen" if i == 0 else str(i), escape(d.name), f"{d.predicted_step_s * 1e3:.1f}",
-                  f"{d.sample_factor:.2f}", f"{base / (d.predicted_step_s * d.sample_factor):.2f}x" if base else "-",
+                  f"{d.sample_factor:.2f}", f"{base / (_time_s(plan, d) if timed else d.predicted_step_s * d.sample_factor):.2f}x" if base else "-",
                   f"{d.compute_s * 1e3:.1f}", f"{d.exposed_comm_s * 1e3:.1f}", f"{d.bytes_per_step / 1e6:.2f}",
                   style="bold" if i == 0 else None)
     return t

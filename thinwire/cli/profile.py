@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, model_options
+from thinwire.cli.common import add_workload_args, model_options, split_codecs
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
 
@@ -58,7 +58,7 @@ def parse_ints(text: str, field: str) -> list[int]:
 def batch_sizes(args, default_batch: int) -> list[int]:
     if args.batch_sizes:
         return parse_ints(args.batch_sizes, "--batch-sizes")
-    b = args.batch_size or default_batch
+    b = default_batch if args.batch_size is None else args.batch_size  # 0 is refused, not the default
     check(b >= 1, "--batch-size", b, "an integer >= 1")
     return sorted({max(1, b // d) for d in (1, 2, 4)}, reverse=True)
 
@@ -71,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
-    check_writable(args.out, "--out", folder=False)
+    check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--data": args.data})
     args.workload = args.workload or "charlm"
     check_workload_name(args.workload)
     model = model_options(args.set)
-    codecs = [c.strip() for c in args.codecs.split(",")] if args.codecs else REGISTRY.names()
+    codecs = list(split_codecs(args.codecs)) if args.codecs else REGISTRY.names()
     for c in codecs:
         parse_codec_spec(c)
     network_spec = _cluster(args.cluster) if args.cluster else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -16,8 +17,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.config import check_writable
     from thinwire.report import report
 
-    if args.out:
-        check_writable(args.out, "--out", folder=True)
+    if args.out or Path(args.runs[0]).is_dir():  # without --out the plots go into the first run
+        check_writable(args.out or args.runs[0], "--out", folder=True)
 
     for path in report(args.runs, args.out):
         print(path)

@@ -98,16 +98,22 @@ def run(args: argparse.Namespace) -> int:
     check(isinstance(comm, CodecSpec), "--compression", args.compression, "a codec spec such as bf16 or int8",
           "simulate prices one codec on every bucket; for auto's choice run `thinwire plan`.")
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
+    check(args.steps is None or args.steps >= 1, "--steps", args.steps, "an integer >= 1")  # 0 was the default
     check(args.validate or not args.recompute, "--recompute", True, "used with --validate",
           "Add --validate, or drop --recompute (it re-measures the step before each real run).")
     from thinwire.commspec import check_sync_pairing
     from thinwire.syncspec import parse_sync_spec
 
     sync = parse_sync_spec("allreduce" if args.sync == "all" else args.sync)
-    check_sync_pairing(sync, comm)
+    sync = check_sync_pairing(sync, comm)  # auto:guard= resolved: delayed ruled out by the guard is not priced
     check(not (args.validate and sync.mode != "allreduce"), "--sync", args.sync, "allreduce with --validate",
           "--validate runs allreduce only; simulate the mode without it.")
     hosts = parse_hosts(args.hosts) if args.hosts else None
+    if sync.mode == "gossip":  # a topology a host count cannot form is refused, as train refuses it
+        from thinwire.compress.sync.gossip import check_topology
+
+        for p in hosts or [len(spec.hosts)]:
+            check_topology(sync.topology, p)
     opts = SimOptions(codec=args.compression, hosts=hosts, batch_size=args.batch_size, scaling=args.scaling,
                       threads=args.threads, colocated_cores=args.colocated, device=args.device, mfu=args.mfu,
                       steps=args.steps or 1000, sync=sync, aggregation=args.aggregation,
@@ -148,11 +154,13 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     meta = {"cluster": spec.name, "workload": args.workload, "compression": opts.codec, "sync": args.sync, "scaling": opts.scaling,
             "device": opts.device, "steps": opts.steps, "simulate_seconds": elapsed,
             "profile": args.profile, "colocated_cores": opts.colocated_cores}
+    own = next((pt for pt in points if pt.p == len(spec.hosts)), points[0])
+    # the pipeline's table first: a --pipeline the layout refuses stops before anything is written
+    pipeline = _pipeline_table(args, spec, profile, opts, default_batch, own) if args.pipeline else None
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(output.to_json(points, meta))
     title = f"{args.workload} on {spec.name}, {opts.codec}"
     output.plot_scaling(points, out / "scaling.png", title)
-    own = next((pt for pt in points if pt.p == len(spec.hosts)), points[0])
     output.plot_timeline(own, out / "timeline.png", f"{title}, {own.p} hosts")
     if args.json:
         print(output.to_json(points, meta))
@@ -161,8 +169,8 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     console.print(output.table(points, f"predicted: {title} ({opts.scaling} scaling)"))
     if args.sync == "all":
         console.print(_sync_table(spec, profile, opts, default_batch, own))
-    if args.pipeline:
-        console.print(_pipeline_table(args, spec, profile, opts, default_batch, own))
+    if pipeline is not None:
+        console.print(pipeline)
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
                   "scaling.png, timeline.png")
     return 0

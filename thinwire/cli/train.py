@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import datetime
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -58,10 +59,11 @@ def add_parser(sub) -> None:
                    "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5], "
                    "gossip[:topology=exp2|ring|torus|random,gamma=G], dynamic[:threshold=D,check_every=B]")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="cut the model into stages on different workers: "
-                   "gpipe, 1f1b or interleaved[:stages=S,microbatches=M,layers=A/B/..,activations=F,virtual=V] "
+                   "gpipe, 1f1b or interleaved[:stages=S,microbatches=M,layers=A/B/..,activations=F,virtual=V,"
+                   "recompute=on] "
                    "(default none); workers = replicas x stages")
     p.add_argument("--partition", help="which training items each worker draws from: iid (default), "
-                   "label_skew:alpha=A (Dirichlet class skew, classification) or by_file (a contiguous run each)")
+                   "label_skew:alpha=A (Dirichlet class skew, classification) or by_file (an equal, contiguous run each: for charlm, different files)")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
     p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
     p.add_argument("--seed", type=int)
@@ -135,10 +137,18 @@ def _config_of_checkpoint(folder: Path) -> dict | None:
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     overrides = {k: getattr(args, k) for k in FLAGS}
     base = args.config
+    if args.resume and Path(args.resume).exists() and not Path(args.resume).is_dir():
+        raise ThinwireError(f"resume: {args.resume!r} is a file, not a run folder. Pass the --out folder of an earlier "
+                            "run (it holds config.yaml and checkpoints/).")
     if args.resume and not base:  # continue with the resumed run's own config unless told otherwise
         saved = Path(args.resume) / "config.yaml"
         base = str(saved) if saved.is_file() else _config_of_checkpoint(Path(args.resume))
     cfg = load_train_config(base, overrides, args.set)
+    # the files a run names, absolute in its config.yaml: a --resume from another folder finds them
+    cfg = dataclasses.replace(cfg, **{k: str(Path(v).resolve()) for k in ("cluster", "plan", "data")
+                                      if (v := getattr(cfg, k)) and Path(v).exists()},
+                              **{k: _absolute_guard(v) for k in ("sync", "compression")
+                                 if isinstance(v := getattr(cfg, k), str) and "guard=" in v})
     if args.resume and not args.out:
         cfg = dataclasses.replace(cfg, out=args.resume)
     if cfg.plan:
@@ -191,25 +201,49 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
 
         check_gpus(_world_size(cfg))
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
-    _, batch, _ = resolve(cfg, wl)
+    steps, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)
+    sync = cfg.sync_spec
+    if sync.mode in ("local", "diloco") and sync.warmup >= steps and world is None:
+        print(f"thinwire: note: --sync {sync.text}: all {steps} steps are its synchronous warm-up (warmup="
+              f"{sync.warmup}), so every step averages gradients as allreduce does and no step is local; give "
+              f"warmup={max(0, steps // 10)} or less to train locally", file=sys.stderr, flush=True)
+    _check_guards(cfg)
     # every world size the run may meet: hosts may leave down to min_hosts
     if cfg.plan:  # first: a plan for another workload or cluster says so, not what its layout does not fit
         _check_plan(cfg)
+    if cfg.min_hosts and world is None and cfg.min_hosts > (hosts := _world_size(cfg)):
+        raise ConfigError("min_hosts", cfg.min_hosts, f"at most the {hosts} hosts of {cfg.cluster}",
+                          "Lower --min-hosts (the hosts the run needs to go on when others leave), or add hosts to the spec.")
     worlds = [world] if world else list(range(cfg.min_hosts or _world_size(cfg), _world_size(cfg) + 1))
     for w in worlds:
         if cfg.sync_spec.mode == "gossip":
             from thinwire.compress.sync.gossip import check_topology
 
-            check_topology(cfg.sync_spec.topology, w)
+            try:
+                check_topology(cfg.sync_spec.topology, w)
+            except ConfigError as e:
+                if len(worlds) == 1:
+                    raise
+                raise ConfigError(e.field, e.value, f"{e.allowed}, which the run may have (min_hosts {cfg.min_hosts})",
+                                  f"{e.fix} Raise --min-hosts to {worlds[-1]}, or choose ring or exp2.") from None
         if cfg.partition_spec.kind != "iid":  # a split that cannot be made (a class skew of a language model) fails here
             from thinwire.workloads.partition import shards
 
             shards(cfg.partition_spec, wl.train, w, cfg.seed, wl.task)
+            files = (wl.info or {}).get("corpus_files")
+            if cfg.partition_spec.kind == "by_file" and files is not None and files < w and w == worlds[-1]:
+                print(f"thinwire: note: --partition by_file: the corpus has {files} file(s) for {w} workers, so some "
+                      "workers train on parts of the same file (each gets an equal, contiguous share)",
+                      file=sys.stderr, flush=True)
         if cfg.pipeline_spec.enabled:
             _check_pipeline(cfg, wl, batch, w)
         elif not cfg.plan:
             _check_batch(cfg, batch, w, worlds)
+    if cfg.cluster and world is None:  # before the folder is written: the cluster is up, and no other job is on it
+        from thinwire.train.cluster_launch import check_free
+
+        check_free(cfg.cluster)
     folder = runfolder.RunFolder(cfg, run_id)
     if cfg.resume:
         _check_resume(cfg, wl)
@@ -237,6 +271,17 @@ def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
     layers = layer_list(wl.model, wl.layers, cfg.workload)
     lay = layout_of(cfg.pipeline_spec, layers, world, batch)
     check_chain(layers, collate(wl.train, [0])[0], lay.runs, lay.links)
+    if cfg.sync_spec.mode == "diloco" and cfg.sync_spec.fragments > 1:  # each rank fragments its own stage(s)
+        for rank in range(lay.stages):
+            params = {id(p): p for k, run in enumerate(lay.runs) if k % lay.stages == rank
+                      for i in run for p in layers[i].module.parameters()}
+            tensors = sum(p.requires_grad for p in params.values())
+            if cfg.sync_spec.fragments > tensors:
+                names = ", ".join(layers[i].name for k, run in enumerate(lay.runs) if k % lay.stages == rank for i in run)
+                raise ConfigError("sync.fragments", cfg.sync_spec.fragments,
+                                  f"at most {tensors}, the trainable parameter tensors of pipeline stage {rank} "
+                                  f"({names})", "Each stage splits its own parameters into the fragments, whole "
+                                  "tensors each: give fewer fragments or fewer stages.")
 
 
 def _check_fragments(cfg: TrainConfig, model) -> None:
@@ -297,11 +342,39 @@ def _world_size(cfg: TrainConfig) -> int:
     return cfg.nproc
 
 
+def _check_guards(cfg: TrainConfig) -> None:
+    """A convergence guard (``auto:guard=PATH`` in --sync or --compression) speaks for the workload it profiled:
+    another's verdicts would decide this run by a model it is not."""
+    from thinwire.measure.file import load_profile
+
+    for field in ("sync", "compression"):
+        for path in re.findall(r"guard=([^,]+)", str(getattr(cfg, field))):
+            prof = load_profile(path)
+            if prof.workload != cfg.workload or dict(prof.model) != dict(cfg.model):
+                raise ConfigError(f"{field}.guard", path, f"a profile of this run's workload ({cfg.workload!r} with "
+                                  f"model options {dict(cfg.model)})", f"it profiles {prof.workload!r} with "
+                                  f"{dict(prof.model)}; profile this workload (`thinwire profile --workload "
+                                  f"{cfg.workload} ...`) and pass that file")
+
+
+def _absolute_guard(spec: str) -> str:
+    """``auto:guard=PATH`` with PATH absolute where it names a file (as the cluster, plan and data paths)."""
+    return re.sub(r"(guard=)([^,]+)", lambda m: m.group(1) + (str(Path(m.group(2)).resolve())
+                                                              if Path(m.group(2)).is_file() else m.group(2)), spec)
+
+
 def _check_resume(cfg: TrainConfig, wl) -> None:
+    if not Path(cfg.resume).exists():
+        raise ThinwireError(f"resume: {cfg.resume!r} does not exist. Pass the --out folder of an earlier run.")
     found = ckpt.latest(Path(cfg.resume))
     if found is None:
-        raise ThinwireError(f"resume: folder {cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
-                            "Pass the --out folder of an earlier run.")
+        if not ckpt.stopped_before_first(Path(cfg.resume)):
+            raise ThinwireError(f"resume: folder {cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
+                                "Pass the --out folder of an earlier run.")
+        print(f"thinwire: note: {cfg.resume} holds no checkpoint: its run stopped before its first one (every "
+              f"{cfg.checkpoint_every} steps), so it trains again from step 0 with its configuration",
+              file=sys.stderr, flush=True)
+        return
     state = ckpt.load(found)
     ckpt.check_signature(found, state["signature"], ckpt.model_signature(wl.model))
 

@@ -81,6 +81,9 @@ def _checked_hosts(cluster: EmulatedCluster, hosts: list[str] | None) -> list[st
         raise ThinwireError(f"bench needs at least 2 hosts, got {hosts}; add a host to the spec or to --hosts.")
     for h in hosts:
         cluster.spec.host(h)
+    twice = sorted({h for h in hosts if list(hosts).count(h) > 1})
+    if twice:
+        raise ThinwireError(f"--hosts names {', '.join(twice)} more than once ({','.join(hosts)}); name each host once.")
     cluster.require_up()
     return list(hosts)
 

@@ -167,10 +167,13 @@ class EmulatedCluster:
         netns.require_privileges()
         cores = os.cpu_count() or 1
         self.spec.check_fits(cores)
-        wanted = sum(h.cpu for h in self.spec.hosts if h.cpu is not None)
+        # the hosts' own quotas, their offload engines' (nic:) and the switch's aggregator's: each its own cgroup
+        wanted = (sum(h.cpu for h in self.spec.hosts if h.cpu is not None)
+                  + sum(h.nic.cpu for h in self.spec.hosts if h.nic is not None and h.nic.cpu is not None)
+                  + (self.spec.switch.cpu or 0.0 if self.spec.switch is not None else 0.0))
         if wanted > cores:
-            log.warning("the hosts' cpu adds up to %g cores on this %d-core machine: busy hosts will slow "
-                        "each other beyond their quotas", wanted, cores)
+            log.warning("the hosts' cpu (with their engines and the switch's aggregator) adds up to %g cores on this "
+                        "%d-core machine: busy hosts will slow each other beyond their quotas", wanted, cores)
         self._check_cgroup_support()
         if self.is_up():
             return False
@@ -326,9 +329,31 @@ class EmulatedCluster:
             raise ThinwireError(f"links[{i}].{k}: needs the netem qdisc, which this kernel lacks "
                                 f"(only tbf/htb); remove the field")
 
-    def require_up(self) -> None:
+    def require_up(self, spec_path: str = "SPEC") -> None:
         if not self.is_up():
-            raise ThinwireError(f"cluster {self.spec.name!r} is not up; start it with `thinwire cluster up SPEC`.")
+            raise ThinwireError(self.not_up(spec_path))
+
+    def not_up(self, spec_path: str = "SPEC") -> str:
+        """Why this spec is not up: nothing of it is, or a cluster of its name is up from another version of it."""
+        state = self._state()
+        if state.get("fingerprint") not in (None, self.fingerprint) and self.switch_ns in netns.list_namespaces():
+            return (f"cluster {self.spec.name!r} is up, but from another version of this spec (a host, link or limit "
+                    f"differs); `thinwire cluster up {spec_path}` rebuilds it as this one.")
+        return f"cluster {self.spec.name!r} is not up; start it with `thinwire cluster up {spec_path}`."
+
+    def running(self) -> dict[str, list[int]]:
+        """The processes in this cluster's cgroups now, by group (a host, its engine, the switch), whatever
+        hosts the spec names today: what a rebuild or a teardown would cut off."""
+        out: dict[str, set[int]] = {}
+        for base in self.cgroups.base_dirs():
+            for procs in base.rglob("cgroup.procs") if base.is_dir() else []:
+                try:
+                    pids = {int(p) for p in procs.read_text().split()}
+                except OSError:  # removed meanwhile
+                    continue
+                if pids:
+                    out.setdefault(str(procs.parent.relative_to(base)), set()).update(pids)
+        return {name: sorted(pids) for name, pids in sorted(out.items())}
 
     def _state(self) -> dict:
         try:

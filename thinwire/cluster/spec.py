@@ -120,15 +120,21 @@ class HostSpec:
         check(bool(_NAME.fullmatch(self.name)), f"{where}.name", self.name, _NAME_RULE,
               "Host names become namespace and cgroup names.")
         check(bool(_NAME.fullmatch(self.group)), f"{where}.group", self.group, _NAME_RULE)
+        def field_of(name: str) -> str:  # a value taken from defaults is named there: that is where to fix it
+            return f"{where}.{name}" if getattr(self, name) is not None or getattr(defaults, name) is None \
+                else f"defaults.{name} (taken by {where})"
+
         bandwidth = self.bandwidth if self.bandwidth is not None else defaults.bandwidth
         check(bandwidth is not None, f"{where}.bandwidth", None, "a rate such as 100mbit",
               "Set it on the host or in defaults.bandwidth.")
-        self.bandwidth = parse_rate(bandwidth, f"{where}.bandwidth")
+        self.bandwidth = parse_rate(bandwidth, field_of("bandwidth"))
+        cpu_field = field_of("cpu")
         self.cpu = self.cpu if self.cpu is not None else defaults.cpu
-        check(self.cpu is None or MIN_CPU <= self.cpu <= MAX_CPU, f"{where}.cpu", self.cpu,
+        check(self.cpu is None or MIN_CPU <= self.cpu <= MAX_CPU, cpu_field, self.cpu,
               f"a number of cores in [{MIN_CPU:g}, {MAX_CPU:g}] (0.25 = a quarter of one core) or null for no cap")
+        memory_field = field_of("memory")
         memory = self.memory if self.memory is not None else defaults.memory
-        self.memory = None if memory is None else parse_size(memory, f"{where}.memory")
+        self.memory = None if memory is None else parse_size(memory, memory_field)
         self.nic = self.nic if self.nic is not None else defaults.nic
         check(self.nic is None or self.cpu is None or self.nic.cpu <= self.cpu, f"{where}.nic.cpu",
               self.nic and self.nic.cpu, f"at most the host's own cpu ({_fmt_cores(self.cpu)})",
@@ -201,7 +207,11 @@ class ClusterSpec:
         try:
             net = ipaddress.ip_network(self.subnet)
         except ValueError:
-            raise ConfigError("subnet", self.subnet, allowed, "Write it as ADDRESS/PREFIX.") from None
+            try:  # an address inside the network, not the network itself
+                fix = f"Write the network's own address: {ipaddress.ip_network(self.subnet, strict=False)}."
+            except ValueError:
+                fix = "Write it as ADDRESS/PREFIX."
+            raise ConfigError("subnet", self.subnet, allowed, fix) from None
         check(net.version == 4 and net.is_private and net.prefixlen <= 30, "subnet", self.subnet, allowed,
               "Pick a range from 10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16 that nothing else uses.")
 

@@ -28,6 +28,7 @@ thread has nothing left to issue, as PyTorch's hooks do; the order of collective
 from __future__ import annotations
 
 import datetime
+import math
 import logging
 import time
 from collections import Counter
@@ -137,6 +138,9 @@ class CommState:
         self.extra: dict = {}           # per-scheme state, e.g. PowerSGD's Q matrices
         self.last_bucket_ready = 0.0    # perf_counter() when the last bucket was handed over
         self.param_index: dict[int, int] = {}  # id(parameter) -> its index in model.parameters()
+        self.layouts: dict[int, tuple] = {}    # bucket index -> its layout at its last step (kept in checkpoints)
+        self.resumed: dict[int, tuple] | None = None  # the layouts a loaded checkpoint's buckets had (see hook)
+        self._layouts_step = -1
         self._thread = CommThread()
         # every bucket's whole job on the engine thread, none on DDP's (a host with an offload engine:
         # the thread runs on the engine's CPU, see thinwire.compress.engine)
@@ -153,7 +157,54 @@ class CommState:
         params = bucket.parameters()
         shapes = [tuple(p.shape) for p in params]
         layout = tuple((self.param_index.get(id(p), -1), p.numel()) for p in params)
+        if self.resumed is not None:
+            parts = self._resumed_parts(index, layout)
+            if parts:
+                by_index = dict(zip((i for i, _ in layout), shapes))
+                return self._thread.submit(self._regrouped, bucket.buffer(), step, layout, parts, by_index)
+        if step != self._layouts_step:  # DDP may have rebuilt its buckets: this step's layouts only
+            self.layouts, self._layouts_step = {}, step
+        self.layouts[index] = layout
         return self._send(bucket.buffer(), index, step, shapes, layout)
+
+    def _resumed_parts(self, index: int, layout: tuple) -> list[tuple[int, tuple]] | None:
+        """The first step after a checkpoint was loaded: the buckets it was saved with, where DDP hands over
+        another layout that holds all of them (its first iteration's single bucket), else None.
+
+        DDP builds its buckets again after its first iteration, in the order gradients became ready, and a
+        resumed process starts from its initial layout: one bucket of every parameter in reverse order. The
+        codecs that quantize or select over a bucket (int8's blocks, bfp, top-k, sign) would send that step's
+        gradient otherwise than the run that was never stopped, so its first step is averaged bucket by bucket
+        as saved, and a resume is bit-identical. Where DDP's layout already is the saved one (it does not
+        rebuild with ``find_unused_parameters``) or does not hold all of it, the step runs as DDP hands it."""
+        saved, self.resumed = self.resumed, None
+        if saved.get(index) == layout or not saved:
+            return None
+        mine = sorted(layout)
+        if sorted(pair for part in saved.values() for pair in part) != mine:
+            log.info("resume: DDP's first buckets after the checkpoint are not the saved ones; the first step "
+                     "averages its gradient in DDP's layout")
+            return None
+        return sorted(saved.items())
+
+    def _regrouped(self, buf: Tensor, step: int, layout: tuple, parts: list[tuple[int, tuple]],
+                   shapes: dict[int, tuple]) -> Tensor:
+        """Average ``buf`` (one bucket in ``layout``) as the saved buckets ``parts``, in their order."""
+        self.layouts, self._layouts_step = {}, step
+        offsets, at = {}, 0
+        for i, n in layout:
+            offsets[i] = (at, n)
+            at += n
+        for index, part in parts:
+            sub = torch.cat([buf[offsets[i][0]: offsets[i][0] + n] for i, n in part])
+            out = self._reduce(sub, index, step, [shapes[i] for i, _ in part], part)
+            at = 0
+            for i, n in part:
+                start = offsets[i][0]
+                buf[start: start + n].copy_(out[at: at + n])
+                at += n
+            self.layouts[index] = part
+        return buf
 
     def send(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> torch.futures.Future:
         """Average ``buf`` (one flat fp32 bucket) across ranks as the hook averages a DDP bucket: a
@@ -191,6 +242,8 @@ class CommState:
         def finish(_):
             state, job, pending = box
             box.clear()
+            for f in futures:  # a failed collective (a lost peer, a timeout) fails the step: value() raises its
+                f.value()      # error; the payload it left behind is no average
             return state._finish(job, *pending.finish())
 
         return done.then(finish)
@@ -257,6 +310,7 @@ class CommState:
             "extra": {k: v.detach().cpu().clone() for k, v in self.extra.items()},
             "policy": self.policy.describe(),
             "policy_state": self.policy.state_dict(),
+            "layouts": {str(i): [list(pair) for pair in layout] for i, layout in self.layouts.items()},
             "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls,
                          "counts": dict(self.counts)},
         }
@@ -267,6 +321,7 @@ class CommState:
             self.feedback.load_state_dict(sd.get("residuals", {}))
         self.extra = {k: v.clone() for k, v in sd.get("extra", {}).items()}
         self.policy.load_state_dict(sd.get("policy_state") or {})  # older checkpoints have none
+        self.resumed = {int(i): tuple((int(a), int(b)) for a, b in layout) for i, layout in sd.get("layouts", {}).items()}
         counters = sd.get("counters", {})  # totals continue across a resume
         self.bytes_raw = int(counters.get("bytes_raw", 0))
         self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
@@ -306,6 +361,14 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
                         "wrap it first: model = DistributedDataParallel(model)")
     if getattr(model, "_thinwire_state", None) is not None:
         raise ValueError("thinwire.attach: a thinwire hook is already attached to this model; attach once per model")
+    sparse = [n for n, m in model.module.named_modules() if getattr(m, "sparse", False) is True
+              and isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    if sparse:  # DDP hands a hook a sparse bucket that no codec's flat, dense encoding takes
+        raise ValueError(f"thinwire.attach: {', '.join(sparse[:4])} makes sparse gradients (sparse=True), which "
+                         "thinwire's codecs cannot encode; build the embedding with sparse=False (a dense gradient, "
+                         "which the codecs compress), or leave this model without thinwire's hook")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"thinwire.attach: timeout_s must be a number of seconds > 0 or None (no bound), got {timeout_s!r}")
     policy = _as_policy(codec)
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     group = process_group if process_group is not None else dist.new_group(backend=dist.get_backend(), timeout=timeout)

@@ -50,9 +50,12 @@ GOSSIP = ("gossip:topology=exp2", "gossip:topology=ring")
 
 
 def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_rank_batch: int,
-           steals: bool, workload: str, codecs: tuple[str, ...] | None = None, cluster: str | None = None) -> dict:
+           steals: bool, workload: str, codecs: tuple[str, ...] | None = None, cluster: str | None = None,
+           job: str | None = None) -> dict:
     """The report (module docstring); ``codecs`` may name ``CODEC@switch`` (tried through the aggregator on
-    ``cluster``'s switch)."""
+    ``cluster``'s switch); ``job``: ``thinwire train``'s options for the job measured (workload, model, data,
+    batch, workers), which the recommended command keeps."""
+    job = job or _job({"workload": workload, "cluster": cluster})
     codecs = codecs or default_candidates()
     p = len(ranks)
     floors = [r["floor_s"] for r in ranks]
@@ -106,28 +109,28 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
     slow_links = [] if not rates else [q for q in pairs if q["bps"] < SLOW_LINK * statistics.median(rates)]
     worth = best["codec"] != "none" and best["speedup"] >= WORTH
     report = {
-        "workload": workload, "world_size": p, "per_rank_batch": per_rank_batch, "cluster": cluster,
+        "workload": workload, "job": job, "world_size": p, "per_rank_batch": per_rank_batch, "cluster": cluster,
         "measured": {"ddp_fp32_step_s": ddp, "no_comm_step_s": max(floors), "comm_share": comm_share,
                      "per_rank": ranks, "allreduce": network, "pairs": pairs},
         "model": {"ddp_fp32_step_s": pn.step_s, "error_vs_measured": pn.step_s / ddp - 1, "speeds": speeds,
                   "unexplained_comm_s": unexplained, "charged_per_byte_s": per_byte},
         "codecs": rows, "sync_modes": sync_rows, "slow_hosts": slow_hosts, "slow_links": slow_links,
-        "recommendation": _recommend(worth, best, comm_share, workload, cluster, sync_rows),
+        "recommendation": _recommend(worth, best, comm_share, job, cluster, sync_rows),
     }
     return report
 
 
-def _commands(c: str, workload: str, cluster: str | None) -> dict:
+def _commands(c: str, job: str, cluster: str | None) -> dict:
     """How to train with candidate ``c``: ``thinwire train``'s command and, but through the switch, the line in
     the user's own DDP script."""
     if c.endswith(VIA):
-        return {"command": f"thinwire train --workload {workload} --cluster {cluster} --compression {base_spec(c)} "
+        return {"command": f"thinwire train {job} --compression {base_spec(c)} "
                            "--aggregation switch", "in_your_script": None}
-    return {"command": f"thinwire train --workload {workload} --compression {c}",
+    return {"command": f"thinwire train {job} --compression {c}",
             "in_your_script": f'thinwire.attach(ddp_model, "{c}")'}
 
 
-def _sync_instead(sync_rows: list[dict], workload: str) -> str:
+def _sync_instead(sync_rows: list[dict], job: str) -> str:
     """Where no codec is worth it, the fastest sync mode that would be (fewer collectives help where a
     collective's latency, not its bytes, is the cost): shown with its price, not recommended."""
     best = max(sync_rows, key=lambda r: r["speedup"], default=None)
@@ -135,16 +138,16 @@ def _sync_instead(sync_rows: list[dict], workload: str) -> str:
         return "nothing thinwire offers will help this job here; keep DDP fp32"
     return (f"keep DDP fp32's averaging, or measure a sync mode that communicates less often: {best['sync']} is priced "
             f"{best['speedup']:.2f}x faster per step, but its loss at equal samples is not predicted (compare "
-            f"`thinwire train --workload {workload} --sync {best['sync']} --compression {best['codec']}` with "
+            f"`thinwire train {job} --sync {best['sync']} --compression {best['codec']}` with "
             "`--sync allreduce --compression none` at equal steps)")
 
 
-def _recommend(worth: bool, best: dict, comm_share: float, workload: str, cluster: str | None = None,
+def _recommend(worth: bool, best: dict, comm_share: float, job: str, cluster: str | None = None,
                sync_rows: list[dict] = ()) -> dict:
     if not worth:
         return {"action": "keep", "codec": "none",
                 "why": f"communication is {comm_share:.0%} of the step and no codec makes it more than "
-                       f"{WORTH - 1:.0%} faster: {_sync_instead(list(sync_rows), workload)}",
+                       f"{WORTH - 1:.0%} faster: {_sync_instead(list(sync_rows), job)}",
                 "command": None}
     c = best["codec"]
     how = "in its trial" if best["source"] == "trial" else "by the model"
@@ -152,7 +155,31 @@ def _recommend(worth: bool, best: dict, comm_share: float, workload: str, cluste
             "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step than "
                    f"DDP fp32 ({how}). Its loss at equal samples is not measured here: `thinwire profile` runs the "
                    "convergence guard and `thinwire plan` ranks codecs by time to fp32's loss",
-            **_commands(c, workload, cluster)}
+            **_commands(c, job, cluster)}
+
+
+def _job(report: dict) -> str:
+    """The report's job options; for a report from before it kept them, its workload and cluster."""
+    return report.get("job") or f"--workload {report['workload']}" + (f" --cluster {report['cluster']}" if report.get("cluster") else "")
+
+
+def job_args(cfg, world: int) -> str:
+    """``thinwire train``'s options for the job doctor measured: its workload, model options, data, global batch
+    and where it ran (the cluster spec, or as many local workers)."""
+    import shlex
+
+    parts = ["--workload", cfg.workload]
+    import yaml
+
+    for key, value in (cfg.model or {}).items():  # as YAML, which --set reads back (None: null, not 'None')
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+        parts += ["--set", f"model.{key}={text.removesuffix(chr(10) + '...').strip()}"]
+    if cfg.data:
+        parts += ["--data", cfg.data]
+    if cfg.batch_size:
+        parts += ["--batch-size", str(cfg.batch_size)]
+    parts += ["--cluster", cfg.cluster] if cfg.cluster else ["--nproc", str(world)]
+    return " ".join(shlex.quote(str(p)) for p in parts)
 
 
 def apply_guard(report: dict, records: dict, source: str) -> dict:
@@ -177,7 +204,7 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
         rec = {"action": "keep", "codec": "none",
                "why": f"communication is {comm_share:.0%} of the step and no codec the convergence guard ({source}) "
                       f"lets through reaches DDP fp32's loss more than {WORTH - 1:.0%} sooner: "
-                      f"{_sync_instead(report['sync_modes'], report['workload'])}.{left}",
+                      f"{_sync_instead(report['sync_modes'], _job(report))}.{left}",
                "command": None}
     else:
         c = best["codec"]
@@ -185,7 +212,7 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
                "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step "
                       f"than DDP fp32 and needs {best['guard']['factor']:.2f}x its samples by the convergence guard "
                       f"({source}): {best['time_speedup']:.2f}x sooner to fp32's loss.{left}",
-               **_commands(c, report["workload"], report.get("cluster"))}
+               **_commands(c, _job(report), report.get("cluster"))}
     report["recommendation"] = rec
     report["guard"] = source
     return report

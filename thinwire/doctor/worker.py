@@ -13,13 +13,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+if __name__ == "__main__":  # a stop signal while torch loads: out quietly (the launcher says it once)
+    from thinwire.signals import leave_quietly_on_stop
 
-from thinwire.config import from_dict, load_yaml
-from thinwire.errors import ThinwireError
-from thinwire.train.config import TrainConfig
+    leave_quietly_on_stop()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from thinwire.config import from_dict, load_yaml  # noqa: E402
+from thinwire.errors import ThinwireError  # noqa: E402
+from thinwire.train.config import TrainConfig  # noqa: E402
 
 REPORT = "report.json"
 
@@ -29,7 +34,7 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
     from thinwire.compress.schemes.switched import switchable, via_switch
     from thinwire.compress.spec import default_candidates
     from thinwire.compress.switch import ENV as SWITCH_ENV
-    from thinwire.doctor.advise import advise
+    from thinwire.doctor.advise import advise, job_args
     from thinwire.doctor.probe import allreduce, codec_trials, pairs, step_times
     from thinwire.precision.setup import sample_from
     from thinwire.workloads.base import collate
@@ -75,7 +80,7 @@ def diagnose(cfg: TrainConfig, out: Path) -> dict | None:
         if env.rank == 0:
             report = advise(ranks=ranks, network=net, pairs=links, profile=prof, per_rank_batch=per_rank,
                             steals=device.type == "cpu", workload=cfg.workload, codecs=routed if trials else codecs,
-                            cluster=cfg.cluster)
+                            cluster=cfg.cluster, job=job_args(cfg, env.world))
             report["elapsed_s"] = time.perf_counter() - start
             report["device"] = str(device)
             from thinwire.measure.file import save_profile

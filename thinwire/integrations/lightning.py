@@ -85,9 +85,9 @@ class ThinwireStrategy(DDPStrategy):
             mode.before_step()       # e.g. delayed's averaged gradient, local SGD's warm-up average
             return out
 
+        mode.optimizer = optimizer   # before the closure's forward: delayed predicts with it (a resumed run's first step too)
         with mode.no_sync():         # DDP's backward must not all-reduce: the mode averages itself
             out = super().optimizer_step(optimizer, forward_backward_then_set_gradients, model, **kwargs)
-        mode.optimizer = optimizer   # what the mode may read (dynamic:by_lr's learning rate)
         trainer = getattr(self.lightning_module, "trainer", None)
         algorithm = getattr(getattr(trainer, "gradient_clip_algorithm", None), "value", None)
         if trainer is not None and trainer.gradient_clip_val and algorithm in (None, "norm"):  # Lightning's default: norm

@@ -32,7 +32,7 @@ instead of 2.6 (``benchmarks/results/link_burst.md``). A fifth probe times, betw
 message's round trip (a 4-byte reply) after an idle gap that refills such a bucket: of 4 bytes (``t_0``),
 of ``s`` bytes, larger than the bucket (8 ms at the rate, at least 64 KiB; ``t_1``), and of ``2s``
 (``t_2``). With ``t(x) = t_0 + max(0, x - B) / r``, the bucket's ``B / r = t_2 - 2 t_1 + t_0``, whatever the
-rate; times the measured rate it is ``burst_bytes`` (medians of the reps; about 0 on a link that is not
+rate; times the measured rate it is ``burst_bytes`` (the fastest of the reps; about 0 on a link that is not
 shaped so). Where the hosts cannot fill the link (the all-reduce probe carried under half its rate, as
 emulated hosts at 100 Gbit/s, whose CPU paces every byte), no bucket paces them and the probe is skipped.
 The pipeline model charges a hand-over only for the bytes beyond the credit its link has gathered while
@@ -68,9 +68,11 @@ def credit_message(rate_bps: float) -> tuple[int, float]:
 
 def credit_bytes(t0: list[float], t1: list[float], t2: list[float], *, rate_Bps: float, size: int) -> float:
     """A token bucket's credit (bytes, within ``[0, size]``) from the credit probe's round trips of 4 bytes,
-    ``size`` and ``2 size`` bytes after idle gaps, at the measured ``rate_Bps`` (module docstring)."""
-    m = statistics.median
-    return min(float(size), max(0.0, (m(t2) - 2 * m(t1) + m(t0)) * rate_Bps))
+    ``size`` and ``2 size`` bytes after idle gaps, at the measured ``rate_Bps`` (module docstring). The fastest
+    rep of each size, as the large all-reduce probe keeps: a token bucket after an idle gap is deterministic,
+    so a slower rep measured a busy machine (a few 4-byte trips held up by other processes moved the medians'
+    credit by half a bucket)."""
+    return min(float(size), max(0.0, (min(t2) - 2 * min(t1) + min(t0)) * rate_Bps))
 
 
 def alpha_beta(sizes: list[int], times: list[float], p: int) -> tuple[float, float]:

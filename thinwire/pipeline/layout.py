@@ -53,6 +53,15 @@ def layout(spec, names: list[str], params: list[int], world: int, batch: int) ->
     """The layout of ``spec`` (a :class:`~thinwire.pipespec.PipelineSpec`) for ``world`` ranks and a global batch,
     over a layer list of ``names`` holding ``params`` parameters each."""
     stages, layers, V = spec.stage_count(world), names, spec.virtual
+    if V > 1 and stages < 2:  # torch's interleaved schedule fails on one rank (a stage with no backward to run)
+        raise ConfigError("pipeline.stages", stages, "at least 2 with the interleaved schedule",
+                          "On one rank there is no bubble to fill: use 1f1b, or more workers.")
+    if V > 1 and stages <= len(layers) < stages * V:  # the stages fit; their virtual ones do not
+        raise ConfigError("pipeline.virtual", V, f"at most {len(layers) // stages}: {stages} ranks x virtual stages "
+                          f"each hold at least one of the model's {len(layers)} layers ({', '.join(names)})",
+                          "Use fewer virtual stages per rank, or a workload with a longer layer list."
+                          if len(layers) // stages >= 2 else "Interleaving needs 2 layers per rank: use 1f1b, fewer "
+                          "stages, or a workload with a longer layer list.")
     if stages * V > len(layers):
         raise ConfigError("pipeline.stages", stages, f"at most the model's {len(layers)} layers ({', '.join(names)})"
                           + (f" over virtual={V} stages per rank" if V > 1 else ""),
@@ -60,7 +69,8 @@ def layout(spec, names: list[str], params: list[int], world: int, batch: int) ->
                           + (" or fewer virtual ones" if V > 1 else "") + ", or a workload with a longer layer list.")
     if world % stages:
         raise ConfigError("pipeline.stages", stages, f"a divisor of the number of workers ({world})",
-                          "The workers form replicas x stages; e.g. --nproc " + str(stages * max(1, world // stages)))
+                          f"The workers (--nproc, or the cluster's hosts) form replicas x stages: e.g. "
+                          f"{stages * max(1, world // stages)} of them, or stages={world}.")
     replicas = world // stages
     if batch % replicas:
         raise ConfigError("batch_size", batch, f"divisible by the {replicas} pipeline replicas",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 
 import torch
@@ -37,6 +38,10 @@ from thinwire import batch as B
 from thinwire.errors import ThinwireError
 from thinwire.pipeline.stages import Layer, StageModule, full_names, shared_parameters
 from thinwire.pipeline.wire import Decode, Encode
+
+# On any exception in a step, torch's interleaved runtime logs its whole schedule (~90 lines per rank) before
+# re-raising; the exception itself still reaches the worker, which reports it (a lost peer in one line).
+logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 

@@ -45,15 +45,59 @@ class Layer:
 
 def layer_list(model: nn.Module, layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] | None,
                workload: str = "the workload") -> list[Layer]:
-    """The model's layers in forward order: the workload's ``layers(model)``, or an ``nn.Sequential``'s children."""
+    """The model's layers in forward order: the workload's ``layers(model)``, or an ``nn.Sequential``'s children.
+    A list that leaves out a parameter or buffer of the model (which no stage would train or checkpoint), or holds
+    a module that is not the model's (trained, but in no checkpoint), is refused, naming them."""
     if layers is not None:
-        return [Layer(name, module) for name, module in layers(model)]
+        return _cover(model, _call_layers(layers, model, workload), workload)
     if isinstance(model, nn.Sequential):
         return [Layer(name, module) for name, module in model.named_children()]
     raise ThinwireError(
         f"pipeline: {workload}'s model ({type(model).__name__}) has no layer list to cut into stages. Return "
         "Workload(..., layers=lambda model: [(name, module), ...]) from the workload function (modules in "
         "forward order, each taking the previous one's output), or make the model an nn.Sequential.")
+
+
+def _call_layers(layers: Callable, model: nn.Module, workload: str) -> list[Layer]:
+    """``layers(model)`` as a list of :class:`Layer`; what it raises or returns amiss is one error line."""
+    try:
+        entries = list(layers(model))
+    except Exception as e:  # the user's function: its error, where it raised, not our traceback
+        raise ThinwireError(f"pipeline: {workload}'s layers(model) raised {type(e).__name__}: {e}. Call it in Python "
+                            "to see the whole traceback.") from None
+    out = []
+    for i, entry in enumerate(entries):
+        ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], nn.Module)
+        if not ok:
+            got = type(entry[1]).__name__ if isinstance(entry, (tuple, list)) and len(entry) == 2 else repr(entry)[:60]
+            raise ThinwireError(f"pipeline: {workload}'s layers(model)[{i}] must be a (name, nn.Module) pair, got "
+                                f"{got}. Return [(name, module), ...] in forward order.")
+        out.append(Layer(str(entry[0]), entry[1]))
+    if not out:
+        raise ThinwireError(f"pipeline: {workload}'s layers(model) returned no layers. Return [(name, module), ...] "
+                            "in forward order.")
+    return out
+
+
+def _cover(model: nn.Module, layers: list[Layer], workload: str) -> list[Layer]:
+    """``layers`` if their parameters and buffers are exactly the model's (by identity), else the error."""
+    def tensors(m: nn.Module) -> dict[int, str]:
+        return {id(t): n for n, t in [*m.named_parameters(), *m.named_buffers()]}
+
+    mine, held = tensors(model), {}
+    for layer in layers:
+        held.update({k: layer.name for k in tensors(layer.module)})
+    left_out = [n for k, n in mine.items() if k not in held]
+    if left_out:
+        more = f" and {len(left_out) - 6} more" if len(left_out) > 6 else ""
+        raise ThinwireError(f"pipeline: {workload}'s layer list leaves out {', '.join(left_out[:6])}{more} of the model: "
+                            "no stage would train or checkpoint them. List every module the forward uses, in order.")
+    foreign = sorted({name for k, name in held.items() if k not in mine})
+    if foreign:
+        raise ThinwireError(f"pipeline: {workload}'s layer {', '.join(foreign)} holds parameters that are not the "
+                            "model's: it would train, but no checkpoint holds it. Make it a submodule of the model, "
+                            "or leave it out of the layer list.")
+    return layers
 
 
 @torch.no_grad()

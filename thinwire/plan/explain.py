@@ -257,5 +257,5 @@ def pipeline_lines(pipe, profile, ddp_s: float | None, fits_one: bool) -> list[s
     if ddp_s is not None:
         lines.append(f"Uniform DDP fp32 on the same hosts is predicted at {_ms(ddp_s)} per step "
                      f"({ddp_s / pipe.predicted_step_s:.2f}x the pipeline's).")
-    lines.append(f"Run it: thinwire train --cluster SPEC --plan PLAN (= --pipeline {pipe.spec_text()}).")
+    lines.append(f"With --plan, the run is --pipeline {pipe.spec_text()} on these hosts.")
     return lines

@@ -110,7 +110,7 @@ def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: i
     found = {}
     # interleaved only where its runtime's own cost is measured (a profile before it cannot price it)
     priced = profile.interleaved_overhead_s is not None
-    for virtual in (1, VIRTUAL) if n >= VIRTUAL * S and priced else (1,):
+    for virtual in (1, VIRTUAL) if n >= VIRTUAL * S and priced and S >= 2 else (1,):  # one host: no bubble to fill
         best = None
         for micro_n in microbatch_counts(batch, S):
             if virtual > 1 and micro_n % max(1, micro_n // S):

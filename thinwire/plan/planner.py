@@ -140,7 +140,8 @@ def host_models(spec: ClusterSpec, profile: Profile, opts: PlanOptions) -> list[
     hosts = inputs.replicate_hosts(spec, len(spec.hosts))  # the spec's hosts, group by group (ring order)
     threads = opts.threads or profile.threads
     cores = inputs.host_cores(hosts, threads=threads, colocated_cores=opts.colocated_cores)
-    speeds = inputs.host_speeds(cores, profile_threads=profile.threads, threads=threads)
+    speeds = inputs.host_speeds(cores, profile_threads=profile.threads, threads=threads, profile=profile,
+                                colocated_cores=opts.colocated_cores)  # co-located: the measured co-run factor too
     p, act = len(hosts), profile.activation_bytes_per_sample
     dense, comp = static_bytes(profile, opts, compressed=False, p=p), static_bytes(profile, opts, compressed=True, p=p)
     return [HostModel(name=h.name, group=h.group, speed=s, cores=c, bandwidth=h.bandwidth,
@@ -227,8 +228,7 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
     codecs, factors, notes = codec_models(profile, opts.codecs, opts.max_error, opts.rank)
     val_items, note = validation_items(profile, opts)
     notes += [note] if note else []
-    latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
-    alpha = (profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S) + latency
+    alpha = profile.network.alpha_s if profile.network else DEFAULT_ALPHA_S
     pb = Problem(hosts=hosts, buckets=[Bucket(numel=b.numel, ready_frac=b.ready_frac) for b in profile.buckets],
                  compute=compute_fn(profile, opts), codecs=codecs,
                  links={l.pair: l.bandwidth for l in spec.links}, alpha_s=alpha,
@@ -236,7 +236,8 @@ def problem(spec: ClusterSpec, profile: Profile, opts: PlanOptions, hosts: list[
                  threads=opts.threads or profile.threads, min_gain=opts.min_gain, factors=factors,
                  cpu_s_per_byte=profile.collective_cpu_s_per_byte,
                  busy_hop_s=(profile.network.busy_hop_s or 0.0) if profile.network else 0.0,
-                 val_items=val_items, eval_every=max(1, opts.eval_every))
+                 val_items=val_items, eval_every=max(1, opts.eval_every),
+                 latencies={l.pair: l.latency for l in spec.links if l.latency})
     if spec.switch is not None:  # int8 (nearest rounding) may go through the aggregator on the switch
         from thinwire.compress.schemes.switched import switchable
 
@@ -265,11 +266,16 @@ def fits_nowhere(spec: ClusterSpec, profile: Profile, opts: PlanOptions, workloa
     else:
         pipe = (f"and {workload} has no layer list to pipeline over the {len(spec.hosts)} hosts "
                 f"({total / 2**20:.1f} MiB in total)")
+    runtime = profile.runtime_bytes
+    parts = (f"the worker process itself {runtime / 2**20:.1f} MiB (Python, torch), then " if runtime else "") + \
+        f"parameters, gradients, {opts.optimizer} state, DDP buckets, activations"
+    # where the process alone does not fit, a smaller model cannot help
+    fix = ("Give the hosts more memory (hosts[].memory): at least " f"{need / 2**20:.0f} MiB" if runtime >= largest.memory
+           else "Give the hosts more memory (hosts[].memory) or plan a smaller model (--set model.width=...)")
     return ThinwireError(
         f"model: {workload} with {profile.parameters:,} parameters fits nowhere: training it with one sample needs "
-        f"{need / 2**20:.1f} MiB on a host (parameters, gradients, {opts.optimizer} state, DDP buckets, activations), "
-        f"the largest host {largest.name} has {largest.memory / 2**20:.1f} MiB, {pipe}. Give the hosts more memory "
-        "(hosts[].memory) or plan a smaller model (--set model.width=...).")
+        f"{need / 2**20:.1f} MiB on a host ({parts}), the largest host {largest.name} has "
+        f"{largest.memory / 2**20:.1f} MiB, {pipe}. {fix}.")
 
 
 # -- assembling the plan --------------------------------------------------------------------------------
@@ -310,7 +316,9 @@ def make_plan(spec: ClusterSpec, profile: Profile, *, workload: str, model: dict
     if base["none"] is not None:  # None: fewer samples than hosts, uniform DDP cannot run
         best_single = min((s for s in base.values() if s is not None), key=lambda s: s.step_s)
         baselines = {"uniform_ddp_fp32_s": base["none"].step_s, "best_single_codec": best_single.layout.codecs[0],
-                     "best_single_codec_s": best_single.step_s}
+                     "best_single_codec_s": best_single.step_s,
+                     # its time per step to fp32's loss as the ranking counts it (its validation included)
+                     "uniform_ddp_fp32_time_s": base["none"].time_s}
     planning = {"seconds": time.perf_counter() - t0, "candidates_scored": pb.scored, "hosts": len(spec.hosts),
                 "validation": {"every": options.eval_every, "batches": options.eval_batches, "items": pb.val_items}}
     return Plan(**head, chosen=chosen, alternatives=alts, baselines=baselines, explanation=lines, planning=planning)

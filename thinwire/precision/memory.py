@@ -55,11 +55,12 @@ from thinwire.errors import ThinwireError
 from thinwire.precision.int8 import DITHER
 from thinwire.units import parse_size  # noqa: F401  (the one size parser, re-exported for precision's users)
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: float, up: bool = False) -> str:
+    """``n`` bytes in the largest unit, one decimal; ``up``: rounded up (a minimum never reads below itself)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+            return f"{math.ceil(n / size * 10) / 10 if up else n / size:.1f} {unit}"
+    return f"{math.ceil(n) if up else int(n)} B"
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -218,37 +219,44 @@ class MemoryPlan:
                 "fit_bytes": {"fixed": round(self.fit[0]), "per_sample": round(self.fit[1])}}
 
 
-def split_evenly(batch: int, max_micro: int) -> list[int]:
-    """``batch`` into the fewest micro-batches of at most ``max_micro``, sizes differing by <= 1."""
-    n = math.ceil(batch / max(1, max_micro))
+def split_evenly(batch: int, max_micro: int, min_micro: int = 1) -> list[int]:
+    """``batch`` into the fewest micro-batches of at most ``max_micro``, sizes differing by <= 1, none under
+    ``min_micro`` (a model that cannot train on fewer samples, as BatchNorm on one)."""
+    n = min(math.ceil(batch / max(1, max_micro)), max(1, batch // max(1, min_micro)))
     return [batch // n + (1 if i < batch % n else 0) for i in range(n)]
 
 
 def search_micro_batch(batch: int, budget: int, measure: StepFn, *, margin: float = 0.05,
-                       retries: int = 4) -> MemoryPlan | None:
-    """Largest micro-batch whose measured step peak is within ``budget``; None if 1 is over it."""
-    p1 = measure([1, 1] if batch > 1 else [1])
+                       retries: int = 4, smallest: int = 1) -> MemoryPlan | None:
+    """Largest micro-batch whose measured step peak is within ``budget``; None if ``smallest`` is over it."""
+    low = min(smallest, batch)
+    p1 = measure(_smallest_step(batch, low))
     if p1 > budget:
         return None
-    if batch == 1:
-        return MemoryPlan(budget, 1, [1], False, p1, (p1, 0.0))
-    m2 = max(2, batch // 2)
+    if batch <= low:
+        return MemoryPlan(budget, batch, [batch], False, p1, (p1, 0.0))
+    m2 = max(low + 1, batch // 2)
     p2 = measure([m2, m2])
-    per = max(0.0, (p2 - p1) / (m2 - 1))
-    fixed = p1 - per
+    per = max(0.0, (p2 - p1) / (m2 - low))
+    fixed = p1 - per * low
     micro = batch if per == 0 else int((budget - fixed) * (1 - margin) // per)
-    micro = min(batch, max(1, micro))
+    micro = min(batch, max(low, micro))
     for _ in range(retries):
-        sizes = split_evenly(batch, micro)
+        sizes = split_evenly(batch, micro, low)
         peak = measure(sizes)
         if peak <= budget:
             return MemoryPlan(budget, batch, sizes, False, peak, (fixed, per))
-        if micro == 1:
+        if micro == low:
             return None
-        micro = max(1, min(micro - 1, int(micro * budget / peak * (1 - margin))))
-    # still over after the retries: one sample at a time, which fits (a step of micro-batches of one
-    # peaks as the two-micro-batch step measured first: accumulation keeps only the gradients)
-    return MemoryPlan(budget, batch, [1] * batch, False, p1, (fixed, per))
+        micro = max(low, min(micro - 1, int(micro * budget / peak * (1 - margin))))
+    # still over after the retries: the smallest micro-batches, which fit (a step of them peaks as the
+    # two-micro-batch step measured first: accumulation keeps only the gradients)
+    return MemoryPlan(budget, batch, split_evenly(batch, low, low), False, p1, (fixed, per))
+
+
+def _smallest_step(batch: int, smallest: int) -> list[int]:
+    """The step the search measures first: two micro-batches of ``smallest`` (accumulation), or the batch."""
+    return [smallest, smallest] if batch >= 2 * smallest else [batch]
 
 
 def apply_checkpointing(model: nn.Module) -> list[str]:
@@ -285,23 +293,55 @@ def plan_memory(model: nn.Module, *, budget: int, batch: int, budget_text: str |
     ``step_kwargs`` go to :func:`step_peak` (``sample``, ``loss_fn``, ``optimizer_fn``, ``device``,
     ``context``, ``extra_bytes``). May turn on activation checkpointing in ``model`` itself.
     """
-    measure = lambda sizes: step_peak(model, sizes, **step_kwargs)  # noqa: E731
-    smallest = [1, 1] if batch > 1 else [1]  # accumulating one sample at a time
-    plan = search_micro_batch(batch, budget, measure)
+    peaks: dict[tuple, int] = {}  # the refusal names the very peak the search compared, not a new measurement
+
+    def measure(sizes) -> int:
+        if tuple(sizes) not in peaks:
+            peaks[tuple(sizes)] = step_peak(model, sizes, **step_kwargs)
+        return peaks[tuple(sizes)]
+
+    smallest = _smallest_micro(measure, batch)
+    plan = search_micro_batch(batch, budget, measure, smallest=smallest)
     if plan is not None or not checkpoint_fallback:
-        return plan if plan is not None else _refuse(budget, budget_text, measure(smallest), False)
+        return plan if plan is not None else _refuse(budget, budget_text, _floor(measure, batch, smallest), False,
+                                                     smallest)
     wrapped = apply_checkpointing(model)
-    plan = search_micro_batch(batch, budget, measure)
+    peaks.clear()  # another model now
+    plan = search_micro_batch(batch, budget, measure, smallest=smallest)
     if plan is None:
-        _refuse(budget, budget_text, measure(smallest), True)
+        _refuse(budget, budget_text, _floor(measure, batch, smallest), True, smallest)
     plan.checkpointing, plan.checkpointed = True, wrapped
     return plan
 
 
-def _refuse(budget: int, text: str | None, one_sample: int, checkpointed: bool):
+def _floor(measure: StepFn, batch: int, smallest: int) -> int:
+    """The least a step needs: the larger of the two smallest steps the search measures (two micro-batches of
+    ``smallest``; the batch in micro-batches of ``smallest``, where an odd one out is larger), as measured."""
+    return max(measure(_smallest_step(batch, smallest)), measure(split_evenly(batch, smallest, smallest)))
+
+
+def _smallest_micro(measure: StepFn, batch: int) -> int:
+    """1, or 2 for a model that cannot train on one sample (BatchNorm: "Expected more than 1 value per
+    channel when training"); an error at two samples too is the model's, said in one line."""
+    for size in (1, 2):
+        if size > 1 and batch < 2 * size:
+            break
+        try:
+            measure(_smallest_step(batch, size))
+            return size
+        except (RuntimeError, ValueError) as e:
+            error = e
+    raise ThinwireError(f"memory_budget: the model's training step failed on micro-batches of one and two samples, "
+                        f"which the budget's plan measures: {type(error).__name__}: {error}. Train without "
+                        "--memory-budget, or make the model take small batches.")
+
+
+def _refuse(budget: int, text: str | None, smallest_peak: int, checkpointed: bool, smallest: int = 1):
     how = "with activation checkpointing" if checkpointed else "without activation checkpointing"
+    one = "one sample" if smallest == 1 else f"{smallest} samples (the model cannot train on one)"
+    need = max(smallest_peak, budget + 1)  # the peak the search compared: above the budget it refuses
     raise ThinwireError(
-        f"memory_budget: must be at least {format_bytes(one_sample)} for this model (the measured peak of a "
-        f"training step on micro-batches of one sample {how}), got {text or format_bytes(budget)} ({budget} bytes). "
-        f"Raise --memory-budget to {format_bytes(math.ceil(one_sample * 1.1))} or more (10% above it, for what the "
+        f"memory_budget: must be at least {format_bytes(need, up=True)} for this model (the measured peak of a "
+        f"training step on micro-batches of {one} {how}), got {text or format_bytes(budget)} ({budget} bytes). "
+        f"Raise --memory-budget to {format_bytes(math.ceil(need * 1.1), up=True)} or more (10% above it, for what the "
         "measurement does not see), or use a smaller model.")

@@ -103,8 +103,20 @@ class Dither:
             buf.uniform_()
         return buf
 
+    def state_dict(self) -> dict:
+        """The noise in use and where its refresh count stands: a resume rounds as the run never stopped would."""
+        return {"calls": self._calls, "buffers": {str(d): b.detach().cpu().clone() for d, b in self._buf.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._calls = int(sd.get("calls", 0))
+        self._buf = {torch.device(d): b.to(d) for d, b in sd.get("buffers", {}).items()}
+
     def tensors(self) -> list[Tensor]:
         return list(self._buf.values())
+
+    def reset(self) -> None:
+        """No buffer, as before the first int8 call (a precision trial's, when int8 was not chosen)."""
+        self._buf, self._calls = {}, 0
 
 
 DITHER = Dither()

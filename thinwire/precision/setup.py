@@ -29,6 +29,7 @@ from thinwire.errors import ThinwireError
 from thinwire.precision.auto import PrecisionChoice, choose_precision
 from thinwire.precision.convert import conversion_report, convert
 from thinwire.precision.int8 import COUNTERS, DITHER
+from thinwire.precision.quant import reset_counters
 from thinwire.precision.memory import (MemoryPlan, PeakMemory, apply_checkpointing, gradient_bytes, parse_size,
                                        plan_memory)
 from thinwire.precision.runner import PrecisionRunner
@@ -69,6 +70,17 @@ class PrecisionSetup:
             yield
         self.step_peaks.append(meter.peak + self.extra_bytes)
 
+    def int8_state(self) -> dict | None:
+        """int8 compute's process-wide state (its rounding noise, its matmul counts) for a rank's checkpoint."""
+        if self.mode != "int8":
+            return None
+        return {"dither": DITHER.state_dict(), "counters": {"int8": COUNTERS.int8, "float": COUNTERS.float}}
+
+    def load_int8_state(self, sd: dict | None) -> None:
+        if self.mode == "int8" and sd:
+            DITHER.load_state_dict(sd["dither"])
+            COUNTERS.int8, COUNTERS.float = int(sd["counters"]["int8"]), int(sd["counters"]["float"])
+
     def peak_memory_bytes(self) -> int | None:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
@@ -101,6 +113,9 @@ def prepare_precision(model: nn.Module, mode: str, *, device: torch.device, batc
         choice = _on_rank0(lambda: choose_precision(model, lambda i: sample(batch, i), loss_fn, device=device,
                                                     optimizer_fn=optimizer_fn, clip=clip, int8_options=int8_options))
     resolved = choice.mode if choice is not None else mode
+    if choice is not None and resolved != "int8":  # the trial's int8 noise buffer and counts are not this run's:
+        DITHER.reset()                               # kept, they counted in its memory plan and its peak
+        reset_counters()
     if resolved == "int8":
         convert(model, "int8", **int8_options)
     if resolved == "fp16" and device.type == "cpu":

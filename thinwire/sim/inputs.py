@@ -131,7 +131,8 @@ def ring_network(spec: ClusterSpec, hosts: list[HostSpec], profile: Profile, bus
     net = profile.network
     efficiency = efficiency_of(profile)
     alpha = net.alpha_s if net else DEFAULT_ALPHA_S
-    latency = max((l.latency or 0.0 for l in spec.links), default=0.0)
+    groups = {h.group for h in hosts}  # a link's latency slows only the rings that cross it
+    latency = max((l.latency or 0.0 for l in spec.links if l.pair <= groups), default=0.0)
     if busy_hop_s is None:
         busy_hop_s = (net.busy_hop_s or 0.0) if net else 0.0
     # the switch's aggregator (spec ``switch:``) runs one thread on its own cores; no cap: one core

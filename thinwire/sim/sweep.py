@@ -134,9 +134,9 @@ def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_b
         speeds = inputs.host_speeds(cores, profile_threads=profile.threads, threads=threads, profile=profile,
                                     colocated_cores=opts.colocated_cores)
         reference_s = compute.total_s  # one speed-1 host alone: the profiled machine, or one `device`
-        if opts.mfu:  # every host is a `device`: its speed relative to the profiled step, from FLOPs
+        if opts.mfu:  # every host is a `device` (from FLOPs), at its share of it (cpu:), as plan prices it
             on_device = device.compute_s(profile.flops_per_sample * b, utilization=opts.mfu)
-            speeds, reference_s = [compute.total_s / on_device] * p, on_device
+            speeds, reference_s = [s * compute.total_s / on_device for s in speeds], on_device
         net = inputs.ring_network(spec, hosts, profile, opts.busy_hop_s)
         # the slowest host's codec work: on its offload engine, or competing with backward without a spare core
         codec_speed, steals = inputs.engine_codec(hosts, speeds, cores, threads)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -115,10 +116,7 @@ def load_shard(main: Path, rank: int) -> dict:
 
 
 def load_shard_file(path: Path) -> dict:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ThinwireError(_load_failure(path, e)) from None
+    state = _read(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ThinwireError(f"checkpoint shard {str(path)!r} is not a thinwire checkpoint (format {FORMAT} expected).")
     return state
@@ -141,14 +139,37 @@ _REFUSED = "Weights only load failed"  # torch's message when weights_only=True 
 
 def load(path: Path) -> dict:
     """Load a checkpoint, turning corruption, a foreign file or a refused pickle into a clear error."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for truncated/corrupt zip archives
-        raise ThinwireError(_load_failure(path, e)) from None
+    state = _read(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ThinwireError(f"checkpoint {str(path)!r} is not a thinwire checkpoint (format {FORMAT} expected).")
     _check_entries(path, state)
     return state
+
+
+def stopped_before_first(folder: Path) -> bool:
+    """Whether ``folder`` holds a run (its ``config.yaml``) that stopped before its first checkpoint: resuming it
+    trains it again from step 0 with that configuration."""
+    return latest(folder) is None and (folder / "config.yaml").is_file()
+
+
+def _read(path: Path):
+    """``torch.load`` of a file whose every entry matches its checksum: ``torch.load`` reads the archive's
+    entries without checking them, so bytes damaged on disk would load as other numbers (a NaN, a moment of
+    the optimizer changed) and training would go on from them."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise ThinwireError(f"checkpoint {str(path)!r} is corrupt, truncated or not a checkpoint: it is not the zip "
+                            f"archive torch.save writes ({type(e).__name__}: {str(e)[:120]}). Remove it to resume from "
+                            "an earlier checkpoint, or start a new run without --resume.") from None
+    if bad is not None:
+        raise ThinwireError(f"checkpoint {str(path)!r} is damaged: its entry {bad!r} does not match its checksum. "
+                            "Remove it to resume from an earlier checkpoint, or start a new run without --resume.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated/corrupt zip archives
+        raise ThinwireError(_load_failure(path, e)) from None
 
 
 def _load_failure(path: Path, e: Exception) -> str:

@@ -8,7 +8,7 @@ of the emulated links. Rank 0 writes the run folder; the other hosts' agents log
 ``OUT/hosts/NAME.log``. If any host fails, the others are stopped and the error names the host.
 
 **Hosts that leave and come back** (``min_hosts``): the agents run with ``--nnodes MIN:MAX``. When
-a host dies (``thinwire cluster kill``), the workers on the others fail on their next collective,
+a host dies (``thinwire cluster kill``), the workers on the others fail when their collective with it times out,
 their agents re-rendezvous without it (one of ``--max-restarts``) and the workers start again from
 the last checkpoint at the smaller world size, the data re-split among them. When the host comes
 back (``thinwire cluster restore``) its agent starts again; the running agents see a node waiting
@@ -29,12 +29,26 @@ from thinwire.cluster.emulator import EmulatedCluster
 from thinwire.compress.switch import ENV as SWITCH_ENV
 from thinwire.cluster.spec import load_cluster_spec
 from thinwire.errors import LOST_PEER_SAYS, ThinwireError
-from thinwire.train.distenv import HOST_CPUS_ENV
+from thinwire.train.distenv import HOST_CPUS_ENV, RESTARTS_BEFORE_ENV
 from thinwire.signals import deferred
 from thinwire.train.config import TrainConfig
 from thinwire.train.progress import console
 
 RDZV_PORT = 29400
+
+
+def check_free(spec_path: str) -> None:
+    """Refuse a launch onto a cluster whose hosts already run processes (another job, or a `cluster exec`): its
+    rendezvous and the aggregator's ports are taken, and the two jobs' workers would share the hosts' quotas."""
+    cluster = EmulatedCluster(load_cluster_spec(spec_path))
+    if not cluster.is_up():
+        raise ThinwireError(cluster.not_up(spec_path))
+    busy = {h.name: pids for h in cluster.spec.hosts if (pids := cluster.cgroups.pids(h.name))}
+    if busy:
+        which = "; ".join(f"{name}: pid {', '.join(map(str, pids[:4]))}{' ...' if len(pids) > 4 else ''}"
+                          for name, pids in busy.items())
+        raise ThinwireError(f"cluster: {cluster.spec.name} is running another job ({which}); wait for it to finish, "
+                            f"or stop it (Ctrl-C in its terminal), then start this one")
 
 
 class AggregatorGone(ThinwireError):
@@ -63,14 +77,16 @@ def launch_cluster(cfg: TrainConfig, config_path: Path, module: str = "thinwire.
         save_config(ring, path)
         console.print(f"[yellow]{e} Going on around the ring from the last checkpoint (one of --max-restarts; "
                       f"config {path}).[/yellow]")
-        _launch(ring, path, module, False)
+        # the hosts' logs keep the first attempt's lines; the summary counts the restart the fallback took
+        _launch(ring, path, module, False, append_logs=True, restarts_before=1)
 
 
-def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: bool) -> None:
+def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: bool, append_logs: bool = False,
+            restarts_before: int = 0) -> None:
     spec = load_cluster_spec(cfg.cluster)
     cluster = EmulatedCluster(spec)
     if not cluster.is_up():
-        raise ThinwireError(f"cluster: {spec.name!r} is not up. Start it first: thinwire cluster up {cfg.cluster}")
+        raise ThinwireError(cluster.not_up(cfg.cluster))
     hosts = cluster.hosts()
     cpus = {h.name: h.cpu for h in spec.hosts}  # each host's share: its processes cannot read their cgroup
     if cfg.plan:  # only the hosts the plan trains on
@@ -81,7 +97,8 @@ def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: b
     down = sorted(cluster.killed_hosts() & {h.name for h in hosts})
     if down:
         raise ThinwireError(f"cluster: {', '.join(down)} killed (`thinwire cluster kill`); bring "
-                            f"{'it' if len(down) == 1 else 'them'} back first: thinwire cluster restore {cfg.cluster} HOST")
+                            f"{'it' if len(down) == 1 else 'them'} back first: "
+                            + "; ".join(f"thinwire cluster restore {cfg.cluster} {h}" for h in down))
     logs = Path(cfg.out) / "hosts"
     logs.mkdir(parents=True, exist_ok=True)
     pythonpath = child_pythonpath()
@@ -89,9 +106,10 @@ def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: b
     # elastic: a rendezvous round closes this long after the smallest allowed group has joined
     last_call = f",last_call_timeout={ELASTIC_LAST_CALL_S}" if cfg.min_hosts else ""
     agents = {}
+    oom_before = {h.name: cluster.oom_kills(h.name) for h in spec.hosts if h.memory is not None}
     aggregator = _start_aggregator(cluster, len(hosts), cfg, logs, pythonpath) if with_aggregator else None
     for i, h in enumerate(hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+        argv = [sys.executable, "-m", "thinwire.train.host_agent", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}",
                 "--rdzv-id", f"thinwire-{spec.name}", "--local-addr", h.address,
                 # the store lives on the first host; c10d cannot tell by hostname inside a namespace
@@ -102,9 +120,12 @@ def _launch(cfg: TrainConfig, config_path: Path, module: str, with_aggregator: b
         # own, so a prefix by restart count can differ between hosts after a membership change
         env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                **({HOST_CPUS_ENV: str(cpus[h.name])} if cpus.get(h.name) else {}),
-               **({SWITCH_ENV: f"{aggregator.host.address}:{SWITCH_PORT}"} if aggregator else {})}
-        agents[h.name] = Agent(h, argv, env, None if i == 0 else logs / f"{h.name}.log")
-    _wait(cluster, list(agents.values()), logs, min_hosts=cfg.min_hosts, aggregator=aggregator)
+               **({SWITCH_ENV: f"{aggregator.host.address}:{SWITCH_PORT}"} if aggregator else {}),
+               **({RESTARTS_BEFORE_ENV: str(restarts_before)} if restarts_before else {})}
+        agents[h.name] = Agent(h, argv, env, None if i == 0 else logs / f"{h.name}.log",
+                               nic=bool(getattr(h, "nic_cpu", None)) and cfg.offload == "auto", append=append_logs)
+    _wait(cluster, list(agents.values()), logs, min_hosts=cfg.min_hosts, aggregator=aggregator, oom_before=oom_before,
+          timeout_s=cfg.timeout_s)
 
 
 SWITCH_PORT = 29500
@@ -126,26 +147,29 @@ ELASTIC_LAST_CALL_S = 5
 class Agent:
     """One host's torchrun agent: started again when an elastic run's host comes back."""
 
-    def __init__(self, host, argv: list[str], env: dict, log: Path | None) -> None:
+    def __init__(self, host, argv: list[str], env: dict, log: Path | None, nic: bool = False, append: bool = False) -> None:
         self.host, self.argv, self.env, self.log = host, argv, env, log
-        self.nic = bool(getattr(host, "nic_cpu", None))
+        self.nic = nic  # its communication threads go to the host's offload engine (spec `nic:`, offload auto)
         self.out = None
         self.proc: subprocess.Popen | None = None
         self.gone = False    # left an elastic run
         self.killed = False  # ... by `thinwire cluster kill`: starts again once restored
-        self.start()
+        self.start(append)
 
     def start(self, append: bool = False) -> None:
         if self.out:
             self.out.close()
         self.out = None if self.log is None else open(self.log, "a" if append else "w")
+        if self.out:  # where each start's lines begin (a host that came back, the ring after the aggregator)
+            self.out.write(f"--- thinwire: {self.host.name}'s agent started {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+            self.out.flush()
         self.proc = self.host.spawn(self.argv, env=self.env, stdout=self.out,
                                     stderr=subprocess.STDOUT if self.out else None)
         self.gone = False
 
 
 def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: int | None = None,
-          aggregator: Agent | None = None) -> None:
+          aggregator: Agent | None = None, oom_before: dict[str, int] | None = None, timeout_s: float | None = None) -> None:
     """Until every agent has finished. Without ``min_hosts`` any failure stops the run. With it a host
     other than the first (which holds the rendezvous store) may fail and the run goes on while at
     least ``min_hosts`` are left: torchrun's agents restart the workers on the hosts that are left
@@ -174,13 +198,17 @@ def _wait(cluster: EmulatedCluster, agents: list[Agent], logs: Path, min_hosts: 
                     why = "" if not min_hosts else (
                         " It holds the rendezvous store, so it cannot leave." if a is agents[0] else
                         f" {len(left)} host(s) left, fewer than min_hosts {min_hosts}.")
-                    raise ThinwireError(f"cluster: {_diagnose(cluster, logs)}host {a.host.name} ({a.host.address}) failed "
-                                        f"with exit code {code} and the other hosts were stopped.{why} "
+                    how = f"failed with exit code {code}" if code is not None else "failed (its worker did)"
+                    raise ThinwireError(f"cluster: {_diagnose(cluster, logs, oom_before or {})}host {a.host.name} ({a.host.address}) {how} "
+                                        f"and the other hosts were stopped.{why} "
                                         f"{_tail(logs / f'{a.host.name}.log')}")
                 a.gone, a.killed = True, a.host.name in cluster.killed_hosts()
+                # a killed host's link went down first, as a machine that loses power: a collective in flight with
+                # it hears nothing and ends only at its timeout
+                later = f" once their collective with it times out (timeout_s, {timeout_s:g} s)" if a.killed and timeout_s else ""
                 console.print(f"[yellow]host {a.host.name} left (exit code {code}); the {len(left)} others go on "
-                              "from the last checkpoint[/yellow]" + (" (`thinwire cluster restore` brings it back)"
-                                                                     if a.killed else ""))
+                              f"from the last checkpoint{later}[/yellow]" + (" (`thinwire cluster restore` brings it back)"
+                                                                             if a.killed else ""))
             killed = cluster.killed_hosts() if any(a.gone and a.killed for a in agents) else set()
             for a in agents:  # a killed host that was restored starts again, while the run is still going
                 if a.gone and a.killed and a.host.name not in killed and \
@@ -220,14 +248,15 @@ def _stop_hosts(agents: list[Agent]) -> None:
             a.out.close()
 
 
-def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
-    """Name the hosts that are unreachable: links down, or addresses the workers' errors mention."""
+def _diagnose(cluster: EmulatedCluster, logs: Path, oom_before: dict[str, int]) -> str:
+    """Name the hosts that are unreachable (links down, or addresses the workers' errors mention) and those whose
+    memory limit killed a process since the launch (``oom_before``: each host's count then)."""
     down = [s.name for s in cluster.status() if not s.link_up]
     by_addr = {h.address: h.name for h in cluster.hosts()}
     text = " ".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
     named = sorted({name for addr, name in by_addr.items() if re.search(rf"\b{re.escape(addr)}\b.*(?:[Tt]imed out|reset|refused|closed)", text)})
     parts = []
-    oom = [h for h in cluster.spec.hosts if h.memory is not None and cluster.oom_kills(h.name)]
+    oom = [h for h in cluster.spec.hosts if h.memory is not None and cluster.oom_kills(h.name) > oom_before.get(h.name, 0)]
     if oom:
         parts.append("; ".join(f"{h.name}'s memory limit ({h.memory / 2**20:.0f} MiB) killed its worker" for h in oom)
                      + " (the cgroup's OOM killer): give it more memory, or split the model over hosts "
@@ -239,25 +268,35 @@ def _diagnose(cluster: EmulatedCluster, logs: Path) -> str:
     return " ".join(parts) + " " if parts else ""
 
 
-CAUSE_GRACE_S = 1.5  # once one host's agent fails, how long the others get to fail too before one is named
+CAUSE_GRACE_S = 10.0  # once one host's agent fails, how long at most the others get to fail too before one is named
 
 
 def _first_cause(agents: list, failed):
     """The host whose worker failed first, not one that only lost its connection to it: the agent of a worker
-    that lost a peer may exit before the agent of the worker that failed, so the first agent to exit is
-    often not the cause. Prefers a failed host whose log does not say it lost a peer, waiting up to
-    ``CAUSE_GRACE_S`` for one (where every worker lost its peers, a network fault, it waits that long)."""
-    def lost(b) -> bool | None:  # None: its output went to the console, unread
-        return None if b.log is None or not b.log.is_file() else LOST_PEER_SAYS in b.log.read_text(errors="replace")
+    that lost a peer may exit before the agent of the worker that failed (whose agent may first spend seconds
+    failing to reach the rendezvous store that went with the first host), so the first agent to exit is
+    often not the cause. Prefers a host whose log shows its worker's own error (a traceback or thinwire's
+    error line, not the line of a worker that lost a peer), exited or not, then a failed host whose log does
+    not say it lost a peer, waiting up to ``CAUSE_GRACE_S`` for one, or until every agent has exited."""
+    def text(b) -> str | None:  # None: its output went to the console, unread
+        return None if b.log is None or not b.log.is_file() else b.log.read_text(errors="replace")
+
+    def own_error(b) -> bool:
+        t = text(b)
+        return t is not None and LOST_PEER_SAYS not in t and ("Traceback (most recent call last)" in t or
+                                                               "thinwire: error:" in t)
 
     deadline = time.monotonic() + CAUSE_GRACE_S
     while True:
         failed_ones = [b for b in agents if not b.gone and b.proc.poll() not in (None, 0)]
-        cause = next((b for b in failed_ones if lost(b) is False), None)
+        cause = next((b for b in agents if not b.gone and b.proc.poll() != 0 and own_error(b)), None) or \
+            next((b for b in failed_ones if (t := text(b)) is not None and LOST_PEER_SAYS not in t), None)
         if cause is not None or time.monotonic() >= deadline or all(b.proc.poll() is not None for b in agents):
             break
         time.sleep(0.1)
-    return cause or next((b for b in failed_ones if lost(b) is None), failed)
+    while cause is not None and cause.proc.poll() is None and time.monotonic() < deadline + 5:
+        time.sleep(0.1)  # its worker failed and its agent is on its way out: its exit code, for the message
+    return cause or next((b for b in failed_ones if text(b) is None), failed)
 
 
 def _tail(path: Path, lines: int = 6) -> str:

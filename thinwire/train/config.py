@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -141,6 +142,8 @@ class TrainConfig:
         for name, lo, hi in _COUNTS:
             check_range(name, getattr(self, name), lo, hi, kind="an integer")
         check_range("nproc", self.nproc, 1, MAX_WORKERS, kind="an integer", fix="Use --nproc 1 for a single process.")
+        check(self.cluster is None or self.nproc == 1, "nproc", self.nproc, "left out with --cluster SPEC",
+              "Each of the spec's hosts runs one worker: add or remove hosts in the spec to change the world size.")
         check_range("threads", self.threads, 1, MAX_THREADS, kind="an integer",
                     fix="Leave it out to share this machine's cores among the workers.")
         check_range("min_hosts", self.min_hosts, 1, MAX_WORKERS, kind="an integer",
@@ -207,15 +210,19 @@ def load_train_config(path: str | dict | None, overrides: dict, sets: list[str])
     """File (if any; or the fields themselves, as a checkpoint holds them) < ``--set KEY=VALUE`` < explicit
     flags; then type and range checks."""
     data = dict(path) if isinstance(path, dict) else load_yaml(path) if path else {}
+    flags = {k: v for k, v in overrides.items() if v is not None}
     for item in sets:
         keys, value = parse_override(item)
+        if len(keys) == 1 and keys[0] in flags and flags[keys[0]] != value:  # the flag wins: say so, not in silence
+            print(f"thinwire: note: --set {item} is overridden by the flag --{keys[0].replace('_', '-')} "
+                  f"{flags[keys[0]]}", file=sys.stderr, flush=True)
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError(".".join(keys), value, "a key under a mapping")
         node[keys[-1]] = value
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    data.update(flags)
     return from_dict(TrainConfig, data, where="")
 
 

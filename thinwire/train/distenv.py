@@ -101,6 +101,9 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
 #: set by ``thinwire cluster``'s launches: the emulated host's CPU share, which a process inside the
 #: host's network namespace cannot read from its cgroup (``ip netns exec`` remounts /sys)
 HOST_CPUS_ENV = "THINWIRE_HOST_CPUS"
+#: set by ``thinwire cluster``'s launch that goes on around the ring after the switch's aggregator died: the
+#: restarts the run took before this launch (torchelastic's count starts again from 0), for its summary
+RESTARTS_BEFORE_ENV = "THINWIRE_RESTARTS_BEFORE"
 
 
 def set_threads(env: DistEnv, threads: int | None) -> int:

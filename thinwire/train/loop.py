@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -25,9 +26,10 @@ from thinwire.cluster.emulator import NIC_ENV
 from thinwire.config import to_dict
 from thinwire.errors import ThinwireError
 from thinwire.precision import prepare_precision, sample_from
+from thinwire.syncspec import parse_sync_spec
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
-from thinwire.train.distenv import DistEnv, device_for, init, read_env, set_threads
+from thinwire.train.distenv import RESTARTS_BEFORE_ENV, DistEnv, device_for, init, read_env, set_threads
 from thinwire.train.metrics import MetricsWriter, write_summary
 from thinwire.commspec import TorchSpec
 from thinwire.compress.engine import check_core, pin_to_core, threads_on_core, threads_on_engine
@@ -102,6 +104,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.wl = build_workload(cfg.workload, cfg.model, cfg.data)
         self.steps, self.batch, lr = resolve(cfg, self.wl)
+        self.lr = lr  # the schedule's peak
         self.planned = self._planned_run()
         self.shares = self._batch_shares()
         self.loss_weight = self.planned.loss_weight(env.rank) if self.planned else 1.0
@@ -116,7 +119,9 @@ class Trainer:
             own = shards(cfg.partition_spec, self.wl.train, env.world, cfg.seed, self.wl.task)[env.rank]
             self.shard = ShardSampler(own, cfg.seed, env.rank)
         self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
-        self.step, self.wall_before, self.restarts = 0, 0.0, env.restart_count
+        self.step, self.wall_before = 0, 0.0
+        self.restarts = env.restart_count + int(os.environ.get(RESTARTS_BEFORE_ENV, 0))  # a switch fallback's too
+        self.samples_before = (0, 0)  # (step, samples) where this process started: a resume may change the batch
         self.eval_s = 0.0  # seconds spent validating, this run (the checkpoint carries it)
         self.eval_due = False  # a validation mark passed, waiting for the ranks to agree (:meth:`_validates_now`)
         self.told_wait = False  # that wait was said (once per process)
@@ -223,7 +228,10 @@ class Trainer:
         bar = ProgressBar(self.steps, self.step, self.env.is_main, f"{self.cfg.workload} x{self.env.world}")
         try:
             while self.step < self.steps:
-                rec = self._train_step()
+                try:
+                    rec = self._train_step()
+                except RuntimeError as e:
+                    raise self._unused_parameters(e) or e
                 self.step += 1
                 self._repin()
                 self._log(rec, bar)
@@ -243,6 +251,9 @@ class Trainer:
         finally:
             bar.close()
             self.sync.flush()
+            if self.offload:  # counted while the engine thread still runs: close() ends it
+                self.offload["threads_on_engine"] = (threads_on_core(self.offload["core"]) if "core" in self.offload
+                                                     else threads_on_engine())
             self.comm.close()
         return self._finish()
 
@@ -290,7 +301,7 @@ class Trainer:
         if rec["skipped"]:
             bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
         if self.step % self.cfg.log_every == 0 or rec["skipped"]:
-            rec = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), **rec}
+            rec = {"step": self.step, "samples": self._samples(), "wall_s": self._wall(), **rec}
             if not rec["skipped"]:
                 rec.pop("skipped")
             self.metrics.write(rec)
@@ -351,7 +362,7 @@ class Trainer:
         model.train()
         dist.all_reduce(totals)
         self.last_val = self._val_record(*totals.tolist())
-        self.metrics.write({"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(),
+        self.metrics.write({"step": self.step, "samples": self._samples(), "wall_s": self._wall(),
                             "eval_s": self.eval_s + time.perf_counter() - t0, **self.last_val})
         bar.log(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_val.items()))
 
@@ -383,8 +394,14 @@ class Trainer:
         sync = self.sync.state_dict()  # first: it waits for averages in flight, whose residuals the comm state holds
         s = {"rng": torch.get_rng_state(), "comm": self.comm.state_dict(), "precision": self.prec.runner.state_dict(),
              "sync": sync}
+        if (int8 := self.prec.int8_state()) is not None:
+            s["int8"] = int8
+        s["consensus_bytes"] = self.sync.consensus_bytes  # validation's averages, counted over the whole run
         if self.sync.diverges:  # ranks' parameters and optimizer states differ between averages
             s["model"], s["optimizer"] = self._module().state_dict(), self.opt.state_dict()
+        else:  # buffers (BatchNorm's statistics) differ where forward runs outside DDP's sync (delayed)
+            params = {name for name, _ in self._module().named_parameters()}
+            s["buffers"] = {k: v for k, v in self._module().state_dict().items() if k not in params}
         if self.device.type == "cuda":
             s["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return s
@@ -394,7 +411,7 @@ class Trainer:
         dist.gather_object(self._rank_state(), ranks, dst=0)
         if not self.env.is_main:
             return
-        state = {"step": self.step, "samples": self.step * self.batch, "wall_s": self._wall(), "eval_s": self.eval_s,
+        state = {"step": self.step, "samples": self._samples(), "wall_s": self._wall(), "eval_s": self.eval_s,
                  "eval_due": self.eval_due,
                  "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
@@ -414,7 +431,10 @@ class Trainer:
         exports and a job of another size resumes from, made on rank 0 from the ranks' own states that the
         checkpoint gathers anyway (each stays in its ``ranks`` entry for an exact resume)."""
         if not self.sync.diverges:
-            return self.ddp.module.state_dict()
+            state = self.ddp.module.state_dict()
+            if self.sync.buffers_diverge and all(r.get("buffers") for r in ranks):  # delayed: their BatchNorm statistics
+                state.update(average_states([r["buffers"] for r in ranks]))
+            return state
         return average_states([r["model"] for r in ranks])
 
     def _maybe_resume(self) -> None:
@@ -427,9 +447,12 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         self.resumed_from = Path(box[1]) if box[1] else None
         if box[0] is None:
+            if self.cfg.resume or self.env.restart_count:  # stopped before its first checkpoint: from step 0 again
+                self.metrics.resumed_at(0)
             self.metrics.write({"event": "start", "step": 0, "restart_count": self.restarts, "world_size": self.env.world})
             return
         self._load(box[0])
+        self.metrics.resumed_at(self.step)
         event = "restart" if self.env.restart_count else "resume"
         self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source),
                             "world_size": self.env.world, "checkpoint_world_size": len(box[0]["ranks"])})
@@ -448,7 +471,7 @@ class Trainer:
             return ckpt.latest(self.out)
         if self.cfg.resume:
             found = ckpt.latest(Path(self.cfg.resume))
-            if found is None:
+            if found is None and not ckpt.stopped_before_first(Path(self.cfg.resume)):
                 raise ThinwireError(f"resume: folder {self.cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
                                     "Pass the --out folder of an earlier run.")
             return found
@@ -458,6 +481,9 @@ class Trainer:
         self._load_model(state)
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
+        self.samples_before = (self.step, int(state.get("samples", self.step * self.batch)))
+        # the global batch it was trained with (a config's None: the workload's default)
+        self._load_batch = int(state.get("config", {}).get("batch_size") or self.wl.batch_size)
         self.eval_s = float(state.get("eval_s", 0.0))
         self.eval_due = bool(state.get("eval_due", False))  # a validation waiting for the ranks' next average
         self._load_horizon(state)
@@ -467,6 +493,11 @@ class Trainer:
             self._load_rank(ranks[self.env.rank])
             if "counts" in ranks[self.env.rank]["comm"].get("counters", {}):  # the hook's own counts go on
                 self.counts_before = {}
+        elif self.env.is_main and not self._same_sync(state):
+            saved = state["config"]["sync"]
+            console.print(f"[yellow]checkpoint trained with --sync {saved}, this job with {self.cfg.sync}: every rank "
+                          f"starts from the ranks' average, and error-feedback residuals, RNG streams and "
+                          f"{self.cfg.sync_spec.mode}'s own state start fresh[/yellow]")
         elif self.env.is_main:
             kind = "pipelined ranks" if state.get("shards") else "ranks"
             other = " in another layout" if len(ranks) == self.env.world else ""
@@ -474,6 +505,47 @@ class Trainer:
                     if self.sync.diverges and "model" in (ranks[0] or {}) else "")
             console.print(f"[yellow]checkpoint has {len(ranks)} {kind}, this job {self.env.world}{other}: "
                           f"error-feedback residuals and RNG streams start fresh{mode}[/yellow]")
+        self._retune()
+
+    def _unused_parameters(self, e: RuntimeError) -> ThinwireError | None:
+        """DDP's error for parameters that got no gradient (its advice, ``find_unused_parameters``, is no option
+        of thinwire's), as one paragraph naming them; None for any other error."""
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(e))
+        if "Expected to have finished reduction" not in str(e) or found is None:
+            return None
+        trainable = [name for name, p in self._module().named_parameters() if p.requires_grad]
+        names = [trainable[int(i)] if int(i) < len(trainable) else f"#{i}" for i in found.group(1).split()]
+        return ThinwireError(f"model: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} got no gradient in step "
+                             f"{self.step}: the loss does not depend on {'it' if len(names) == 1 else 'them'}. Every "
+                             "trainable parameter is averaged every step, so each must get a gradient: freeze what the "
+                             "forward does not use (p.requires_grad_(False) in your workload) or remove it from the model.")
+
+    def _samples(self) -> int:
+        """Samples trained so far: the checkpoint's, and this process's steps at its batch (a resume may change it)."""
+        step, samples = self.samples_before
+        return samples + (self.step - step) * self.batch
+
+    def _retune(self) -> None:
+        """A resume with another ``--lr``, ``weight_decay`` or batch: the optimizer's and scheduler's state dicts brought
+        back the checkpoint's; this run's are applied from the next step on (the schedule goes on at the new peak),
+        and said."""
+        changes = []
+        if self.sched.base_lrs and self.sched.base_lrs[0] != self.lr:
+            changes.append(f"lr {self.sched.base_lrs[0]:g} -> {self.lr:g}")
+            self.sched.base_lrs = [self.lr] * len(self.opt.param_groups)
+            for group in self.opt.param_groups:
+                group["initial_lr"], group["lr"] = self.lr, self.lr * self._lr_factor(self.step)
+            self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]
+        wd = {g.get("weight_decay") for g in self.opt.param_groups}
+        if wd != {self.cfg.weight_decay} and all(w is not None for w in wd):
+            changes.append(f"weight_decay {', '.join(f'{w:g}' for w in sorted(wd))} -> {self.cfg.weight_decay:g}")
+            for group in self.opt.param_groups:
+                group["weight_decay"] = self.cfg.weight_decay
+        if (before := self._load_batch) != self.batch:
+            changes.append(f"batch {before} -> {self.batch}")
+        if changes and self.env.is_main:
+            console.print(f"[yellow]resumed with {', '.join(changes)}: the optimizer goes on with this run's from step "
+                          f"{self.step + 1}[/yellow]")
 
     def _load_model(self, state: dict) -> None:
         self.ddp.module.load_state_dict(ckpt.model_state(self.resumed_from, state))  # a pipeline's: its stages merged
@@ -486,7 +558,18 @@ class Trainer:
 
     def _same_ranks(self, state: dict) -> bool:
         """Whether the checkpoint's per-rank states are this job's ranks' (else they start fresh)."""
-        return len(state["ranks"]) == self.env.world and not state.get("shards")
+        return len(state["ranks"]) == self.env.world and not state.get("shards") and self._same_sync(state)
+
+    def _same_sync(self, state: dict) -> bool:
+        """Whether the checkpoint was trained with this job's sync mode. A rank's state is its mode's (an anchor,
+        its own parameters mid-period, a pending gradient): under another mode it starts from the ranks' average."""
+        saved = (state.get("config") or {}).get("sync")
+        if saved is None:
+            return True
+        try:
+            return parse_sync_spec(str(saved)).text == parse_sync_spec(self.cfg.sync).text
+        except ThinwireError:
+            return False
 
     def _load_rank(self, mine: dict) -> None:
         torch.set_rng_state(mine["rng"])
@@ -497,8 +580,13 @@ class Trainer:
         if "model" in mine:  # a mode whose ranks differ mid-period: this rank's own
             self._module().load_state_dict(mine["model"])
             self.opt.load_state_dict(mine["optimizer"])
+        elif mine.get("buffers"):
+            self._module().load_state_dict(mine["buffers"], strict=False)
+        # (the mode's load_state_dict keeps each rank's own buffers where forward runs outside DDP's sync)
         if mine.get("precision"):
             self.prec.runner.load_state_dict(mine["precision"])  # fp16 loss scale
+        self.prec.load_int8_state(mine.get("int8"))  # int8 compute's rounding noise
+        self.sync.consensus_bytes = int(mine.get("consensus_bytes", 0))
 
     def _load_horizon(self, state: dict) -> None:
         """Keep the schedule's horizon from the first start, or fit it to this launch's steps (reschedule).
@@ -542,7 +630,7 @@ class Trainer:
         dist.all_reduce(totals)
         summary = {
             "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,
-            "samples": self.step * self.batch, "wall_s": self._wall(), **self.last_val,
+            "samples": self._samples(), "wall_s": self._wall(), **self.last_val,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "backend": dist.get_backend(),
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
@@ -556,8 +644,7 @@ class Trainer:
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
-            **({"offload": {**self.offload, "threads_on_engine": threads_on_core(self.offload["core"])
-                            if "core" in self.offload else threads_on_engine()}} if self.offload else {}),
+            **({"offload": self.offload} if self.offload else {}),
             **self._summary_extra(),
         }
         if self.env.is_main:

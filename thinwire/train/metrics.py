@@ -70,6 +70,16 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(log_dir=str(out / TENSORBOARD))
 
+    def resumed_at(self, step: int) -> None:
+        """A run resumed from ``step``: TensorBoard hides what an earlier process logged after it (the steps this
+        one trains again), as :func:`thinwire.report.current` drops them from the plots."""
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self._tb.log_dir
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
+
     def write(self, record: dict) -> None:
         if self._f is not None:
             try:

@@ -211,6 +211,8 @@ class PipelineTrainer(Trainer):
         s = super()._rank_state()
         s.pop("model", None)
         s.pop("optimizer", None)
+        s.pop("buffers", None)  # the stage's, in its shard
+        s["activation_bytes"] = self.acts.total  # the whole run's, as the hook's bytes are
         s["pipeline"] = self._layout_key()
         return s
 
@@ -237,6 +239,7 @@ class PipelineTrainer(Trainer):
 
     def _load_rank(self, mine: dict) -> None:
         super()._load_rank(mine)
+        self.acts.total = int(mine.get("activation_bytes", 0))
         shard = ckpt.load_shard(self.resumed_from, self.env.rank)
         load_stage_state(self.stage, self.cut.names, shard["stage"])  # a replica's own, between averages
         self.opt.load_state_dict(shard["stage_optimizer"])

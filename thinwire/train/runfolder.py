@@ -142,6 +142,10 @@ def _refusal(cfg, out: Path, found: list[str]) -> ThinwireError:
         return ThinwireError(f"out: folder {where} already holds a run; resuming {cfg.resume!r} into it would mix two "
                              f"runs. Pass a new or empty --out, or leave --out out to continue {cfg.resume!r} in "
                              "place; nothing was changed.")
+    if "config.yaml" in found and "summary.json" not in found and not any((out / "checkpoints").glob("step_*.pt")):
+        return ThinwireError(f"out: folder {where} already holds a run, which stopped before its first checkpoint. "
+                             f"Train it again from step 0 with --resume {out} (its configuration; its log goes on), "
+                             "or pass another --out; nothing was changed.")
     return ThinwireError(f"out: folder {where} already holds a run. Continue it with --resume {out}, "
                          "or pass another --out; nothing was changed.")
 

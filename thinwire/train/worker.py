@@ -11,12 +11,17 @@ import os
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+if __name__ == "__main__":  # a stop signal while torch loads: out quietly (the launcher says it once)
+    from thinwire.signals import leave_quietly_on_stop
 
-from thinwire.config import from_dict, load_yaml
-from thinwire.errors import LOST_PEER_EXIT, LOST_PEER_SAYS, ThinwireError, lost_peer
-from thinwire.signals import signum_of, stop_signals_raise
-from thinwire.train.config import TrainConfig
+    leave_quietly_on_stop()
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record  # noqa: E402
+
+from thinwire.config import from_dict, load_yaml  # noqa: E402
+from thinwire.errors import LOST_PEER_EXIT, LOST_PEER_SAYS, ThinwireError, lost_peer  # noqa: E402
+from thinwire.signals import signum_of, stop_signals_raise  # noqa: E402
+from thinwire.train.config import TrainConfig  # noqa: E402
 
 
 @record

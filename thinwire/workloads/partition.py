@@ -6,9 +6,11 @@
   al. 2019 (https://arxiv.org/abs/1909.06335) used throughout federated learning: for every class,
   proportions over the ranks are drawn from ``Dir(A)`` and the class's items are cut accordingly.
   Small A (0.1) gives each rank a few classes, large A (100) approaches iid. Classification only.
-* ``by_file``: each rank owns a contiguous run of the training set. For charlm, whose corpus is its
-  files concatenated in order, that is a disjoint set of files per rank (other modules, other
-  styles); for other workloads, whatever order the dataset has.
+* ``by_file``: each rank owns a contiguous run of the training set, an equal share of its items. For
+  charlm, whose corpus is its files concatenated in order, each rank's run covers other files (other
+  modules, other styles); the cuts fall at equal shares, not at file boundaries, so neighbouring ranks may
+  share a file's parts, and with fewer files than ranks some ranks hold parts of one file (the trainer
+  says so). For other workloads: whatever order the dataset has.
 
 A rank then draws its batch from its own shard only (a seeded walk over the shard, or uniform draws
 with replacement for shards of more than 2^20 items). Shards and draws are pure functions of (the

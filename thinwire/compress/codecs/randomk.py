@@ -60,6 +60,12 @@ class RandomKCodec(Codec):
     shared_randomness = True
     sparse = True
 
+    @property
+    def needs_feedback(self) -> bool:
+        """``rescale=true`` is unbiased: a residual would add back what the next step's scaled values already
+        carry in expectation, and grows without bound (numel/k times the gradient each step)."""
+        return not self.config.rescale
+
     def compress(self, x: Tensor, meta: Meta) -> list[Tensor]:
         check_input(x, meta)
         idx, _ = self.positions(meta.numel, meta.seed, x.device)

@@ -64,7 +64,7 @@ def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
     rest = [v for i, v in enumerate(_views_like(x, job.shapes)) if i not in in_mats]
     t0 = time.perf_counter()
     qs = [start_q(extra.get(f"q{job.layout[i][0]}"), m.shape[1], r, cfg.warm_start, job.layout[i][0], m.device)
-          for i, m, r in mats]
+          .to(m.dtype) for i, m, r in mats]  # the gradient's dtype (float64 parameters: Q starts as float32)
     ps = [m @ q for (_, m, _), q in zip(mats, qs)]
     job.state.compress_s += time.perf_counter() - t0
     first = wire.all_reduce(torch.cat([*(p.reshape(-1) for p in ps), *rest, flag(x)]))

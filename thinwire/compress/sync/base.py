@@ -111,10 +111,16 @@ class SyncMode:
 
     ``comm``: the :class:`CommState` that counts bytes and holds error-feedback residuals;
     ``diverges``: ranks hold different parameters between averages (the trainer then checkpoints
-    every rank's parameters and optimizer state)."""
+    every rank's parameters and optimizer state); ``buffers_diverge``: ranks' floating-point buffers
+    (BatchNorm's running statistics) differ, as they do wherever forward runs outside DDP's sync, which
+    would send rank 0's to all at each forward."""
 
     name = "allreduce"
     diverges = False
+
+    @property
+    def buffers_diverge(self) -> bool:
+        return self.diverges
 
     def __init__(self, model, comm: CommState, spec=None) -> None:
         self.model, self.comm, self.spec = model, comm, spec
@@ -172,17 +178,18 @@ class SyncMode:
         ``consensus_bytes``, apart from the training's. No parameter is sent where the ranks hold the
         same ones (``diverges`` False, or :meth:`steps_to_agreement` 0: the step of an average), nothing
         at all where there is one rank; floating-point buffers (BatchNorm's running statistics), which
-        no mode averages between steps, are averaged whenever the ranks diverge.
+        no mode averages between steps, are averaged whenever they diverge (``buffers_diverge``: ``delayed``'s
+        forward runs outside DDP's sync, so its ranks' buffers differ though their parameters do not).
 
         Yields ``{id(tensor): this rank's own value}`` for the tensors it replaced (empty where it replaced
         none): what a checkpoint written inside saves as the rank's own state."""
         wire = self.comm.wire
-        if not self.diverges or wire.world == 1:
+        if not self.buffers_diverge or wire.world == 1:
             yield {}
             return
         self.flush()  # averages in flight (streaming DiLoCo's) land first: one collective at a time on the group
         module = getattr(self.model, "module", self.model)
-        params = [] if self.steps_to_agreement() == 0 else [*module.parameters()]
+        params = [] if not self.diverges or self.steps_to_agreement() == 0 else [*module.parameters()]
         tensors = [t for t in [*params, *module.buffers()] if t.is_floating_point()]
         if not tensors:
             yield {}
@@ -210,7 +217,17 @@ class SyncMode:
         return {}
 
     def load_state_dict(self, sd: dict) -> None:
-        pass
+        self._own_buffers_on_resume()
+
+    def _own_buffers_on_resume(self) -> None:
+        """As if the run never stopped (each mode's ``load_state_dict`` ends here): a new DDP wrapper's first
+        forward sends rank 0's buffers (BatchNorm's running statistics) to every rank, which a run that goes on
+        does not where this mode's forward runs outside DDP's sync; each rank keeps its own, as it restored them."""
+        ddp = self.model
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            with self.no_sync():
+                outside = not ddp.require_backward_grad_sync
+            ddp.require_forward_param_sync = not outside  # a new wrapper's value where forward runs inside
 
     def close(self) -> None:
         self.flush()

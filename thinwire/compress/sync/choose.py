@@ -43,6 +43,7 @@ KEY_OFFSET = 1 << 20   # delayed's residual keys, apart from the DDP hook's buck
 
 class ChooseSync(SyncMode):
     name = "auto"
+    buffers_diverge = True  # once it runs delayed (forward under no_sync), as Delayed's
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec)
@@ -62,8 +63,12 @@ class ChooseSync(SyncMode):
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
-        """The faster of the two, as the run will choose."""
-        return min(SyncMode.step_s(spec, parts), Delayed.step_s(spec, parts))
+        """The one the run will choose: delayed only where its guard lets it be tried and it is ``MARGIN``
+        faster (:func:`choose`)."""
+        allreduce = SyncMode.step_s(spec, parts)
+        if not getattr(spec, "try_delayed", True):
+            return allreduce
+        return min(allreduce, d) if (d := Delayed.step_s(spec, parts)) < allreduce * (1 - MARGIN) else allreduce
 
     @property
     def current(self) -> str:
@@ -124,6 +129,7 @@ class ChooseSync(SyncMode):
             self.times = {"allreduce": [], "delayed": []}
             self.delayed.pending, self.delayed.started, self.delayed.held, self.delayed.own = [], False, None, None
         self.delayed.active = self.current == "delayed"
+        self._own_buffers_on_resume()
 
 
 def decide(times: dict[str, list[float]]) -> str:

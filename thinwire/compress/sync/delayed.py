@@ -114,6 +114,7 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
 
 class Delayed(SyncMode):
     name = "delayed"
+    buffers_diverge = True  # forward runs under no_sync: DDP sends no buffers, each rank keeps its own statistics
     key_offset = 0  # error-feedback keys of its buckets start here (``auto`` shares a CommState with the DDP hook)
 
     def __init__(self, model, comm, spec=None, *, bucket_mb: float = 25.0) -> None:
@@ -161,9 +162,11 @@ class Delayed(SyncMode):
             return
         if self.predict == "own" and not self._told:
             self._told = True
-            log.warning("sync delayed: the optimizer is not known, so each step's weights are predicted by repeating the "
-                        "last update (predict=last), which costs more samples; step with mode.step(optimizer), or set "
-                        "mode.optimizer = optimizer, for the prediction from this rank's own gradient (predict=own)")
+            log.warning("sync delayed: the optimizer is not known at this step's forward (mode.step(optimizer) tells it "
+                        "only after the first step, too late for the first step of a resumed run), so this step's weights "
+                        "are predicted by repeating the last update (predict=last), which costs more samples and makes a "
+                        "resume inexact; pass optimizer= to thinwire.sync, or set mode.optimizer = optimizer before "
+                        "training, for the prediction from this rank's own gradient (predict=own)")
         first = self.held is None  # last: the first step (or one after switching to delayed): no last update yet
         self.held = predict_weights(params, self.held)
         self.shifted = not first
@@ -191,7 +194,10 @@ class Delayed(SyncMode):
         params = self.buckets.params
         flats = self.buckets.flatten([p.grad for p in params])
         if self.predict == "own":  # before the codec's error feedback adds to them
-            self.own = [f.clone() for f in flats]
+            # a non-finite gradient (a step the trainer skips) must not predict the next step's weights: they
+            # would be non-finite, then that step's gradient, and so on, every later step skipped
+            finite = all(bool(torch.isfinite(f).all()) for f in flats)
+            self.own = [f.clone() for f in flats] if finite else None
         futures = self.buckets.average(self.comm, flats, first=self.key_offset)
         previous = self._collect() if self.started else None
         self.pending, self.started = futures, True
@@ -212,7 +218,7 @@ class Delayed(SyncMode):
         self.flush()
         return {"started": self.started, "pending": cpu_list(self.pending) if self.started else None,
                 "held": cpu_list(self.held) if self.predict == "last" and not self.shifted else None,
-                "own": cpu_list(self.own) if self.predict == "own" else None}
+                "own": cpu_list(self.own) if self.predict == "own" and self.own is not None else None}
 
     def load_state_dict(self, sd: dict) -> None:
         self.started = bool(sd.get("started", False))
@@ -223,6 +229,7 @@ class Delayed(SyncMode):
         self.held, self.shifted, self.predicted = (on_device(held, self.buckets.params) if held is not None else None), False, False
         own = sd.get("own") if self.predict == "own" else None
         self.own = on_device(own, [self.buckets.params[0]] * len(own)) if own is not None else None
+        self._own_buffers_on_resume()
 
     def close(self) -> None:
         self._restore()

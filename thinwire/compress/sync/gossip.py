@@ -271,6 +271,7 @@ class Gossip(SyncMode):
             parts = [[on_device(s, [f])[0] if s is not None else None, on_device(g, [f] * len(g))]
                      for s, g, f in zip(r["sent"], r["got"], like)]
             self.pending = Round(list(r["recv_from"]), str(r["own"]), list(r["heard"]), parts)
+        self._own_buffers_on_resume()
 
 
 @dataclasses.dataclass

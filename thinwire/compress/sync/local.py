@@ -102,3 +102,4 @@ class LocalSGD(SyncMode):
         self.steps = int(sd.get("steps", 0))
         like = self._flat_params()
         self.anchor = on_device(sd.get("anchor"), like)
+        self._own_buffers_on_resume()

@@ -137,3 +137,4 @@ class StreamingDiLoCo(LocalSGD):
             k = self.syncs % len(self.fragments)
             inflight = on_device(inflight, flats[k])
         self.inflight = inflight
+        self._own_buffers_on_resume()
