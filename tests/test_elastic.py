@@ -107,6 +107,34 @@ def test_the_host_whose_worker_failed_is_named_though_its_agent_is_slower_to_exi
         cluster_launch._wait(_Cluster(), agents, tmp_path)
 
 
+def test_the_failed_hosts_message_shows_its_workers_error_though_the_agent_wrote_more_after_it(tmp_path):
+    # as a CI run had it: h2's worker raised, then its agent's C++ frames and the rendezvous it could not shut
+    # down filled the log's last lines; the message must still carry the worker's error and where it was raised
+    agents = _agents(1, 1, 1)
+    frames = "\n".join(f"frame #{i}: <unknown function> + 0x2724a (0x7fdee564524a in libc.so.6)" for i in range(30))
+    logs = {"h0": "thinwire[0]: stopped: lost another worker (Connection closed by peer)",
+            "h1": "thinwire[1]: stopped: lost another worker (Connection closed by peer)",
+            "h2": "[rank2]: Traceback (most recent call last):\n"
+                  '[rank2]:   File "/work/thinwire/train/loop.py", line 275, in _train_step\n'
+                  "[rank2]:     part = self.wl.loss(self.ddp(xm), ym)\n"
+                  '[rank2]:   File "/work/tests/test_cluster_train.py", line 170, in forward\n'
+                  "[rank2]:     raise ValueError(\"rank 2's data had a bad sample\")\n"
+                  "[rank2]:     ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+                  "[rank2]: ValueError: rank 2's data had a bad sample\n"
+                  "E1206 04:06:27 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 2130)\n"
+                  f"{frames}\nthinwire: this host's agent lost the rendezvous store, which the first host's agent "
+                  "holds (RendezvousConnectionError); its agent stopped"}
+    for a in agents:
+        a.log = tmp_path / f"{a.host.name}.log"
+        a.log.write_text(logs[a.host.name] + "\n")
+    with pytest.raises(ThinwireError) as e:
+        cluster_launch._wait(_Cluster(), agents, tmp_path)
+    said = str(e.value)
+    assert "host h2 (" in said and "ValueError: rank 2's data had a bad sample" in said, said
+    assert 'test_cluster_train.py", line 170, in forward' in said and "^^^" not in said, said
+    assert said.rstrip().endswith("its agent stopped"), said  # the log's last lines follow
+
+
 def test_a_host_failing_while_too_few_are_left_stops_the_run(tmp_path):
     with pytest.raises(ThinwireError, match=r"host h1 .* failed with exit code 1.* 1 host\(s\) left, fewer than min_hosts 2"):
         cluster_launch._wait(_Cluster(), _agents(None, 1, 1), tmp_path, min_hosts=2)

@@ -300,7 +300,29 @@ def _first_cause(agents: list, failed):
 
 
 def _tail(path: Path, lines: int = 6) -> str:
+    """The log's last lines, after its worker's own error where the log has one: what the agent prints once
+    its worker has failed (torch's C++ frames, the rendezvous it could not shut down) can fill the tail."""
     if not path.is_file():
         return "Its output is above."
     text = [l for l in path.read_text(errors="replace").splitlines() if l.strip()]
-    return "Last lines of its log " + str(path) + ":\n" + "\n".join(text[-lines:])
+    error = _worker_error(text)
+    shown = "Its worker's error:\n" + "\n".join(error) + "\n" if error and not set(error) <= set(text[-lines:]) else ""
+    return shown + "Last lines of its log " + str(path) + ":\n" + "\n".join(text[-lines:])
+
+
+def _worker_error(lines: list[str]) -> list[str]:
+    """The last error a worker printed: thinwire's error line, or a Python traceback's last frame and its
+    exception line (the first line after the traceback's header that is not indented). torchrun prefixes a
+    worker's lines with its rank (``[rank2]: ``)."""
+    lines = [re.sub(r"^\[(?:rank|default)\d+\]: ?", "", l) for l in lines]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("thinwire: error:"):
+            return [lines[i]]
+        if lines[i].startswith("Traceback (most recent call last)"):
+            end = next((k for k in range(i + 1, len(lines)) if not lines[k][:1].isspace()), None)
+            if end is None:
+                return []
+            frame = next((k for k in range(end - 1, i, -1) if lines[k].lstrip().startswith("File ")), None)
+            return [l.rstrip() for l in (lines[frame:end] if frame is not None else []) + [lines[end]]
+                    if l.strip(" ^~")]
+    return []

@@ -28,7 +28,8 @@ def main(argv: list[str]) -> int:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
         how = f"was killed by {failure.signal_name()}" if code < 0 else f"failed (exit code {code})"  # as launch.py says it
-        said = str(failure.message or "").strip().splitlines() if failure.error_file_data else []
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        said = str(message or "").strip().splitlines() if failure.error_file_data else []
         print(f"thinwire: the worker of rank {rank} {how}" + (f": {said[0][:300]}" if said else "") + "; its agent "
               "stopped", file=sys.stderr, flush=True)
         return 1
