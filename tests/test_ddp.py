@@ -90,10 +90,12 @@ def _attach_error(rank, world, model_kind, kwargs):
     ("sparse", {}, r"thinwire.attach: 0 makes sparse gradients \(sparse=True\).*build the embedding with sparse=False"),
     ("dense", {"timeout_s": -1}, r"thinwire.attach: timeout_s must be a number of seconds > 0 or None .*got -1"),
     ("dense", {"timeout_s": 0}, r"timeout_s must be a number of seconds > 0 or None .*got 0"),
+    ("dense", {"error_feedback": "no"}, r"error_feedback must be True or False, got 'no'"),
+    ("dense", {"warmup_steps": 2.5}, r"warmup_steps must be an integer >= 0, got 2.5"),
 ])
 def test_attach_refuses_what_its_hook_cannot_run_in_one_line(kind, kwargs, match):
     """A sparse embedding failed at its first backward inside a codec (aten::aminmax on SparseCPU); a negative
-    timeout inside gloo (enforce fail), and 0 silently meant no timeout."""
+    timeout inside gloo (enforce fail), and 0 silently meant no timeout; error_feedback="no" was true."""
     (msg,) = run_ranks(_attach_error, 1, kind, kwargs)
     assert msg is not None and __import__("re").search(match, msg), msg
 

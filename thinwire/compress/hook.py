@@ -124,8 +124,11 @@ class CommState:
                  nonfinite: Literal["skip", "raise"], group=None) -> None:
         if nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-        if warmup_steps < 0 or min_compress_bytes < 0:
-            raise ValueError(f"warmup_steps and min_compress_bytes must be >= 0, got {warmup_steps}, {min_compress_bytes}")
+        for name, value in (("warmup_steps", warmup_steps), ("min_compress_bytes", min_compress_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(error_feedback, bool):  # "no" would be true
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         self.policy, self.warmup_steps, self.min_compress_bytes = policy, warmup_steps, min_compress_bytes
         self.nonfinite = nonfinite
         self.feedback = ErrorFeedback() if error_feedback else None
