@@ -153,7 +153,9 @@ def parse_codec_spec(spec: str) -> Codec:
         _check_known(cls, key)
         if key in params:
             raise ConfigError(f"{name}.{key}", spec, "given once", "Remove the duplicate.")
-        params[key] = _from_text(hints[key], value, f"{name}.{key}")
+        allowed = next(f.metadata.get("allowed", "") for f in dataclasses.fields(cls.config_cls) if f.name == key)
+        params[key] = _from_text(hints[key], value, f"{name}.{key}", allowed,
+                                 f"E.g. {name}:{key}={_text(_defaults(cls)[key])}.")
     return build_codec(name, params)
 
 
@@ -177,8 +179,9 @@ def _check_known(cls: type[Codec], key: str) -> None:
     raise ConfigError(field, key, f"one of {listing}", f"E.g. {cls.name}:{first}={_text(known[first])}.")
 
 
-def _from_text(tp: Any, text: str, field: str) -> Any:
-    """The value of ``text`` for a field annotated ``tp`` (``from_dict`` then checks ranges)."""
+def _from_text(tp: Any, text: str, field: str, allowed: str = "", example: str = "") -> Any:
+    """The value of ``text`` for a field annotated ``tp`` (``from_dict`` then checks ranges); ``allowed``, the
+    field's range as ``thinwire codecs`` lists it, goes in the error."""
     optional = get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
     if optional:
         if text.lower() in _NULL:
@@ -188,7 +191,8 @@ def _from_text(tp: Any, text: str, field: str) -> Any:
     try:
         return read(text)
     except ValueError:
-        raise ConfigError(field, text, kind + (" or none" if optional else "")) from None
+        raise ConfigError(field, text, kind + (" or none" if optional else "") + (f" ({allowed})" if allowed and tp is not bool else ""),
+                          example) from None
 
 
 def _bool(text: str) -> bool:
