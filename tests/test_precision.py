@@ -150,6 +150,15 @@ class _Net(nn.Module):
         self.head.weight = self.emb.weight  # tied
 
 
+def test_convert_takes_one_exclude_pattern_as_a_string_and_refuses_one_that_matches_nothing():
+    """exclude="head" was read as the patterns h, e, a, d: the head was converted, silently."""
+    net = convert(_Net(), "int8", exclude="head")
+    assert conversion_report(net)["kept_float"]["head"] == "excluded" and type(net.head) is nn.Linear
+    with pytest.raises(ValueError, match=r"exclude pattern 'haed' matches no module of the model; its modules are "
+                                         r"named like emb, conv"):
+        convert(_Net(), "int8", exclude=["haed"])
+
+
 def test_convert_swaps_exactly_the_int8_capable_layers_and_keeps_parameters():
     net = _Net()
     keys, params = set(net.state_dict()), {n: p for n, p in net.named_parameters()}

@@ -46,18 +46,25 @@ class ConversionReport:
 
 
 def convert(model: nn.Module, mode: str, *, scaling: str = "pow2", stochastic: bool = True,
-            exclude: tuple[str, ...] | list[str] = ()) -> nn.Module:
+            exclude: str | tuple[str, ...] | list[str] = ()) -> nn.Module:
     """Switch ``model`` to ``mode`` in place and return it; :func:`conversion_report` says what changed.
 
-    ``exclude``: glob patterns of module names (``"head"``, ``"blocks.*.mlp.0"``) to leave in fp32
-    under int8. ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`.
+    ``exclude``: glob patterns of module names (``"head"``, ``"blocks.*.mlp.0"``; one pattern or a list) to
+    leave in fp32 under int8; a pattern that matches no module is refused (a typo would convert everything). ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`.
     """
     target = parse_precision(mode)
     if target not in CONVERTERS:
         raise ValueError(f"convert: mode must be one of {', '.join(p.value for p in CONVERTERS)}, got {mode!r}. "
                          "fp16 needs a loss scaler: use PrecisionRunner('fp16', device).")
+    exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)  # "head", not "h", "e", "a", "d"
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [pat for pat in exclude if not any(fnmatch.fnmatchcase(name, pat) for name in names)]
+    if unmatched:
+        raise ValueError(f"convert: exclude pattern {unmatched[0]!r} matches no module of the model; its modules are "
+                         f"named like {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} (glob patterns, "
+                         "e.g. 'blocks.*.mlp.0')")
     _to_fp32(model)
-    report = CONVERTERS[target](model, Int8ComputeConfig(scaling=scaling, stochastic=stochastic), tuple(exclude))
+    report = CONVERTERS[target](model, Int8ComputeConfig(scaling=scaling, stochastic=stochastic), exclude)
     setattr(model, _REPORT, report)
     if target is not Precision.FP32:
         n = len(report.swapped)
