@@ -7,7 +7,7 @@ mode (local SGD, DiLoCo) in the same loop.
                                                    # accelerate starts one process, and nothing is averaged
 
 Needs ``pip install 'thinwire[accelerate]'``. thinwire adds one line after ``accelerator.prepare``
-(two more for a sync mode: backward in ``mode.no_sync()`` and ``mode.step(optimizer)``).
+(two more for a sync mode: forward and backward in ``mode.no_sync()``, and ``mode.step(optimizer)``).
 """
 
 import argparse
@@ -48,13 +48,12 @@ def main():
     while step < args.steps:
         for xb, yb in loader:
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(xb), yb)
             if mode is None:
-                accelerator.backward(loss)
+                accelerator.backward(nn.functional.cross_entropy(model(xb), yb))
                 opt.step()
             else:
-                with mode.no_sync():
-                    accelerator.backward(loss)
+                with mode.no_sync():  # forward and backward: DDP decides at the forward whether to all-reduce
+                    accelerator.backward(nn.functional.cross_entropy(model(xb), yb))
                 mode.step(opt)
             step += 1
             if step == args.steps:

@@ -124,8 +124,8 @@ def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, op
     it returns :class:`OneProcess`: the same loop runs and nothing is averaged. Use it as in any DDP loop::
 
         mode = thinwire.integrations.accelerate.sync(accelerator, model, "local:period=8", "int8", optimizer=opt)
-        with mode.no_sync():
-            accelerator.backward(loss)
+        with mode.no_sync():                  # forward and backward: DDP decides at the forward
+            accelerator.backward(loss_fn(model(x), y))
         mode.step(opt)
     """
     from thinwire.api import sync as _sync

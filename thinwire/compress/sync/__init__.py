@@ -20,6 +20,8 @@ bytes counted on the wire). :func:`create` builds one; ``thinwire.sync`` is the 
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress.hook import CommState, Policy, attach
 from thinwire.compress.sync.base import Averaged, StepParts, SyncMode, Unwrapped
@@ -60,7 +62,24 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
                      nonfinite="skip", group=process_group)
     policy.bind(comm, model.module)
     mode = Averaged if spec.mode == "allreduce" else kind(spec)
+    if isinstance(model, DistributedDataParallel):
+        _keep_own_gradients(model, spec)
     return mode(model, comm, spec, bucket_mb=bucket_mb)
+
+
+def _keep_own_gradients(model: DistributedDataParallel, spec) -> None:
+    """A mode that averages itself runs forward and backward in ``mode.no_sync()``. A loop that puts only
+    backward in it (DDP decides at the forward whether its backward all-reduces) would all-reduce every
+    gradient in fp32 besides the mode's own averaging: accelerate's loops do, written the usual way. DDP's
+    backward gets torch's no-op hook (each rank keeps its own gradient), so such a backward costs no traffic."""
+    try:
+        model.register_comm_hook(None, noop_hook)
+    except RuntimeError:
+        from thinwire.errors import ConfigError
+
+        raise ConfigError("sync", spec.mode, "a model without a DDP communication hook of its own",
+                          f"sync {spec.mode} averages by itself, so DDP's backward must not: build the DDP model anew "
+                          "without register_comm_hook.") from None
 
 
 def kind(spec) -> type[SyncMode]:

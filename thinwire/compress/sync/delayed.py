@@ -143,8 +143,9 @@ class Delayed(SyncMode):
     def _on_forward(self, module, args) -> None:
         """The first training forward of a step: the parameters move to where this step's gradient will
         be applied (module docstring); ``held`` keeps the true weights."""
-        if self.predicted or not self.active or not module.training or not torch.is_grad_enabled():
-            return
+        if self.predicted or not self.active or not torch.is_grad_enabled() or \
+                not any(m.training for m in module.modules()):  # Lightning: the DDP wrapper stays in eval mode
+            return                                              # after validation, the module trains again
         self.predicted = True
         params = self.buckets.params
         if self.predict == "own" and self.own is None:  # the first step: no gradient of this rank's yet
