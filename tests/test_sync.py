@@ -205,6 +205,49 @@ def test_a_mode_that_averages_itself_keeps_each_ranks_gradient_though_the_forwar
             torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
 
 
+def _float64(rank: int, world: int, mode: str) -> torch.Tensor:
+    ddp = DistributedDataParallel(_net().double())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    sync = thinwire.sync(ddp, mode, codec="none", optimizer=opt)
+    for step in range(3):
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x.double(), y.double()).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+    sync.close()
+    return ddp.module.weight.detach().clone()
+
+
+@pytest.mark.parametrize("mode", ["local:period=1,warmup=0", "diloco:period=1,warmup=0,outer_lr=1,outer_momentum=0"])
+def test_a_float64_model_is_averaged_in_float64(mode):
+    """The modes' buckets were fp32: every average rounded a float64 model's parameters to fp32 (1e-8 off DDP)."""
+    got, ddp = run_ranks(_float64, 2, mode)[0], run_ranks(_float64, 2, "allreduce")[0]
+    assert got.dtype == torch.float64 and (got - ddp).abs().max() < 1e-14, (got - ddp).abs().max()
+    assert (got.float().double() - got).abs().max() > 0  # not values fp32 can hold
+
+
+def _sync_error(rank: int, world: int, mode: str, codec, sparse: bool) -> str | None:
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)) if sparse else _net()
+    try:
+        thinwire.sync(DistributedDataParallel(net), mode, codec=codec).close()
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("mode, codec, sparse, match", [
+    ("delayed", "int8", True, r"sync delayed: 0 makes sparse gradients \(sparse=True\).*sparse=False"),
+    ("local:period=4,warmup=2", "none", True, r"sync local: 0 makes sparse gradients"),
+    ("local:period=4", 5, False, r"thinwire.sync: codec must be a spec string such as 'none', 'int8'.*got 5"),
+])
+def test_sync_refuses_what_it_cannot_average_in_one_line(mode, codec, sparse, match):
+    """A sparse embedding failed at the first step in Buckets.flatten (reshape is not implemented for sparse
+    tensors); codec=5 with AttributeError: 'int' object has no attribute 'text'."""
+    (msg,) = run_ranks(_sync_error, 1, mode, codec, sparse)
+    assert msg is not None and __import__("re").search(match, msg), msg
+
+
 def _loop_resumed(rank: int, world: int, stop: int | None, mode_spec: str = "delayed", codec: str = "int8",
                   net=_net, optimizer=torch.optim.AdamW) -> dict:
     """A user's loop with ``mode_spec`` that saves its state at step ``stop`` as the README says and goes on in
@@ -501,6 +544,8 @@ def test_spec_defaults_and_text():
     ("delayed:period=2", r"sync: must be delayed with keys predict"),
     ("delayed:predict=2", r"sync\.predict: must be one of own, last, off, got '2'\. own \(default\) computes each gradient"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
+    ("local:period=-3", r"sync\.period: must be an integer in \[1, 1000000000\], got -3"),  # not "a whole number"
+    ("local:period=4,period=8", r"sync\.period: must be given once, got 'local:period=4,period=8'\. Remove the dup"),
     ("push", r"sync: must be one of allreduce, delayed, local, diloco, gossip, dynamic, auto, got 'push'"),
     ("", r"sync: must be one of"),
 ])

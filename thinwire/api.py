@@ -63,6 +63,9 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     if not isinstance(mode, (str, SyncSpec)):
         raise TypeError(f"thinwire.sync: mode must be a sync spec string such as 'allreduce', 'delayed' or "
                         f"'local:period=8' (see thinwire.syncspec), got {mode!r}")
+    if not isinstance(codec, (str, CodecSpec, AutoSpec, TorchSpec)):
+        raise TypeError(f"thinwire.sync: codec must be a spec string such as 'none', 'int8' or 'powersgd:rank=4' (see "
+                        f"`thinwire codecs`), got {codec!r}")
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)

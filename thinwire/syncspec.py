@@ -193,11 +193,15 @@ def parse_sync_spec(text: str) -> SyncSpec:
         raise ConfigError("sync", text, "one of " + ", ".join(MODES), _FIX)
     keys = _KEYS[mode]
     values = {k: d for k, (_, d) in keys.items()}
+    given = set()
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, sep, raw = (t.strip() for t in item.partition("="))
         if key not in keys or not sep:
             allowed = f"keys {', '.join(keys)}" if keys else "no parameters"
             raise ConfigError("sync", text, f"{mode} with {allowed} (key=value, comma-separated)", _FIX)
+        if key in given:  # the later one would win, silently
+            raise ConfigError(f"sync.{key}", text, "given once", "Remove the duplicate.")
+        given.add(key)
         values[key] = _number(mode, key, raw, keys[key][0])
         if key == "gamma":  # 0 stands for auto inside SyncSpec; a given step must be a real one
             _check(math.isfinite(values[key]) and 0 < values[key] <= 1, "gamma", raw, "a number in (0, 1]",
@@ -229,7 +233,7 @@ def _number(mode: str, key: str, raw: str, kind: type) -> float | int | str:
     if kind is str:
         return raw.lower()
     if kind is int:
-        if not _INT.fullmatch(raw):
+        if not _INT.fullmatch(raw.removeprefix("-")):  # a negative one gets its range from SyncSpec's check
             raise ConfigError(f"sync.{key}", raw, "a whole number", _FIX)
         return int(raw)
     try:

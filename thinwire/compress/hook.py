@@ -364,12 +364,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
                         "wrap it first: model = DistributedDataParallel(model)")
     if getattr(model, "_thinwire_state", None) is not None:
         raise ValueError("thinwire.attach: a thinwire hook is already attached to this model; attach once per model")
-    sparse = [n for n, m in model.module.named_modules() if getattr(m, "sparse", False) is True
-              and isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
-    if sparse:  # DDP hands a hook a sparse bucket that no codec's flat, dense encoding takes
-        raise ValueError(f"thinwire.attach: {', '.join(sparse[:4])} makes sparse gradients (sparse=True), which "
-                         "thinwire's codecs cannot encode; build the embedding with sparse=False (a dense gradient, "
-                         "which the codecs compress), or leave this model without thinwire's hook")
+    refuse_sparse(model.module, "thinwire.attach")  # DDP hands a hook a sparse bucket no codec's encoding takes
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"thinwire.attach: timeout_s must be a number of seconds > 0 or None (no bound), got {timeout_s!r}")
     policy = _as_policy(codec)
@@ -386,6 +381,16 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     policy.bind(state, model.module)  # online policies (e.g. "auto") measure through the state
     model._thinwire_state = state
     return state
+
+
+def refuse_sparse(module: torch.nn.Module, who: str) -> None:
+    """thinwire averages flat, dense buckets: an embedding with sparse gradients cannot go through them."""
+    sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True
+              and isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    if sparse:
+        raise ValueError(f"{who}: {', '.join(sparse[:4])} makes sparse gradients (sparse=True), which "
+                         "thinwire's codecs cannot encode; build the embedding with sparse=False (a dense gradient, "
+                         "which the codecs compress), or leave this model without thinwire")
 
 
 def _as_policy(codec) -> Policy:

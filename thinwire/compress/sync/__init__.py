@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.compress.hook import CommState, Policy, attach
+from thinwire.compress.hook import CommState, Policy, attach, refuse_sparse
 from thinwire.compress.sync.base import Averaged, StepParts, SyncMode, Unwrapped
 from thinwire.compress.sync.choose import ChooseSync
 from thinwire.compress.sync.delayed import Delayed
@@ -44,6 +44,7 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
     without DDP, :class:`~.base.Unwrapped`, it averages after backward: :class:`~.base.Averaged`); the others
     average outside backward. ``delayed`` always gets a new process group: its averaging stays in
     flight while the loop issues its own collectives, and so does streaming DiLoCo with a delay."""
+    refuse_sparse(model.module, f"sync {spec.mode}")
     if spec.mode == "allreduce" and not isinstance(model, Unwrapped):
         return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                                       process_group=process_group), spec)

@@ -61,11 +61,13 @@ class Buckets:
         return [tuple(self.params[i].shape) for i in self.groups[b]]
 
     def flatten(self, tensors: list[Tensor | None]) -> list[Tensor]:
-        """One new flat fp32 tensor per bucket from per-parameter tensors (None: zeros)."""
+        """One new flat tensor per bucket from per-parameter tensors (None: zeros): fp32, or fp64 for a bucket
+        with a float64 parameter (fp32 rounded a float64 model's parameters at every average)."""
         out = []
         for group in self.groups:
-            parts = [tensors[i].detach().reshape(-1).float() if tensors[i] is not None
-                     else torch.zeros(self.params[i].numel(), device=self.params[i].device) for i in group]
+            dtype = torch.float64 if any(self.params[i].dtype == torch.float64 for i in group) else torch.float32
+            parts = [tensors[i].detach().reshape(-1).to(dtype) if tensors[i] is not None
+                     else torch.zeros(self.params[i].numel(), dtype=dtype, device=self.params[i].device) for i in group]
             out.append(torch.cat(parts))
         return out
 
@@ -195,7 +197,8 @@ class SyncMode:
             yield {}
             return
         own = [t.detach().clone() for t in tensors]
-        flat = _flatten_dense_tensors([t.detach().float() for t in tensors])
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        flat = _flatten_dense_tensors([t.detach().to(dtype) for t in tensors])
         self.consensus_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), wire.world)
         dist.all_reduce(flat, group=getattr(wire, "group", None))
         flat.div_(wire.world)
