@@ -179,6 +179,30 @@ def test_bad_codec_is_refused_before_launch():
         ThinwireStrategy("int8", sync="local:period=0")
     with pytest.raises(ConfigError):
         ThinwireStrategy("auto", sync="local:period=4")  # auto is a DDP-hook policy: no sync mode
+    # these were taken here and failed in every spawned rank with a traceback
+    with pytest.raises(ConfigError, match=r"codec: must be a thinwire codec or auto, got 'torch:fp16'"):
+        ThinwireStrategy("torch:fp16")
+    with pytest.raises(TypeError, match=r"ThinwireStrategy: codec must be a spec string .*got None"):
+        ThinwireStrategy(None)
+    with pytest.raises(ValueError, match=r"warmup_steps must be an integer >= 0, got -3"):
+        ThinwireStrategy("int8", warmup_steps=-3)
+
+
+def test_hf_attach_checks_its_codec_and_keywords_when_called():
+    """They were checked when training began, in every rank (with one process, never)."""
+    from types import SimpleNamespace
+
+    from thinwire.errors import ConfigError
+    from thinwire.integrations.transformers import attach
+
+    trainer = SimpleNamespace(add_callback=lambda cb: None)
+    with pytest.raises(TypeError, match=r"unknown keyword 'sync'.*sync modes are offered in Lightning and accelerate"):
+        attach(trainer, "int8", sync="local:period=4")
+    with pytest.raises(ValueError, match=r"warmup_steps must be an integer >= 0, got -3"):
+        attach(trainer, "int8", warmup_steps=-3)
+    with pytest.raises(ConfigError, match=r"must be a thinwire codec or auto, got 'torch:bf16'"):
+        attach(trainer, "torch:bf16")
+    assert attach(trainer, "int8", warmup_steps=2, timeout_s=30).attach_kwargs == {"warmup_steps": 2, "timeout_s": 30}
 
 
 @pytest.mark.parametrize("script,args", [

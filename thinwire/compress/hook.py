@@ -122,13 +122,8 @@ class CommState:
 
     def __init__(self, policy: Policy, *, error_feedback: bool, warmup_steps: int, min_compress_bytes: int,
                  nonfinite: Literal["skip", "raise"], group=None) -> None:
-        if nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-        for name, value in (("warmup_steps", warmup_steps), ("min_compress_bytes", min_compress_bytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(error_feedback, bool):  # "no" would be true
-            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        check_options(error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=min_compress_bytes,
+                      nonfinite=nonfinite)
         self.policy, self.warmup_steps, self.min_compress_bytes = policy, warmup_steps, min_compress_bytes
         self.nonfinite = nonfinite
         self.feedback = ErrorFeedback() if error_feedback else None
@@ -381,6 +376,18 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     policy.bind(state, model.module)  # online policies (e.g. "auto") measure through the state
     model._thinwire_state = state
     return state
+
+
+def check_options(*, error_feedback: bool = True, warmup_steps: int = 0, min_compress_bytes: int = 0,
+                  nonfinite: str = "skip") -> None:
+    """The hook's options, each named with what it takes."""
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    for name, value in (("warmup_steps", warmup_steps), ("min_compress_bytes", min_compress_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if not isinstance(error_feedback, bool):  # "no" would be true
+        raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
 
 
 def refuse_sparse(module: torch.nn.Module, who: str) -> None:

@@ -34,6 +34,40 @@ def need(module: str, extra: str):
         raise ImportError(f"thinwire's {extra} integration needs {module!r}: pip install 'thinwire[{extra}]'") from None
 
 
+def hook_codec(codec, who: str):
+    """``codec`` parsed and checked where the integration is built, before any process starts: a thinwire
+    codec spec, ``auto``, a parsed spec, a Codec or a Policy (not PyTorch's hooks, which the frameworks
+    register themselves)."""
+    from thinwire.commspec import AutoSpec, CodecSpec, TorchSpec, as_policy, parse_comm_spec
+    from thinwire.compress.codecs.base import Codec
+    from thinwire.compress.hook import Policy
+
+    if isinstance(codec, (str, TorchSpec)):
+        spec = parse_comm_spec(codec) if isinstance(codec, str) else codec
+        if isinstance(spec, TorchSpec):
+            as_policy(spec)  # raises, saying where PyTorch's hooks go
+        return spec
+    if not isinstance(codec, (CodecSpec, AutoSpec, Codec, Policy)):
+        raise TypeError(f"{who}: codec must be a spec string such as 'int8', 'powersgd:rank=4' or 'auto' (see "
+                        f"`thinwire codecs`), got {codec!r}")
+    return codec
+
+
+def check_hook_kwargs(kwargs: dict, who: str) -> None:
+    """The keywords of :func:`thinwire.attach`, named and typed where the integration is built (a mistake
+    would otherwise surface once every process has started training)."""
+    import inspect
+
+    from thinwire.compress.hook import attach, check_options
+
+    known = [n for n in inspect.signature(attach).parameters if n not in ("model", "codec", "process_group")]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"{who}: unknown keyword {unknown[0]!r}; it takes {', '.join(known)} (as thinwire.attach)"
+                        + ("; sync modes are offered in Lightning and accelerate, not here" if "sync" in unknown else ""))
+    check_options(**{k: v for k, v in kwargs.items() if k != "timeout_s"})
+
+
 def to_cpu(obj):
     """``obj`` with every tensor moved to the CPU (a checkpoint readable on any device)."""
     return tree_map(lambda t: t.detach().cpu(), obj)

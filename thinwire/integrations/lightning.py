@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from thinwire.api import attach, sync
-from thinwire.commspec import check_sync_pairing, parse_comm_spec
-from thinwire.integrations import gather_states, need, rank_state
+from thinwire.commspec import check_sync_pairing
+from thinwire.integrations import check_hook_kwargs, gather_states, hook_codec, need, rank_state
 from thinwire.syncspec import parse_sync_spec
 
 pl = need("pytorch_lightning", "lightning")
@@ -53,7 +53,9 @@ class ThinwireStrategy(DDPStrategy):
                                  "replaces it (pass codec= or sync= instead, or use DDPStrategy for PyTorch's hooks)")
         super().__init__(**ddp_kwargs)
         # bad specs fail here, before any process starts
-        self.codec = parse_comm_spec(codec) if isinstance(codec, str) else codec
+        self.codec = hook_codec(codec, "ThinwireStrategy")
+        check_hook_kwargs(dict(error_feedback=error_feedback, warmup_steps=warmup_steps,
+                               min_compress_bytes=min_compress_bytes), "ThinwireStrategy")
         self.sync_spec = parse_sync_spec(sync) if isinstance(sync, str) else sync
         self.sync_spec = check_sync_pairing(self.sync_spec, self.codec)
         self._kwargs = dict(error_feedback=error_feedback, warmup_steps=warmup_steps)

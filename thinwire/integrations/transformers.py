@@ -24,8 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
-from thinwire.commspec import parse_comm_spec
-from thinwire.integrations import log, need, to_cpu, world
+from thinwire.integrations import check_hook_kwargs, hook_codec, log, need, to_cpu, world
 from thinwire.train.checkpoint import save_atomic
 
 need("transformers", "transformers")
@@ -42,7 +41,8 @@ class ThinwireCallback(TrainerCallback):
 
     def __init__(self, trainer, codec: str = "int8", **attach_kwargs) -> None:
         self.trainer = trainer
-        self.codec = parse_comm_spec(codec) if isinstance(codec, str) else codec  # bad specs fail here
+        self.codec = hook_codec(codec, "thinwire.integrations.transformers")  # bad specs fail here
+        check_hook_kwargs(attach_kwargs, "thinwire.integrations.transformers.attach")
         self.attach_kwargs = attach_kwargs
         self.comm = None
 

@@ -170,7 +170,8 @@ class SyncMode:
     @contextlib.contextmanager
     def consensus(self):
         """Inside: the model holds the ranks' average of its parameters and floating-point buffers; after,
-        this rank's own again, untouched, so training goes on (and resumes) exactly as without it.
+        this rank's own again, untouched, so training goes on (and resumes) exactly as without it. A
+        collective: every rank enters it (rank 0 alone would wait for the others without end).
 
         Where ranks diverge (local SGD, DiLoCo, gossip, dynamic averaging) each rank's model is trained on
         its own data since the last average; the model the run stands for is their average (as federated

@@ -56,7 +56,7 @@ class LocalSGD(SyncMode):
             self.anchor = self._flat_params()
 
     def warmup_average(self) -> None:
-        """A synchronous warm-up step: the exact fp32 gradient average."""
+        """A synchronous warm-up step: the exact gradient average, uncompressed (as PyTorch's post-local SGD)."""
         params = self.buckets.params
         flats = self.buckets.flatten([p.grad for p in params])
         for flat in flats:
