@@ -191,8 +191,9 @@ def _from_text(tp: Any, text: str, field: str, allowed: str = "", example: str =
     try:
         return read(text)
     except ValueError:
-        raise ConfigError(field, text, kind + (" or none" if optional else "") + (f" ({allowed})" if allowed and tp is not bool else ""),
-                          example) from None
+        if allowed and tp is not bool:  # true or false says it all
+            kind += f" ({allowed})"
+        raise ConfigError(field, text, kind + (" or none" if optional else ""), example) from None
 
 
 def _bool(text: str) -> bool:

@@ -89,7 +89,7 @@ def gather_states(mine: dict) -> dict:
     return {"world_size": size, "ranks": states}
 
 
-def rank_state(saved: dict | None, where: str) -> dict | None:
+def rank_state(saved: dict | None, where: str, *, warn: bool = True) -> dict | None:
     """This rank's part of :func:`gather_states`' output; None (and a warning) when the saved run had
     another world size: residuals then start empty, which costs accuracy for a few steps, not
     correctness."""
@@ -97,7 +97,8 @@ def rank_state(saved: dict | None, where: str) -> dict | None:
         return None
     rank, size = world()
     if saved.get("world_size") != size:
-        log.warning("thinwire: %s holds state for %s ranks, this run has %s; error-feedback residuals "
-                    "start empty", where, saved.get("world_size"), size)
+        if warn:  # once per checkpoint: a second reader of the same one passes warn=False
+            log.warning("thinwire: %s holds state for %s ranks, this run has %s; error-feedback residuals "
+                        "start empty", where, saved.get("world_size"), size)
         return None
     return saved["ranks"][rank]

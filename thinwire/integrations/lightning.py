@@ -144,7 +144,7 @@ class ThinwireStrategy(DDPStrategy):
         self.comm.load_state_dict(mine["comm"])
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        mine = rank_state(checkpoint.get("thinwire"), "the checkpoint")
+        mine = rank_state(checkpoint.get("thinwire"), "the checkpoint", warn=False)  # said at the model's load
         if mine is None or "optimizers" not in mine:
             return super().load_optimizer_state_dict(checkpoint)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": mine["optimizers"]})

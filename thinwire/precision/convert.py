@@ -50,7 +50,8 @@ def convert(model: nn.Module, mode: str, *, scaling: str = "pow2", stochastic: b
     """Switch ``model`` to ``mode`` in place and return it; :func:`conversion_report` says what changed.
 
     ``exclude``: glob patterns of module names (``"head"``, ``"blocks.*.mlp.0"``; one pattern or a list) to
-    leave in fp32 under int8; a pattern that matches no module is refused (a typo would convert everything). ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`.
+    leave in fp32 under int8; a pattern that matches no module is refused (a typo would convert everything).
+    ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`.
     """
     target = parse_precision(mode)
     if target not in CONVERTERS:
