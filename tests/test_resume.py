@@ -267,3 +267,17 @@ def test_auto_resumes_on_its_plan_and_keeps_its_decisions(tmp_path):
     over = {spec for spec, err in shadow.items() if err > 0.1}
     sent = {spec.split(":")[0] for spec in over}
     assert over and not sent & set(summary["compression_stats"]["counts"]), (over, summary["compression_stats"])
+
+
+def test_the_summary_records_where_a_resume_changed_the_world_size(tmp_path):
+    out = tmp_path / "run"
+    first = thinwire("train", "--workload", "digits", "--nproc", "2", "--steps", "6", "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    assert json.loads((out / "summary.json").read_text())["world_sizes"] == [[0, 2]]
+    second = thinwire("train", "--resume", str(out), "--nproc", "1", "--steps", "10")
+    assert second.returncode == 0, second.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["world_sizes"] == [[0, 2], [6, 1]]
+    third = thinwire("train", "--resume", str(out), "--nproc", "1", "--steps", "12")  # the same size: no new entry
+    assert third.returncode == 0, third.stderr
+    assert json.loads((out / "summary.json").read_text())["world_sizes"] == [[0, 2], [6, 1]]

@@ -120,6 +120,7 @@ class Trainer:
             self.shard = ShardSampler(own, cfg.seed, env.rank)
         self.metrics = MetricsWriter(out, env.is_main, tensorboard=cfg.tensorboard)
         self.step, self.wall_before = 0, 0.0
+        self.world_sizes = [[0, env.world]]  # [step, world size] where the run started or changed size
         self.restarts = env.restart_count + int(os.environ.get(RESTARTS_BEFORE_ENV, 0))  # a switch fallback's too
         self.samples_before = (0, 0)  # (step, samples) where this process started: a resume may change the batch
         self.eval_s = 0.0  # seconds spent validating, this run (the checkpoint carries it)
@@ -416,7 +417,8 @@ class Trainer:
                  "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
-                 "config": to_dict(self.cfg), "world_size": self.env.world, "ranks": ranks, **self._checkpoint_extra()}
+                 "config": to_dict(self.cfg), "world_size": self.env.world, "world_sizes": self.world_sizes, "ranks": ranks,
+                 **self._checkpoint_extra()}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
 
     def _checkpoints_now(self) -> bool:
@@ -481,6 +483,8 @@ class Trainer:
         self._load_model(state)
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
+        history = [list(map(int, w)) for w in state.get("world_sizes") or [[0, state.get("world_size", self.env.world)]]]
+        self.world_sizes = history + ([[self.step, self.env.world]] if history[-1][1] != self.env.world else [])
         self.samples_before = (self.step, int(state.get("samples", self.step * self.batch)))
         # the global batch it was trained with (a config's None: the workload's default)
         self._load_batch = int(state.get("config", {}).get("batch_size") or self.wl.batch_size)
@@ -630,7 +634,7 @@ class Trainer:
         dist.all_reduce(totals)
         summary = {
             "out": str(self.out), "workload": self.cfg.workload, "steps": self.step, "world_size": self.env.world,
-            "samples": self._samples(), "wall_s": self._wall(), **self.last_val,
+            "world_sizes": self.world_sizes, "samples": self._samples(), "wall_s": self._wall(), **self.last_val,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "backend": dist.get_backend(),
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,

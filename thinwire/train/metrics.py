@@ -17,7 +17,8 @@ under ``OUT/tensorboard`` (``tensorboard --logdir OUT``): numbers of step record
 of validation records as ``val/KEY``, both at the record's step; events (restarts, ``auto``'s
 decisions) as text under ``events``.
 
-``OUT/summary.json`` at the end: ``steps``, ``world_size``, ``wall_s``, ``val_loss`` (and
+``OUT/summary.json`` at the end: ``steps``, ``world_size`` (at the end), ``world_sizes`` (``[step, size]`` where
+the run started and wherever a resume or an elastic restart changed it), ``wall_s``, ``val_loss`` (and
 ``val_accuracy`` / ``val_bpb``), ``bytes_sent_total`` (rank 0), ``bytes_sent_total_all_ranks``,
 ``compression``, ``compression_stats`` (``counts`` over the whole run, resumes included), ``lr_horizon``,
 ``precision``, ``peak_memory_bytes``, ``precision_report`` (which layers run in
