@@ -330,6 +330,11 @@ def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(b_model[name], a["model"][name], rtol=0, atol=PARAM_ATOL, msg=name)
     summary = json.loads((piped / "summary.json").read_text())
     assert summary["pipeline"]["stages"] == 4 and summary["pipeline"]["activation_bytes_sent"] > 0
+    clock = summary["pipeline"]["stage_compute"]  # each rank's compute per micro-batch, timed in torch's chunks
+    assert [(c["rank"], c["stages"]) for c in clock] == [(k, [k]) for k in range(4)], clock
+    assert all(c["forward_s_per_microbatch"] > 0 and c["backward_s_per_microbatch"] > 0 and 0 < c["busy"] <= 1
+               for c in clock), clock
+    assert "stage compute" in r.stdout and "ms per micro-batch, busy" in " ".join(r.stdout.split())
     r = thinwire("train", *common, "--nproc", "4", "--pipeline", "1f1b", "--steps", "4", "--out", str(split))
     assert r.returncode == 0, r.stderr[-3000:]
     r = thinwire("train", "--resume", str(split), "--steps", "8")
@@ -369,6 +374,7 @@ def test_train_interleaved_pipeline_matches_one_process_resumes_exactly_and_coun
     assert thinwire("train", *common, "--pipeline", "1f1b", "--steps", "4", "--out", str(plain)).returncode == 0
     inter, one = (json.loads((o / "summary.json").read_text())["pipeline"] for o in (piped, plain))
     assert inter["runs"] == [[0], [1], [2], [3]] and inter["stages"] == 2
+    assert [c["stages"] for c in inter["stage_compute"]] == [[0, 2], [1, 3]]  # both of a rank's stages timed
     assert inter["activation_bytes_sent"] == 3 * one["activation_bytes_sent"]  # 3 links against 1, both ranks
 
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -139,6 +141,7 @@ class PipelineRank:
             self.pipeline_stages = [PipelineStage(submod, stage, stages, device, group=group)]
             self.schedule = SCHEDULES[schedule](self.pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
         self.stage = self.pipeline_stages[0]
+        self.clock = StageClock(self.pipeline_stages)
         self.modules = list(submod.stages) if virtual > 1 else [submod]
         self.group = group
         self.first, self.last = stage == 0, stage == stages - 1
@@ -146,9 +149,13 @@ class PipelineRank:
     def train_step(self, x, y: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one replica batch; the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
-        with _our_errors():
-            self.schedule.step(*self._inputs(x), target=y if self.last else None,
-                               losses=losses if self.last else None, return_outputs=False)
+        self.clock.counting = True
+        try:
+            with _our_errors():
+                self.schedule.step(*self._inputs(x), target=y if self.last else None,
+                                   losses=losses if self.last else None, return_outputs=False)
+        finally:
+            self.clock.counting = False
         for tie in self.ties:
             dist.all_reduce(tie.param.grad, group=tie.group)
         return torch.stack(losses).mean().detach() if self.last else None
@@ -190,6 +197,32 @@ class PipelineRank:
                     if p.grad is not None:
                         p.grad.mul_(coef)
         return norm
+
+
+class StageClock:
+    """Wall seconds this rank spends computing its stages' micro-batches: torch's ``forward_one_chunk`` and
+    ``backward_one_chunk`` of each ``PipelineStage``, which the schedule calls once a chunk's input has
+    arrived; the rest of a step is waiting on the neighbours (or the bubble) and the hand-overs. Counts only
+    while :attr:`counting` (training steps, not validation)."""
+
+    def __init__(self, stages: list[PipelineStage]) -> None:
+        self.forward_s = self.backward_s = 0.0
+        self.counting = False
+        for st in stages:  # the schedule looks the methods up on the instance
+            st.forward_one_chunk = self._timed(st.forward_one_chunk, "forward_s")
+            st.backward_one_chunk = self._timed(st.backward_one_chunk, "backward_s")
+
+    def _timed(self, fn, field: str):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if not self.counting:
+                return fn(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t)
+        return run
 
 
 @dataclasses.dataclass

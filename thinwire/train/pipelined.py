@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import time
 
 import torch
@@ -131,6 +132,7 @@ class PipelineTrainer(Trainer):
         # what a mode may read (pipelines run allreduce, local or diloco; delayed's prediction is not offered here)
         self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip
         ks = self.layout.rank_stages(self.place.stage)
+        self.stage_times: list[tuple[float, float, float]] = []  # (forward, backward, schedule) seconds per step
         self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks], [k == len(self.layout.runs) - 1 for k in ks])
 
     # -- a step --------------------------------------------------------------------------------------
@@ -142,10 +144,13 @@ class PipelineTrainer(Trainer):
         t1 = time.perf_counter()
         sent, acts = self.comm.wire.bytes_sent, self.acts.total
         self.acts.counting = True
+        clock = self.pipe.clock
+        computed = clock.forward_s, clock.backward_s
         with self._autocast():
             loss = self.pipe.train_step(x, y)
         self.acts.counting = False
         t2 = time.perf_counter()
+        self.stage_times.append((clock.forward_s - computed[0], clock.backward_s - computed[1], t2 - t1))
         self.sync.before_step()  # the replicas' average of this stage's gradients
         wait = time.perf_counter() - t2
         skipped = self._optimizer_step()
@@ -244,8 +249,25 @@ class PipelineTrainer(Trainer):
         load_stage_state(self.stage, self.cut.names, shard["stage"])  # a replica's own, between averages
         self.opt.load_state_dict(shard["stage_optimizer"])
 
+    def _stage_compute(self) -> list[dict]:
+        """Every rank's compute per micro-batch and its share of the schedule's time (the rest: waiting on its
+        neighbours, the bubble, the hand-overs), medians over this process's steps after the first
+        (:class:`thinwire.pipeline.runner.StageClock`), in rank order."""
+        times = self.stage_times[1:] or self.stage_times
+        mine = None
+        if times:
+            m = self.layout.microbatches
+            mine = {"rank": self.env.rank, "stages": self.layout.rank_stages(self.place.stage),
+                    "replica": self.place.replica, "host": os.environ.get("THINWIRE_HOST") or socket.gethostname(),
+                    "forward_s_per_microbatch": statistics.median(f for f, _, _ in times) / m,
+                    "backward_s_per_microbatch": statistics.median(b for _, b, _ in times) / m,
+                    "busy": statistics.median((f + b) / w for f, b, w in times if w > 0)}
+        every = [None] * self.env.world
+        dist.all_gather_object(every, mine)
+        return [r for r in every if r is not None]
+
     def _summary_extra(self) -> dict:
-        return {"pipeline": {"spec": self.cfg.pipeline_spec.text, "layout": self.layout.describe(),
+        return {"pipeline": {"stage_compute": self._stage_compute(), "spec": self.cfg.pipeline_spec.text, "layout": self.layout.describe(),
                              "stages": self.layout.stages, "replicas": self.layout.replicas,
                              "microbatches": self.layout.microbatches, "runs": self.layout.runs,
                              "links": self.layout.links, "hosts_in_stage_order": self._stage_hosts(),

@@ -46,4 +46,10 @@ def summary_table(summary: dict) -> Table:
         if k in summary and summary[k] is not None:
             v = summary[k]
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    stages = (summary.get("pipeline") or {}).get("stage_compute")
+    if stages:  # where a pipeline's step goes: each rank's compute per micro-batch, and its busy share
+        t.add_row("stage compute", "\n".join(
+            f"{'/'.join(map(str, r['stages']))} on {r['host']}: "
+            f"{(r['forward_s_per_microbatch'] + r['backward_s_per_microbatch']) * 1e3:.1f} ms per micro-batch, "
+            f"busy {r['busy']:.0%}" for r in stages))
     return t
