@@ -178,8 +178,8 @@ def bench(key: str, seeds: list[int], work: Path) -> dict:
                 profiles[f"{rate}, seed {seed}"] = prof.read_text()
                 for name in sc["contenders"]:
                     if (name in sc.get("unshaped", [])) == (spec != shaped) and "error" not in runs[name][-1]:
-                        step, why = predict_step(sc, sc["contenders"][name], load_cluster_spec(spec), prof, files)
-                        runs[name][-1]["predicted_step_s"] = step
+                        step, why, stage_s = predict_step(sc, sc["contenders"][name], load_cluster_spec(spec), prof, files)
+                        runs[name][-1]["predicted_step_s"], runs[name][-1]["predicted_stage_s"] = step, stage_s
                         print(f"    {name}: predicted {step * 1e3:.0f} ms ({why})", flush=True)
     finally:
         for c in clusters.values():
@@ -288,8 +288,8 @@ def bench_fit(seeds: list[int], work: Path) -> dict:
             prof = probe(FIT, probe_spec, work / f"fit-s{seed}-profile.yaml")
             result["profiles"][f"1gbit without the memory limit, seed {seed}"] = prof.read_text()
             if "error" not in r:
-                r["predicted_step_s"], why = predict_step(FIT, ["--plan", "{plan}"], load_cluster_spec(four), prof,
-                                                          {"plan": str(plan4)})
+                r["predicted_step_s"], why, r["predicted_stage_s"] = predict_step(
+                    FIT, ["--plan", "{plan}"], load_cluster_spec(four), prof, {"plan": str(plan4)})
                 print(f"    predicted {r['predicted_step_s'] * 1e3:.0f} ms ({why})", flush=True)
             ref = work / f"fit-ref-s{seed}"
             argv = [a for a in train_argv(sc, [], ref, seed, one) if a not in ("--cluster", str(one))]
@@ -328,7 +328,7 @@ def fit_markdown(r: dict) -> list[str]:
     step, pred = med(pipe, "median_step_s"), med(pipe, "predicted_step_s")
     if step and pred:
         out.append(f"| median | {step * 1e3:.0f} | {pred * 1e3:.0f} ({(pred / step - 1) * 100:+.0f}%) | | | |")
-    return out + [""]
+    return out + [""] + clock_lines({k: v for k, v in r["runs"].items() if k != "reference, 1 process, no limit"})
 
 
 def probe(sc: dict, spec: Path, out: Path) -> Path:
@@ -345,8 +345,9 @@ def probe(sc: dict, spec: Path, out: Path) -> Path:
     return out
 
 
-def predict_step(sc: dict, args: list[str], spec, profile_path: Path, plans: dict) -> tuple[float, str]:
-    """The model's step for a contender run with ``args`` (a pipeline spec, or a plan) from a probe's profile.
+def predict_step(sc: dict, args: list[str], spec, profile_path: Path, plans: dict) -> tuple[float, str, list[float]]:
+    """The model's step for a contender run with ``args`` (a pipeline spec, or a plan) from a probe's profile,
+    why, and its compute per micro-batch of each stage (forward and backward).
     ``plans`` maps ``plan``/``even`` to a plan file or to its text."""
     from thinwire.measure.file import load_profile
     from thinwire.pipeline.layout import layout
@@ -371,7 +372,7 @@ def predict_step(sc: dict, args: list[str], spec, profile_path: Path, plans: dic
                             replica_batch=lay.replica_batch, activations=lay.links, threads=1,
                             colocated_cores=float(os.cpu_count() or 2), recompute=pipe.recompute,
                             schedule=pipe.schedule)
-    return pred.step_s, pred.bottleneck
+    return pred.step_s, pred.bottleneck, pred.stage_s
 
 
 def add_predictions(result: dict, key: str, work: Path) -> None:
@@ -396,9 +397,9 @@ def add_predictions(result: dict, key: str, work: Path) -> None:
         for name in sc["contenders"]:
             if ("100gbit" if name in sc.get("unshaped", []) else sc["rate"]) != rate:
                 continue
-            step, why = predict_step(sc, sc["contenders"][name], load(path), prof, result["plans"])
+            step, why, stage_s = predict_step(sc, sc["contenders"][name], load(path), prof, result["plans"])
             for run in result["runs"][name]:
-                run["predicted_step_s"] = step
+                run["predicted_step_s"], run["predicted_stage_s"] = step, stage_s
             print(f"[{key}] {name}: predicted {step * 1e3:.0f} ms ({why})", flush=True)
 
 
@@ -431,9 +432,9 @@ def reprice(result: dict, key: str, work: Path) -> None:
             run = result["runs"][name][result["seeds"].index(seed)]
             if "error" in run or run.get("predicted_step_s") is None:
                 continue
-            step, why = predict_step(sc, args, spec, prof, plans)
+            step, why, stage_s = predict_step(sc, args, spec, prof, plans)
             run.setdefault("predicted_step_s_before", run["predicted_step_s"])
-            run["predicted_step_s"] = step
+            run["predicted_step_s"], run["predicted_stage_s"] = step, stage_s
             print(f"[{key}] {name}, seed {seed}: predicted {run['predicted_step_s_before'] * 1e3:.0f} -> {step * 1e3:.0f} ms, "
                   f"measured {run['median_step_s'] * 1e3:.0f} ({why})", flush=True)
 
@@ -452,6 +453,33 @@ def probe_lines(r: dict) -> list[str]:
                    f"{net.get('alpha_s', 0) * 1e3:.2f} ms, {bucket}host speeds (one process alone here = 1) "
                    + ", ".join(f"{h} {v:.2f}" for h, v in hs.items()) + ".")
     return out + ([""] if out else [])
+
+
+def clock_lines(runs: dict) -> list[str]:
+    """Where each contender's step went: every stage's compute per micro-batch as the run timed it (torch's
+    forward and backward chunks, ``summary.json``'s ``pipeline.stage_compute``) and its busy share of the
+    schedule, against the model's compute per micro-batch for that stage; medians over seeds. Runs that
+    predate the stage clock have none."""
+    rows = []
+    for name, rs in runs.items():
+        ok = [x for x in rs if "error" not in x and (x.get("pipeline") or {}).get("stage_compute")]
+        if not ok:
+            continue
+        S = len(ok[0]["pipeline"]["stage_compute"])
+        cells = []
+        for k in range(S):
+            comp = statistics.median((c := x["pipeline"]["stage_compute"][k])["forward_s_per_microbatch"]
+                                     + c["backward_s_per_microbatch"] for x in ok)
+            busy = statistics.median(x["pipeline"]["stage_compute"][k]["busy"] for x in ok)
+            model = [x["predicted_stage_s"][k] for x in ok if len(x.get("predicted_stage_s") or []) == S]
+            cells.append(f"{comp * 1e3:.1f} ({busy:.0%})" + (f" / {statistics.median(model) * 1e3:.1f}" if model else ""))
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    S = max(r.count("|") - 2 for r in rows)
+    return ["Where the step went: each stage's compute per micro-batch in ms as the run timed it (its busy share "
+            "of the schedule) / the model's, medians over seeds.", "",
+            "| contender | " + " | ".join(f"stage {k}" for k in range(S)) + " |", "|---|" + "---:|" * S, *rows, ""]
 
 
 def med(runs: list[dict], field: str) -> float | None:
@@ -487,6 +515,7 @@ def markdown(results: dict) -> str:
             out.append(f"| {name} | {step * 1e3:.0f} | {ctl_step / step:.2f}x | {pred} | "
                        f"{med(runs, 'median_activation_bytes') / 1e6:.2f} | {loss:.4f} | {(loss / ctl_loss - 1) * 100:+.2f}% |")
         out.append("")
+        out += clock_lines(r["runs"])
     return "\n".join(out)
 
 

@@ -35,3 +35,19 @@ def test_reprice_gives_the_committed_predictions_back(tmp_path, capsys):
     assert all(run["predicted_step_s_before"] == -1.0 for r in results.values() for runs in r["runs"].values()
                for run in runs if run.get("predicted_step_s") is not None)
     assert "predicted" in capsys.readouterr().out
+
+
+def test_where_the_step_went_puts_each_stages_timed_compute_beside_the_models():
+    def run(seed, comp, busy, model=None):
+        clock = [{"forward_s_per_microbatch": c / 3, "backward_s_per_microbatch": 2 * c / 3, "busy": b}
+                 for c, b in zip(comp, busy)]
+        return {"seed": seed, "pipeline": {"stage_compute": clock}, **({"predicted_stage_s": model} if model else {})}
+
+    runs = {"fp32": [run(0, [0.001, 0.004], [0.1, 0.5], [0.002, 0.008]), run(1, [0.003, 0.006], [0.3, 0.7],
+                                                                              [0.004, 0.010])],
+            "old": [{"seed": 0, "pipeline": {}}], "failed": [{"error": "x"}]}
+    lines = pipeline.clock_lines(runs)
+    assert "| contender | stage 0 | stage 1 |" in lines
+    assert "| fp32 | 2.0 (20%) / 3.0 | 5.0 (60%) / 9.0 |" in lines  # medians over seeds: timed (busy) / model
+    assert not any(l.startswith("| old") or l.startswith("| failed") for l in lines)
+    assert pipeline.clock_lines({"old": [{"seed": 0, "pipeline": {}}]}) == []
