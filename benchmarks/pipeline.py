@@ -178,7 +178,8 @@ def bench(key: str, seeds: list[int], work: Path) -> dict:
                 profiles[f"{rate}, seed {seed}"] = prof.read_text()
                 for name in sc["contenders"]:
                     if (name in sc.get("unshaped", [])) == (spec != shaped) and "error" not in runs[name][-1]:
-                        step, why, stage_s = predict_step(sc, sc["contenders"][name], load_cluster_spec(spec), prof, files)
+                        step, why, stage_s = predict_step(sc, sc["contenders"][name], load_cluster_spec(spec), prof,
+                                                          files)
                         runs[name][-1]["predicted_step_s"], runs[name][-1]["predicted_stage_s"] = step, stage_s
                         print(f"    {name}: predicted {step * 1e3:.0f} ms ({why})", flush=True)
     finally:
@@ -472,7 +473,8 @@ def clock_lines(runs: dict) -> list[str]:
                                      + c["backward_s_per_microbatch"] for x in ok)
             busy = statistics.median(x["pipeline"]["stage_compute"][k]["busy"] for x in ok)
             model = [x["predicted_stage_s"][k] for x in ok if len(x.get("predicted_stage_s") or []) == S]
-            cells.append(f"{comp * 1e3:.1f} ({busy:.0%})" + (f" / {statistics.median(model) * 1e3:.1f}" if model else ""))
+            cells.append(f"{comp * 1e3:.1f} ({busy:.0%})"
+                         + (f" / {statistics.median(model) * 1e3:.1f}" if model else ""))
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if not rows:
         return []
