@@ -132,7 +132,7 @@ class PipelineTrainer(Trainer):
         # what a mode may read (pipelines run allreduce, local or diloco; delayed's prediction is not offered here)
         self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip
         ks = self.layout.rank_stages(self.place.stage)
-        self.stage_times: list[tuple[float, float, float]] = []  # (forward, backward, schedule) seconds per step
+        self.stage_times: list[tuple] = []  # (forward, backward, schedule, process CPU) seconds per step
         self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks], [k == len(self.layout.runs) - 1 for k in ks])
 
     # -- a step --------------------------------------------------------------------------------------
@@ -145,12 +145,13 @@ class PipelineTrainer(Trainer):
         sent, acts = self.comm.wire.bytes_sent, self.acts.total
         self.acts.counting = True
         clock = self.pipe.clock
-        computed = clock.forward_s, clock.backward_s
+        computed, cpu = (clock.forward_s, clock.backward_s), time.process_time()
         with self._autocast():
             loss = self.pipe.train_step(x, y)
         self.acts.counting = False
         t2 = time.perf_counter()
-        self.stage_times.append((clock.forward_s - computed[0], clock.backward_s - computed[1], t2 - t1))
+        self.stage_times.append((clock.forward_s - computed[0], clock.backward_s - computed[1], t2 - t1,
+                                 time.process_time() - cpu))
         self.sync.before_step()  # the replicas' average of this stage's gradients
         wait = time.perf_counter() - t2
         skipped = self._optimizer_step()
@@ -251,7 +252,8 @@ class PipelineTrainer(Trainer):
 
     def _stage_compute(self) -> list[dict]:
         """Every rank's compute per micro-batch and its share of the schedule's time (the rest: waiting on its
-        neighbours, the bubble, the hand-overs), medians over this process's steps after the first
+        neighbours, the bubble, the hand-overs) and the cores its process used meanwhile, medians over this
+        process's steps after the first
         (:class:`thinwire.pipeline.runner.StageClock`), in rank order."""
         times = self.stage_times[1:] or self.stage_times
         mine = None
@@ -259,9 +261,12 @@ class PipelineTrainer(Trainer):
             m = self.layout.microbatches
             mine = {"rank": self.env.rank, "stages": self.layout.rank_stages(self.place.stage),
                     "replica": self.place.replica, "host": os.environ.get("THINWIRE_HOST") or socket.gethostname(),
-                    "forward_s_per_microbatch": statistics.median(f for f, _, _ in times) / m,
-                    "backward_s_per_microbatch": statistics.median(b for _, b, _ in times) / m,
-                    "busy": statistics.median((f + b) / w for f, b, w in times if w > 0)}
+                    "forward_s_per_microbatch": statistics.median(t[0] for t in times) / m,
+                    "backward_s_per_microbatch": statistics.median(t[1] for t in times) / m,
+                    "busy": statistics.median((t[0] + t[1]) / t[2] for t in times if t[2] > 0),
+                    # every thread's CPU over the schedule's wall time (the schedule's own work and gloo's
+                    # copies included): near the host's quota, the quota paces the stage
+                    "cpu": statistics.median(t[3] / t[2] for t in times if t[2] > 0)}
         every = [None] * self.env.world
         dist.all_gather_object(every, mine)
         return [r for r in every if r is not None]

@@ -51,5 +51,5 @@ def summary_table(summary: dict) -> Table:
         t.add_row("stage compute", "\n".join(
             f"{'/'.join(map(str, r['stages']))} on {r['host']}: "
             f"{(r['forward_s_per_microbatch'] + r['backward_s_per_microbatch']) * 1e3:.1f} ms per micro-batch, "
-            f"busy {r['busy']:.0%}" for r in stages))
+            f"busy {r['busy']:.0%}" + (f", {r['cpu']:.2f} cores" if "cpu" in r else "") for r in stages))
     return t
