@@ -191,6 +191,40 @@ def test_a_model_without_a_layer_list_is_refused_with_the_fix():
     assert [layer.name for layer in layer_list(seq, None)] == ["0", "1"]
 
 
+def test_a_sequential_that_runs_a_module_twice_is_cut_with_both_and_a_list_that_is_not_the_forward_refused():
+    """``named_children()`` lists a repeated module once: the stages then trained a model without its second
+    use. And a layer list whose chain is not the model's forward (a residual around layers) would train another
+    model: the chain check compares one sample through the list with ``model(x)``."""
+    from thinwire.pipeline.stages import check_chain
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    seq = nn.Sequential(lin, nn.Tanh(), lin, nn.Linear(4, 1))
+    layers = layer_list(seq, None)
+    assert [layer.name for layer in layers] == ["0", "1", "2", "3"] and layers[0].module is layers[2].module
+    x = torch.randn(1, 4)
+    check_chain(layers, x, [[0, 1], [2, 3]], ["fp32"], model=seq)
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)) + x
+
+    res = Residual()
+    listed = [Layer("a", res.a), Layer("b", res.b)]
+    with pytest.raises(ThinwireError, match="does not compute the model's forward"):
+        check_chain(listed, x, [[0], [1]], ["fp32"], model=res)
+    check_chain(listed, x, [[0], [1]], ["fp32"])  # without the model: only whether it chains
+    with pytest.raises(ThinwireError, match=r"layer 0 \(b\) cannot take the model's input"):
+        check_chain([Layer("b", nn.Linear(3, 4))], x, [[0]], [], model=None)
+    with pytest.raises(ThinwireError, match=r"bf16 on the link after layer a packs float32 .* outputs float64"):
+        check_chain([Layer("a", nn.Linear(4, 4).double()), Layer("b", nn.Linear(4, 1).double())], x.double(),
+                    [[0], [1]], ["bf16"])
+
+
 def test_the_chain_check_takes_a_batchnorm_model_and_leaves_it_as_it_was():
     """One sample through BatchNorm in training mode is refused ("Expected more than 1 value per channel"):
     the check runs in eval mode, so a model that trains fine is not taken for a list that does not chain,

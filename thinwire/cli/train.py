@@ -270,7 +270,7 @@ def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
 
     layers = layer_list(wl.model, wl.layers, cfg.workload)
     lay = layout_of(cfg.pipeline_spec, layers, world, batch)
-    check_chain(layers, collate(wl.train, [0])[0], lay.runs, lay.links)
+    check_chain(layers, collate(wl.train, [0])[0], lay.runs, lay.links, model=wl.model)
     if cfg.sync_spec.mode == "diloco" and cfg.sync_spec.fragments > 1:  # each rank fragments its own stage(s)
         for rank in range(lay.stages):
             params = {id(p): p for k, run in enumerate(lay.runs) if k % lay.stages == rank

@@ -50,8 +50,8 @@ def layer_list(model: nn.Module, layers: Callable[[nn.Module], list[tuple[str, n
     a module that is not the model's (trained, but in no checkpoint), is refused, naming them."""
     if layers is not None:
         return _cover(model, _call_layers(layers, model, workload), workload)
-    if isinstance(model, nn.Sequential):
-        return [Layer(name, module) for name, module in model.named_children()]
+    if isinstance(model, nn.Sequential):  # every entry, as its forward runs them: named_children() skips a repeat
+        return [Layer(name, module) for name, module in model._modules.items() if module is not None]
     raise ThinwireError(
         f"pipeline: {workload}'s model ({type(model).__name__}) has no layer list to cut into stages. Return "
         "Workload(..., layers=lambda model: [(name, module), ...]) from the workload function (modules in "
@@ -101,38 +101,68 @@ def _cover(model: nn.Module, layers: list[Layer], workload: str) -> list[Layer]:
 
 
 @torch.no_grad()
-def check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]) -> None:
+def check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str], model: nn.Module | None = None) -> None:
     """Run one sample through the layer list in order (every rank, before the stages are cut): a list that
     does not chain, or a stage output a compressed link cannot carry, is refused with the layer's name on
-    every rank at once, not as one stage's crash in the middle of a schedule. In eval mode, so that the probe
-    changes nothing (a BatchNorm's running statistics) and a layer that needs a batch to train on (BatchNorm
-    in training refuses one sample) is not taken for a list that does not chain."""
-    modes = [(m, m.training) for layer in layers for m in layer.module.modules()]
-    for layer in layers:
-        layer.module.eval()
+    every rank at once, not as one stage's crash in the middle of a schedule; with ``model``, a list whose
+    chain does not compute ``model(x)`` (a module the forward uses twice but the list once, a forward that
+    does more than chain its layers) is refused, since the stages would train another model. In eval mode,
+    so that the probe changes nothing (a BatchNorm's running statistics) and a layer that needs a batch to
+    train on (BatchNorm in training refuses one sample) is not taken for a list that does not chain."""
+    modules = [m for layer in layers for m in layer.module.modules()] + (list(model.modules()) if model else [])
+    modes = [(m, m.training) for m in modules]
+    for m in modules:
+        m.eval()
     try:
-        _check_chain(layers, x, runs, links)
+        out = _check_chain(layers, x, runs, links)
+        if model is not None:
+            _check_forward(model, x, out)
     finally:
         for m, training in modes:
             m.training = training
 
 
-def _check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]) -> None:
+def _check_forward(model: nn.Module, x, chained) -> None:
+    try:
+        ref = model(x)
+    except Exception:  # noqa: BLE001 - a model called otherwise than with the batch's x: nothing to compare
+        return
+    a, b = B.tensors(chained), B.tensors(ref)
+    same = len(a) == len(b) and all(
+        u.shape == v.shape and (not u.is_floating_point() or torch.allclose(u.float(), v.float(), rtol=1e-3, atol=1e-5))
+        and (u.is_floating_point() or torch.equal(u, v)) for u, v in zip(a, b))
+    if not same:
+        raise ThinwireError("pipeline: the layer list does not compute the model's forward: one sample through its "
+                            "layers in order gives another output than model(x). A module the forward uses twice "
+                            "must be listed twice, and a forward that does more than call its layers in order (a "
+                            "residual around several of them, a second input) cannot be cut at them: give the "
+                            "workload layers(model) whose chain is the forward.")
+
+
+def _check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]):
+    """The chain's output (see :func:`check_chain`)."""
     ends = {run[-1]: k for k, run in enumerate(runs[:-1])}  # last layer of each stage but the last -> its link
     for i, layer in enumerate(layers):
         try:
             x = layer.module(*x) if isinstance(x, tuple) else layer.module(x)
         except Exception as e:  # noqa: BLE001 - any failure here is the layer list's, named for the user
-            raise ThinwireError(f"pipeline: layer {i} ({layer.name}) cannot take the output of the layer before it "
+            what = "the model's input (a batch's x)" if i == 0 else f"the output of layer {i - 1} ({layers[i - 1].name})"
+            raise ThinwireError(f"pipeline: layer {i} ({layer.name}) cannot take {what} "
                                 f"({type(e).__name__}: {str(e)[:200]}). A workload's layers(model) lists modules in "
-                                "forward order, each taking the previous one's output.") from None
+                                "forward order, the first taking the batch's x, each next one the previous one's "
+                                "output.") from None
         fmt = links[ends[i]] if i in ends else "fp32"
         if fmt != "fp32" and (not torch.is_tensor(x) or not x.is_floating_point()):
             raise ThinwireError(f"pipeline.activations: {fmt} on the link after layer {layer.name} needs one "
                                 f"floating-point tensor, it outputs {type(x).__name__}; use fp32 on that link.")
+        if fmt != "fp32" and x.dtype != torch.float32:
+            raise ThinwireError(f"pipeline.activations: {fmt} on the link after layer {layer.name} packs float32 "
+                                f"activations and unpacks them to float32, it outputs {str(x.dtype).split('.')[-1]}; "
+                                "use fp32 on that link.")
         if fmt == "int8" and x.shape[-1] % 32 and x.shape[-1] % 2:
             raise ThinwireError(f"pipeline.activations: int8 packs rows of an even length; layer {layer.name} "
                                 f"outputs width {x.shape[-1]}; use bf16 (or fp32) on that link.")
+    return x
 
 
 def layer_params(layer: Layer) -> int:

@@ -107,7 +107,7 @@ class PipelineTrainer(Trainer):
         self.signature = ckpt.model_signature(self.wl.model)
         links = self.layout.links
         x, _ = collate(self.wl.train, [0])
-        check_chain(self.layers, B.to(x, device), self.layout.runs, links)
+        check_chain(self.layers, B.to(x, device), self.layout.runs, links, model=self.wl.model)
         self.pipe, stage, self.cut = build_rank(
             self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
