@@ -123,6 +123,49 @@ def test_pipeline_on_4_processes_equals_one_process(schedule, stages, recompute,
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+class _Tied(nn.Module):
+    """Four layers, the third's weight the first's: interleaved on 2 ranks puts both on rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.c.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(self.c(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+def _tied_layers(m):
+    return [Layer("a", nn.Sequential(m.a, nn.Tanh())), Layer("b", nn.Sequential(m.b, nn.Tanh())), Layer("c", m.c),
+            Layer("head", m.head)]
+
+
+def _tied_grads(rank, world, schedule, runs):
+    from thinwire.pipeline.runner import Placement, build_rank
+
+    model = _Tied()
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+    pipe, _, _ = build_rank(model, _tied_layers(model), runs, place=Placement(2, 1, rank), device=torch.device("cpu"),
+                            loss_fn=nn.functional.mse_loss, microbatches=8, schedule=schedule)
+    pipe.train_step(x, y)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("schedule, runs", [("1f1b", [[0, 1], [2, 3]]), ("interleaved", [[0], [1], [2], [3]])])
+def test_a_weight_two_stages_of_one_rank_share_gets_the_one_process_gradient(schedule, runs):
+    """torch's multi-stage runtime divides each stage's gradients by M at that stage's last backward: a
+    tensor two stages of one rank share was divided twice (0.14x here). Gradients are divided once, after."""
+    model = _Tied()
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+    nn.functional.mse_loss(model(x), y).backward()
+    got = {}
+    for grads in run_ranks(_tied_grads, 2, schedule, runs):
+        got.update(grads)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 # -- spec, layout, refusals ---------------------------------------------------------------------------
 def test_pipeline_spec_parses_and_refuses_with_the_field():
     s = parse_pipeline_spec("GPipe:stages=2,microbatches=8")

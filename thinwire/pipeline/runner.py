@@ -136,13 +136,18 @@ class PipelineRank:
         if virtual > 1:
             self.pipeline_stages = [PipelineStage(m, stage + v * stages, stages * virtual, device, group=group)
                                     for v, m in enumerate(submod.stages)]
-            self.schedule = SCHEDULES[schedule](self.pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
         else:
             self.pipeline_stages = [PipelineStage(submod, stage, stages, device, group=group)]
-            self.schedule = SCHEDULES[schedule](self.pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+        # gradients divided by M here, once per tensor: torch's multi-stage runtime divides each stage's at its
+        # last backward, so a tensor two of this rank's stages share (a tied weight) was divided twice, and
+        # what the second stage added after the first one's division not as often
+        self.schedule = SCHEDULES[schedule](self.pipeline_stages if virtual > 1 else self.pipeline_stages[0],
+                                            n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.microbatches = microbatches
         self.stage = self.pipeline_stages[0]
         self.clock = StageClock(self.pipeline_stages)
         self.modules = list(submod.stages) if virtual > 1 else [submod]
+        self.params = list({id(p): p for m in self.modules for p in m.parameters()}.values())
         self.group = group
         self.first, self.last = stage == 0, stage == stages - 1
 
@@ -156,6 +161,9 @@ class PipelineRank:
                                    losses=losses if self.last else None, return_outputs=False)
         finally:
             self.clock.counting = False
+        for p in self.params:  # the losses are means over their micro-batches: the step's gradient is their mean
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
         for tie in self.ties:
             dist.all_reduce(tie.param.grad, group=tie.group)
         return torch.stack(losses).mean().detach() if self.last else None
