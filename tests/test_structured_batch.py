@@ -126,3 +126,38 @@ def test_a_dict_batch_trains_as_its_tensor_twin_on_2_workers_in_micro_batches_an
     assert len(want) == 2
     for name in ("dict", "pipeline", "micro"):
         torch.testing.assert_close(torch.tensor(_val_losses(tmp_path / name)), want, rtol=1e-5, atol=0, msg=name)
+
+
+class TwoHeads(nn.Module):
+    """A last layer with two outputs, as a model with an auxiliary head has."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 1)
+
+    def forward(self, x):
+        o = self.l(x)
+        return o, 0.5 * o
+
+
+def two_output_workload():
+    torch.manual_seed(0)
+    x, y = _data()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), TwoHeads())
+    return thinwire.Workload(model=model, train=TensorDataset(x[:500], y[:500]), val=TensorDataset(x[500:590], y[500:590]),
+                             loss=lambda o, t: nn.functional.mse_loss(o[0], t) + 0.1 * nn.functional.mse_loss(o[1], t),
+                             lr=3e-3, batch_size=16, steps=4)
+
+
+@pytest.mark.slow
+def test_a_model_with_a_tuple_output_validates_in_a_pipeline_as_in_one_process(tmp_path):
+    """90 validation items in batches of 16: the last batch is padded to the schedule's shape, and the padding
+    dropped from every tensor of the output, not from the tuple."""
+    common = ["--workload", "tests.test_structured_batch:two_output_workload", "--steps", "4", "--eval-every", "2",
+              "--set", "eval_batches=0"]
+    for name, args in {"one": [], "pipeline": ["--nproc", "2", "--pipeline", "gpipe"]}.items():
+        r = run_thinwire("train", *common, *args, "--out", str(tmp_path / name))
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+    want = torch.tensor(_val_losses(tmp_path / "one"))
+    assert len(want) == 2
+    torch.testing.assert_close(torch.tensor(_val_losses(tmp_path / "pipeline")), want, rtol=1e-5, atol=0)

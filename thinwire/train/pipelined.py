@@ -198,7 +198,7 @@ class PipelineTrainer(Trainer):
             x, y = (B.tree_map(lambda t: torch.cat([t, t[-1:].expand(per - k, *t.shape[1:])]), v) for v in (x, y))
         with self._autocast():
             out = self.pipe.evaluate(x, y)
-        return out[:k] if out is not None else None
+        return B.tree_map(lambda t: t[:k], out) if out is not None else None  # a tuple's every tensor
 
     # -- checkpoints ---------------------------------------------------------------------------------
     # Each rank writes its stage's parameters and optimizer state to its own shard (checkpoint.save_shard)
