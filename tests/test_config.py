@@ -26,6 +26,10 @@ def test_defaults_and_overrides(tmp_path):
     ({"precision": "fp8"}, r"precision: must be one of 'fp32', 'bf16', 'fp16', 'int8', 'auto', got 'fp8'"),
     ({"error_feedback": "yes"}, r"error_feedback: must be true or false, got 'yes'"),
     ({"data": " "}, r"data: must be a path to a text file or folder, got ' '"),
+    # a spec's keys written as a mapping: the string form, in a file and on the command line
+    ({"pipeline": {"schedule": "1f1b", "stages": 2}}, r"pipeline: must be a string, got .*A pipeline spec is one "
+                                                      r"string.*pipeline: '1f1b:stages=2,microbatches=8' in a config"),
+    ({"sync": {"period": 2}}, r"sync: must be a string.*--sync local:period=8 or --set sync=local:period=8"),
 ])
 def test_train_config_rejections(data, message):
     with pytest.raises(ConfigError, match=message):

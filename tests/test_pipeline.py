@@ -225,6 +225,19 @@ def test_layout_refuses_what_cannot_be_laid_out():
     with pytest.raises(ConfigError,
                        match=r"pipeline\.microbatches.*multiple of its rounds \(micro-batches // stages = 2\)"):
         layout(parse_pipeline_spec("interleaved:stages=2,microbatches=5"), _layers(4), 2, 10)
+    # the defaults interleaved takes are ones it can run: 4 micro-batches of 5, not 5 of 4 (its rounds)
+    assert [layout(parse_pipeline_spec("interleaved"), _layers(4), 2, b).microbatches for b in (20, 28, 10)] == [4, 4, 2]
+    with pytest.raises(ConfigError, match=r"pipeline\.layers: must be one layer count per stage: with interleaved.*"
+                                          r"4 or more.*got '2/2'"):
+        layout(parse_pipeline_spec("interleaved:layers=2/2"), _layers(4), 2, 8)
+    with pytest.raises(ConfigError, match=r"pipeline\.layers:.*4 counts are 4 stages.*run 4 of them, or give 2 counts"):
+        layout(parse_pipeline_spec("1f1b:layers=1/1/1/1"), _layers(4), 2, 8)
+    with pytest.raises(ConfigError, match=r"stages defaults to one per worker: 4 workers"):
+        layout(spec, _layers(3), 4, 32)
+    for bad, match in (("1f1b:stages=2,stages=4", r"pipeline\.stages: must be given once"),
+                       ("none:stages=2", r"pipeline: must be none alone.*takes no keys")):
+        with pytest.raises(ConfigError, match=match):
+            parse_pipeline_spec(bad)
 
 
 def test_a_model_without_a_layer_list_is_refused_with_the_fix():
@@ -301,7 +314,7 @@ SMALL = ["--set", "model.layers=2", "--set", "model.width=32", "--set", "model.h
     (["--nproc", "2", "--workload", "tests.test_pipeline:odd_width", "--pipeline", "gpipe:activations=int8"],
      r"pipeline\.activations: int8 packs rows of an even length; layer 0 outputs width 15"),
     (["--nproc", "2", "--workload", "tests.test_pipeline:wrong_order", "--pipeline", "gpipe"],
-     r"pipeline: layer 1 \(1\) cannot take the output of the layer before it"),
+     r"pipeline: layer 1 \(1\) cannot take the output of layer 0 \(0\)"),
     (["--nproc", "2", "--workload", "tests.test_pipeline:layers_leave_out", "--pipeline", "gpipe"],
      r"pipeline: tests.test_pipeline:layers_leave_out's layer list leaves out 0.weight, 0.bias of the model"),
     (["--nproc", "2", "--workload", "tests.test_pipeline:layers_foreign", "--pipeline", "gpipe"],
@@ -407,6 +420,9 @@ def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(b_model[name], a["model"][name], rtol=0, atol=PARAM_ATOL, msg=name)
     summary = json.loads((piped / "summary.json").read_text())
     assert summary["pipeline"]["stages"] == 4 and summary["pipeline"]["activation_bytes_sent"] > 0
+    per_step = [json.loads(line)["activation_bytes"] for line in (piped / "metrics.jsonl").read_text().splitlines()
+                if "activation_bytes" in line]  # torch's shape inference (steps 1 and 5, after a validation) sends none
+    assert len(per_step) == 8 and len(set(per_step)) == 1, per_step
     clock = summary["pipeline"]["stage_compute"]  # each rank's compute per micro-batch, timed in torch's chunks
     assert [(c["rank"], c["stages"]) for c in clock] == [(k, [k]) for k in range(4)], clock
     assert all(c["forward_s_per_microbatch"] > 0 and c["backward_s_per_microbatch"] > 0 and 0 < c["busy"] <= 1

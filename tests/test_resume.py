@@ -281,3 +281,26 @@ def test_the_summary_records_where_a_resume_changed_the_world_size(tmp_path):
     third = thinwire("train", "--resume", str(out), "--nproc", "1", "--steps", "12")  # the same size: no new entry
     assert third.returncode == 0, third.stderr
     assert json.loads((out / "summary.json").read_text())["world_sizes"] == [[0, 2], [6, 1]]
+
+
+def test_a_resume_with_nothing_to_train_keeps_the_summary_and_one_given_out_by_set_writes_there(tmp_path):
+    """A resume at the run's last step trained nothing and rewrote summary.json without its validation; and
+    ``--resume A --set out=B`` (or ``out:`` in ``--config``) went on writing into A, pruning its checkpoints."""
+    run = tmp_path / "run"
+    assert thinwire("train", "--workload", "digits", "--steps", "10", "--checkpoint-every", "5", "--eval-every", "5",
+                    "--out", str(run)).returncode == 0
+    before = (run / "summary.json").read_bytes()
+    again = thinwire("train", "--resume", str(run))
+    assert again.returncode == 0, again.stderr
+    assert (run / "summary.json").read_bytes() == before and json.loads(before)["val_loss"] is not None
+    other = tmp_path / "other"
+    r = thinwire("train", "--resume", str(run), "--set", f"out={other}", "--steps", "15")
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in sorted((other / "checkpoints").glob("step_*.pt"))] == ["step_000000015.pt"]
+    assert [p.name for p in sorted((run / "checkpoints").glob("step_*.pt"))] == ["step_000000005.pt",
+                                                                                 "step_000000010.pt"]
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"workload: digits\nout: {tmp_path / 'third'}\nsteps: 15\n")
+    assert thinwire("train", "--resume", str(run), "--config", str(conf)).returncode == 0
+    assert (tmp_path / "third" / "checkpoints" / "step_000000015.pt").is_file()
+    assert (run / "summary.json").read_bytes() == before

@@ -94,6 +94,11 @@ def test_a_failed_job_is_named_by_the_worker_that_caused_it(tmp_path):
     msg = str(_worker_failed(ChildFailedError("w", {0: raised, 1: failure(1, -signal.SIGTERM)}), 0))
     assert msg == ("worker 0 failed (stopped by SIGTERM while leaving) after 0 allowed restart(s): AttributeError: 'dict' object has no "
                    "attribute 'to'"), msg
+    # a worker sent SIGTERM itself (not by the agent) catches it and leaves with 143: named as stopped, not failed
+    caught, survivor = failure(1, 128 + signal.SIGTERM), failure(0, LOST_PEER_EXIT)
+    msg = str(_worker_failed(ChildFailedError("w", {0: survivor, 1: caught}), 0, "runs/x"))
+    assert msg.startswith("worker 1 was stopped by SIGTERM after 0 allowed restart(s); worker 0 then lost its "
+                          "connection to it, and the job stopped") and "--resume runs/x" in msg, msg
     both = {0: failure(0, LOST_PEER_EXIT), 1: failure(1, LOST_PEER_EXIT)}  # a cut link: nobody died
     assert str(_worker_failed(ChildFailedError("w", both), 0)).startswith("the workers lost their connections to each other")
 
@@ -152,3 +157,40 @@ def test_ctrl_c_inside_torchs_import_of_numpy_is_not_swallowed(tmp_path):
     assert "Traceback" not in out and out.strip().splitlines()[-1] == \
         "thinwire: stopped by SIGINT; everything already saved is kept", out[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_workers_stop_when_their_launcher_is_killed(tmp_path):
+    """``kill -9`` of ``thinwire train``: its workers were re-parented and trained on, writing into a run folder
+    whose lock had died with the launcher. They stop within a few seconds, keeping the checkpoints."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_cli import ROOT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--nproc", "2", "--workload", "digits",
+                             "--steps", "100000", "--checkpoint-every", "20", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def workers() -> list[int]:
+        found = subprocess.run(["pgrep", "-f", f"thinwire.train.worker {out}"], capture_output=True, text=True)
+        return [int(p) for p in found.stdout.split()]
+
+    try:
+        deadline = time.monotonic() + 120
+        while not list((out / "checkpoints").glob("step_*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(workers()) == 2, "the workers did not start"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while workers() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not workers(), "the workers trained on after their launcher was killed"
+        assert list((out / "checkpoints").glob("step_*.pt"))
+    finally:
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)

@@ -123,7 +123,17 @@ def _scalar(tp: Any, value: Any, field: str) -> Any:
     accepts, allowed, convert = _SCALARS[tp]
     if accepts(value):
         return convert(value)
-    raise ConfigError(field, value, "an integer of 64 bits" if tp is int and _is_int(value) else allowed)
+    fix = ""
+    if tp is str and isinstance(value, dict) and field in SPEC_EXAMPLES:  # a spec's keys written as a mapping
+        ex = SPEC_EXAMPLES[field]
+        fix = (f"A {field} spec is one string, its keys after a colon: {field}: '{ex}' in a config file, "
+               f"--{field} {ex} or --set {field}={ex} on the command line.")
+    raise ConfigError(field, value, "an integer of 64 bits" if tp is int and _is_int(value) else allowed, fix)
+
+
+# fields that hold a spec string (``NAME:key=value,...``), with an example each
+SPEC_EXAMPLES = {"pipeline": "1f1b:stages=2,microbatches=8", "sync": "local:period=8",
+                 "compression": "int8:block=256", "partition": "label_skew:alpha=0.5"}
 
 
 def _is_scalar(tp: Any) -> bool:

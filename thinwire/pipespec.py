@@ -120,6 +120,9 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
         raise ConfigError("pipeline", text, "none or one of " + ", ".join(SCHEDULES), _FIX)
     head, _, params = text.strip().partition(":")
     schedule = head.strip().lower()
+    if schedule == "none":  # keys after none: a pipeline half turned off
+        raise ConfigError("pipeline", text, "none alone, or a schedule (" + ", ".join(SCHEDULES) + ") with its keys",
+                          "none turns the pipeline off and takes no keys: " + _FIX)
     _check(schedule in SCHEDULES, "schedule", head, "none or one of " + ", ".join(SCHEDULES))
     values: dict = {}
     for item in filter(None, (p.strip() for p in params.split(","))):
@@ -127,6 +130,7 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
         _check(bool(sep) and key in ("stages", "microbatches", "layers", "activations", "recompute", "virtual"),
                "key", item, "stages=S, microbatches=M, layers=A/B/..., activations=fp32|bf16|int8, recompute=on|off "
                "or (interleaved) virtual=V (key=value, comma-separated)")
+        _check(key not in values, key, text, "given once", f"Keep one {key}= in the spec.")
         if key == "recompute":
             _check(raw.lower() in ("on", "off"), "recompute", raw, "on or off",
                    "on recomputes each layer's activations in backward: less memory, one more forward.")

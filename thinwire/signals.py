@@ -110,3 +110,29 @@ def deferred() -> Iterator[None]:
         yield
     if received:
         raise Stopped(received[0])
+
+
+ORPHAN_GRACE_S = 10.0  # after its SIGTERM, how long an orphaned worker may take to leave before it is ended
+
+
+def stop_when_orphaned(interval: float = 1.0) -> threading.Thread:
+    """A worker whose agent died (``kill -9`` of ``thinwire train`` or of the user's torchrun: it is re-parented)
+    stops as if the agent had stopped it: a SIGTERM to itself, so it leaves as a stopped worker does; if it
+    has not left ``ORPHAN_GRACE_S`` later (blocked in a collective with a peer that left), it exits at once.
+    Checkpoints are written atomically: it loses at most the steps since the last one. Otherwise it would
+    train on unwatched, writing into a run folder whose lock died with the agent."""
+    import os
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(128 + signal.SIGTERM)
+
+    t = threading.Thread(target=watch, name="thinwire-orphan-watch", daemon=True)
+    t.start()
+    return t

@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _train_as_worker(cfg: TrainConfig, env) -> int:
     """Rank 0 writes the run folder, so it runs the same checks as the CLI's own launch, at every (re)start."""
+    from thinwire.signals import stop_when_orphaned
+
+    stop_when_orphaned()  # the user's torchrun killed: this worker stops too
     if env.rank == 0:
         _prepare(cfg, preflight(cfg, runfolder.torchrun_run_id(), world=env.world))
     code = _train_here(cfg)
@@ -149,7 +152,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
                                       if (v := getattr(cfg, k)) and Path(v).exists()},
                               **{k: _absolute_guard(v) for k in ("sync", "compression")
                                  if isinstance(v := getattr(cfg, k), str) and "guard=" in v})
-    if args.resume and not args.out:
+    if args.resume and not _out_given(args):
         cfg = dataclasses.replace(cfg, out=args.resume)
     if cfg.plan:
         cfg = _pipeline_from_plan(cfg)
@@ -157,6 +160,19 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg = dataclasses.replace(cfg, out=str(Path("runs") / f"{cfg.workload.replace(':', '.')}-{stamp}"))
     return cfg
+
+
+def _out_given(args: argparse.Namespace) -> bool:
+    """Whether the user named the run folder (``--out``, ``--set out=``, ``out:`` in ``--config``): a resume
+    then writes there; else it goes on in the folder it resumes."""
+    if args.out or any(item.partition("=")[0].strip() == "out" for item in args.set or []):
+        return True
+    if args.config:
+        from thinwire.config import load_yaml
+
+        data = load_yaml(Path(args.config))
+        return isinstance(data, dict) and data.get("out") is not None
+    return False
 
 
 def _pipeline_from_plan(cfg: TrainConfig) -> TrainConfig:

@@ -216,6 +216,7 @@ class StageClock:
     def __init__(self, stages: list[PipelineStage]) -> None:
         self.forward_s = self.backward_s = 0.0
         self.counting = False
+        self.in_chunk = False  # inside a micro-batch's forward or backward (not torch's shape inference)
         for st in stages:  # the schedule looks the methods up on the instance
             st.forward_one_chunk = self._timed(st.forward_one_chunk, "forward_s")
             st.backward_one_chunk = self._timed(st.backward_one_chunk, "backward_s")
@@ -223,13 +224,13 @@ class StageClock:
     def _timed(self, fn, field: str):
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            if not self.counting:
-                return fn(*args, **kwargs)
-            t = time.perf_counter()
+            t, self.in_chunk = time.perf_counter(), True
             try:
                 return fn(*args, **kwargs)
             finally:
-                setattr(self, field, getattr(self, field) + time.perf_counter() - t)
+                self.in_chunk = False
+                if self.counting:
+                    setattr(self, field, getattr(self, field) + time.perf_counter() - t)
         return run
 
 

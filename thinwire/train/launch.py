@@ -157,6 +157,9 @@ def _raised(failure) -> str:
     return "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
 
 
+STOPPED_EXITS = tuple(128 + s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM))
+
+
 def _worker_failed(e, max_restarts: int, out: str | None = None) -> ThinwireError:
     """The job's failure, named by the worker that caused it. Once one worker dies the others lose their
     connections to it (they exit with ``LOST_PEER_EXIT``) or are stopped by the agent (SIGTERM), often before
@@ -171,7 +174,11 @@ def _worker_failed(e, max_restarts: int, out: str | None = None) -> ThinwireErro
     failure = failures[rank]
     detail = _raised(failure)
     lost = sorted(r for r, f in failures.items() if f.exitcode == LOST_PEER_EXIT and r != rank)
-    if failure.exitcode < 0 and not detail:
+    # a worker that caught a stop signal itself (sent to it, not by the agent) leaves with 128 + the signal
+    caught = failure.exitcode - 128 if failure.exitcode in STOPPED_EXITS and not detail else None
+    if caught:
+        what = f"worker {rank} was stopped by {signal.Signals(caught).name}"
+    elif failure.exitcode < 0 and not detail:
         what = f"worker {rank} was killed by {failure.signal_name()}"
     elif failure.exitcode == LOST_PEER_EXIT:
         what = (f"the workers lost their connections to each other (worker {rank} first; a network fault, or a "
@@ -182,7 +189,7 @@ def _worker_failed(e, max_restarts: int, out: str | None = None) -> ThinwireErro
         what = f"worker {rank} failed (exit code {failure.exitcode})"
     others = (f"; worker{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} then lost "
               f"{'their' if len(lost) > 1 else 'its'} connection to it") if lost and causes else ""
-    if failure.exitcode < 0 and not detail:  # a signal leaves no message: say what to do instead
+    if (failure.exitcode < 0 or caught) and not detail:  # a signal leaves no message: say what to do instead
         again = f"`thinwire train --resume {out}`" if out else "--resume"
         return ThinwireError(f"{what} after {max_restarts} allowed restart(s){others}, and the job stopped. Go on from "
                              f"its last checkpoint with {again}; --max-restarts N restarts by itself.")

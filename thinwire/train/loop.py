@@ -9,6 +9,7 @@ validate and checkpoint.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -651,6 +652,17 @@ class Trainer:
             **({"offload": self.offload} if self.offload else {}),
             **self._summary_extra(),
         }
+        kept = self.out / "summary.json"
+        if not self.step_times and kept.is_file():  # a resume with nothing to train: the run's summary stands
+            try:
+                summary = json.loads(kept.read_text())
+            except (OSError, ValueError):
+                pass
+            else:
+                if self.env.is_main:
+                    self.metrics.close()
+                    console.print(summary_table(summary))
+                return summary
         if self.env.is_main:
             write_summary(self.out, summary)
             for d in summary.get("auto_decisions", []):  # auto's decisions, for TensorBoard's text tab

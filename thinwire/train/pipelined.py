@@ -48,13 +48,15 @@ class ActivationBytes:
     last), the gradients of its floating-point inputs back (unless the first), counted from the tensors its
     forward sees."""
 
-    def __init__(self, modules: list[torch.nn.Module], first: list[bool], last: list[bool]) -> None:
-        self.total, self.counting = 0, False
+    def __init__(self, modules: list[torch.nn.Module], first: list[bool], last: list[bool], clock=None) -> None:
+        self.total, self.counting, self.clock = 0, False, clock
         for module, f, l in zip(modules, first, last, strict=True):
             module.register_forward_hook(lambda m, i, o, f=f, l=l: self._count(i, o, f, l))
 
     def _count(self, inputs, output, first: bool, last: bool) -> None:
-        if not self.counting:
+        # only a micro-batch's forward: torch's shape inference (a step's first after a start or a validation)
+        # runs the stage once more, and only the shapes travel
+        if not self.counting or (self.clock is not None and not self.clock.in_chunk):
             return
         outs = output if isinstance(output, tuple) else (output,)
         if not last:
@@ -133,7 +135,8 @@ class PipelineTrainer(Trainer):
         self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip
         ks = self.layout.rank_stages(self.place.stage)
         self.stage_times: list[tuple] = []  # (forward, backward, schedule, process CPU) seconds per step
-        self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks], [k == len(self.layout.runs) - 1 for k in ks])
+        self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks], [k == len(self.layout.runs) - 1 for k in ks],
+                                   clock=self.pipe.clock)
 
     # -- a step --------------------------------------------------------------------------------------
     def _train_step(self) -> dict:

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from thinwire.config import from_dict, load_yaml  # noqa: E402
 from thinwire.errors import LOST_PEER_EXIT, LOST_PEER_SAYS, ThinwireError, lost_peer  # noqa: E402
-from thinwire.signals import signum_of, stop_signals_raise  # noqa: E402
+from thinwire.signals import signum_of, stop_signals_raise, stop_when_orphaned  # noqa: E402
 from thinwire.train.config import TrainConfig  # noqa: E402
 
 
@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=f"thinwire[{rank}]: %(message)s")
     path = Path(argv[0])
     cfg = from_dict(TrainConfig, load_yaml(path), where="")
+    stop_when_orphaned()  # its agent killed: out, not on training into the run folder unwatched
     try:
         with stop_signals_raise():
             train(cfg, Path(cfg.out))
