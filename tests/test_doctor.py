@@ -120,6 +120,10 @@ def test_with_the_guard_doctor_recommends_by_time_to_fp32s_loss(digits_profile):
     assert rows["int8"]["time_speedup"] == pytest.approx(2.0 / 1.02)
     assert r["recommendation"]["codec"] == "int8" and "1.02x its samples" in r["recommendation"]["why"]
     assert "topk:ratio=0.01" in r["recommendation"]["why"] and r["guard"] == "p.yaml"
+    # a profile keys its records by the canonical spec (the default ratio left out): the same verdict
+    canon = apply_guard(_report(5.0, digits_profile, trials), {"topk": rec(0.20, 3.0), "int8": rec(0.004, 1.02),
+                                                               "bf16": rec(0.009, 1.3)}, "p.yaml")
+    assert {c["codec"]: c["guard"] for c in canon["codecs"]} == {c["codec"]: c["guard"] for c in r["codecs"]}
     none_left = apply_guard(_report(5.0, digits_profile, trials), {"topk:ratio=0.01": rec(0.2, 3.0)}, "p.yaml")
     assert none_left["recommendation"]["action"] == "keep"  # no record is no promise
 
@@ -196,3 +200,18 @@ def test_the_suggested_command_gives_each_model_option_back_as_it_was():
             key, text = value.split("=", 1)
             back[key.removeprefix("model.")] = parse_value(text, what=f"--set {key}")
     assert back == model
+
+
+def test_a_profile_matches_a_model_whose_options_are_its_defaults_given_or_not():
+    """``--set model.layers=2`` (charlm's default) was refused against a profile made without it by simulate
+    and doctor's guard, while plan took it."""
+    from thinwire.measure.file import Profile
+    from thinwire.errors import ThinwireError
+    from thinwire.sim.inputs import check_profile_matches
+
+    prof = Profile.__new__(Profile)
+    object.__setattr__(prof, "workload", "charlm")
+    object.__setattr__(prof, "model", {"width": 32})
+    check_profile_matches(prof, "charlm", {"width": 32, "layers": 2})
+    with pytest.raises(ThinwireError, match="model options"):
+        check_profile_matches(prof, "charlm", {"width": 32, "layers": 3})

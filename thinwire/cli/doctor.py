@@ -102,8 +102,11 @@ def _guard_records(path: str, cfg) -> dict:
     """The convergence guard's records of ``--guard``'s profile, checked against this job's workload."""
     from thinwire.measure.file import load_profile
 
+    from thinwire.plan.planfile import normalized_model
+
     prof = load_profile(path)
-    if prof.workload != cfg.workload or dict(prof.model) != dict(cfg.model):
+    if prof.workload != cfg.workload or (normalized_model(cfg.workload, prof.model)
+                                         != normalized_model(cfg.workload, cfg.model)):
         raise ThinwireError(f"--guard: {path!r} profiles workload {prof.workload!r} with model options {prof.model}, "
                             f"but doctor runs {cfg.workload!r} with {dict(cfg.model)}; profile this workload "
                             "(`thinwire profile --workload ...`) and pass that file.")

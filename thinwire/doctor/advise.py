@@ -186,9 +186,18 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
     """``report`` with each codec's guard verdict (``records``: codec -> the profile's
     :class:`~thinwire.measure.file.ConvergenceRecord`, from ``source``) and the recommendation made again by
     time to fp32's loss among the codecs the guard lets through (module docstring)."""
+    from thinwire.compress.spec import parse_codec_spec, spec_string
+
+    def canonical(spec: str) -> str:  # the profile keys its records so: topk:ratio=0.01 (the default) is topk
+        try:
+            return spec_string(parse_codec_spec(spec))
+        except Exception:  # noqa: BLE001 - a form the parser does not take is looked up as written
+            return spec
+
+    records = {canonical(k): v for k, v in records.items()}
     for row in report["codecs"]:
         c = row["codec"]
-        r = None if c == "none" else records.get(base_spec(c))  # int8@switch: int8's rounding
+        r = None if c == "none" else records.get(canonical(base_spec(c)))  # int8@switch: int8's rounding
         row["guard"] = ({"reaches": True, "gap": 0.0, "factor": 1.0} if c == "none" else None if r is None else
                         {"reaches": r.reaches and r.factor is not None, "gap": r.relative_gap, "factor": r.factor})
         g = row["guard"]

@@ -207,7 +207,11 @@ def _measured_costs(name: str, codec: Codec, profile: Profile | None) -> dict[st
 
 
 def check_profile_matches(profile: Profile, workload: str, model: dict) -> None:
-    if profile.workload != workload or {k: v for k, v in profile.model.items()} != dict(model):
+    """The profile measured this workload's model: options compared with the workload's defaults filled in
+    (``layers=2`` given or left out is the same model)."""
+    from thinwire.plan.planfile import normalized_model
+
+    if profile.workload != workload or normalized_model(workload, profile.model) != normalized_model(workload, model):
         raise ThinwireError(f"profile: measured workload {profile.workload!r} with model options {profile.model}, "
                             f"but the simulation asks for {workload!r} with {dict(model)}. Profile this workload "
                             "with `thinwire profile` or pass the matching --profile.")
