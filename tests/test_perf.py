@@ -518,6 +518,9 @@ def test_simulate_cli_smoke(tmp_path, capsys):
     (["--hosts", "0,2"], r"--hosts: must be comma-separated host counts >= 1.*got '0,2'"),
     (["--hosts", "two"], r"--hosts: must be comma-separated host counts.*got 'two'"),
     (["--hosts", "8,4,...,2"], r"--hosts: .*The terms must grow"),
+    # refused at once, not after simulating each count (a range this long ran out of memory)
+    (["--hosts", "2,3,...,100000000000"], r"--hosts: must be host counts in \[1, 65536\]"),
+    (["--hosts", "2,3,...,60000"], r"--hosts: must be a sweep of at most 256 host counts"),
     (["--compression", "topk"], r"profile: has no measured cost for codec 'topk'.*--codecs topk"),
     (["--device", "pi9"], r"--device: must be one of .*raspberry-pi-4"),
     (["--scaling", "strong", "--batch-size", "4", "--hosts", "8"], r"--batch-size: must be at least one sample per host"),

@@ -71,6 +71,9 @@ def parse_hosts(text: str) -> list[int]:
     except ValueError:
         raise ConfigError("--hosts", text, allowed) from None
     check(bool(values) and min(values) >= 1, "--hosts", text, allowed)
+    from thinwire.sim.inputs import MAX_HOSTS
+
+    check(max(values) <= MAX_HOSTS, "--hosts", text, f"host counts in [1, {MAX_HOSTS}]")
     if "..." not in parts:
         return values
     check(len(parts) >= 4 and parts[-2] == "..." and parts.count("...") == 1, "--hosts", text, allowed)
@@ -79,8 +82,13 @@ def parse_hosts(text: str) -> list[int]:
     out, x = values[:-1], (b * b // a if b % a == 0 else 2 * b - a)
     while x <= z:
         out.append(x)
+        check(len(out) <= MAX_POINTS, "--hosts", text, f"a sweep of at most {MAX_POINTS} host counts",
+              "Take larger steps (2,4,...,1024 doubles) or a shorter range.")
         x = x * b // a if b % a == 0 else x + (b - a)
     return out
+
+
+MAX_POINTS = 256  # host counts one --hosts sweep may expand to (each is simulated)
 
 
 def run(args: argparse.Namespace) -> int:
