@@ -338,6 +338,17 @@ def _pipeline_plan(spec, profile, options, workload, all_hosts, head, t0, *, fit
         raise fits_nowhere(spec, profile, options, workload)
     pipe = plan_pipeline(spec, profile, batch=options.batch_size, threads=options.threads or profile.threads,
                          colocated_cores=options.colocated_cores)
+    if pipe is None and fits_one:  # data parallelism fits (where memory allows): say so, not "fits nowhere"
+        from thinwire.plan.pipeline import smallest_stage_memory
+
+        least = smallest_stage_memory(profile, min(len(spec.hosts), len(profile.layers)), batch=options.batch_size)
+        small = [h.name for h in spec.hosts if h.memory is not None and h.memory < least]
+        raise ThinwireError(
+            f"plan: --pipeline: no pipeline over all {len(spec.hosts)} hosts fits: a stage of its smallest split "
+            f"still needs {least / 2**20:.1f} MiB, more than {', '.join(small) or 'some host'} "
+            f"{'have' if len(small) > 1 else 'has'}. Data parallelism fits where memory allows: plan without "
+            "--pipeline (hosts that cannot hold the model are left out), or give those hosts more memory "
+            "(hosts[].memory).")
     if pipe is None:
         raise fits_nowhere(spec, profile, options, workload)
     baselines = {}
