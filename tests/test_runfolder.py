@@ -81,6 +81,12 @@ def test_never_started_folder_is_taken_over_nonempty_refused(tmp_path):
     with pytest.raises(ThinwireError, match=r"out: folder '.*other' is not empty \(it holds notes.txt\); a run "
                                             r"starts in a new or empty folder"):
         RunFolder(_cfg(other), "r1")
+    mine = tmp_path / "mine"  # the user's own config.yaml, no run's marker: not a run to take over
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my notes\nsteps: 5\n")
+    with pytest.raises(ThinwireError, match=r"out: folder '.*mine' is not empty \(it holds config.yaml\)"):
+        RunFolder(_cfg(mine), "r1")
+    assert (mine / "config.yaml").read_text() == "# my notes\nsteps: 5\n"
     (other / "notes.txt").unlink()  # a refused folder is not left locked
     assert RunFolder(_cfg(other), "r1").kind == "new"
     (tmp_path / "file").write_text("x")

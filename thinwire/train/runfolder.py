@@ -127,14 +127,16 @@ def _classify(cfg, out: Path, run_id: str) -> str:
     found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not found:
         return "new"
-    if set(found) <= NEVER_STARTED:  # claimed, then refused inside a worker or by the launch: nothing to lose
+    # claimed (the marker), then refused inside a worker or by the launch: nothing to lose. Without the marker
+    # a config.yaml (or hosts/) is the user's own, not a run's
+    if MARKER in found and set(found) <= NEVER_STARTED:
         return "taken over"
     raise _refusal(cfg, out, found)
 
 
 def _refusal(cfg, out: Path, found: list[str]) -> ThinwireError:
     where = repr(str(out))
-    if not any(name in RUN_FILES for name in found):
+    if not any(name in RUN_FILES for name in found) or (MARKER not in found and set(found) <= NEVER_STARTED):
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         return ThinwireError(f"out: folder {where} is not empty (it holds {shown}); a run starts in a new or empty "
                              "folder. Pass another --out; nothing was changed.")
