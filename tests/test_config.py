@@ -48,7 +48,14 @@ def test_config_file_errors(tmp_path):
         load_train_config(str(tmp_path / "missing.yaml"), {}, [])
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: [1,\n")
-    with pytest.raises(ConfigError, match=r"config file '.*bad.yaml': must be valid YAML, got 'while parsing"):
+    with pytest.raises(ConfigError, match=r"config file '.*bad.yaml': must be valid YAML, got 'line 2, column 1'. "
+                                          r"While parsing a flow"):
+        load_train_config(str(bad), {}, [])
+    bad.write_text("steps: 5\nmodel:\n  width: 32\n" + "# a long comment " * 10 + "\n layers: 1\n")  # line 5
+    with pytest.raises(ConfigError, match=r"must be valid YAML, got 'line 5, column 2'. While parsing a block mapping"):
+        load_train_config(str(bad), {}, [])
+    bad.write_text("steps: 5\n\tmodel: 3\n")
+    with pytest.raises(ConfigError, match=r"got 'line 2, column 1'. .*found character '\\t' that cannot start"):
         load_train_config(str(bad), {}, [])
     with pytest.raises(ConfigError, match=r"--set: must be KEY=VALUE"):
         load_train_config(None, {}, ["steps"])

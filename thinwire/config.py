@@ -307,7 +307,7 @@ def parse_yaml(text: str | bytes, *, what: str) -> Any:
     except _YamlRefused as e:
         raise ConfigError(what, e.value, e.allowed, e.fix) from None
     except yaml.YAMLError as e:
-        raise ConfigError(what, _first_line(e), "valid YAML", "Check the line and column named.") from None
+        raise ConfigError(what, _where(e), "valid YAML", f"{_problem(e)} Fix that line.") from None
 
 
 def _decode(data: bytes, what: str) -> str:
@@ -318,9 +318,17 @@ def _decode(data: bytes, what: str) -> str:
                           f"Byte {e.start} is not UTF-8; save the file as UTF-8.") from None
 
 
-def _first_line(e: yaml.YAMLError) -> str:
-    text = " ".join(str(e).split())
-    return text[:300]
+def _where(e: yaml.YAMLError) -> str:
+    """Where the parser found the problem (1-based, as editors count), short enough to be shown whole."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "its text"
+
+
+def _problem(e: yaml.YAMLError) -> str:
+    """The parser's own words: what it was parsing and what it found there."""
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    text = "; ".join(p for p in parts if p) or " ".join(str(e).split())[:200]
+    return text[0].upper() + text[1:] + "."
 
 
 def parse_value(text: str, *, what: str) -> Any:
