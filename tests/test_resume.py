@@ -304,3 +304,17 @@ def test_a_resume_with_nothing_to_train_keeps_the_summary_and_one_given_out_by_s
     assert thinwire("train", "--resume", str(run), "--config", str(conf)).returncode == 0
     assert (tmp_path / "third" / "checkpoints" / "step_000000015.pt").is_file()
     assert (run / "summary.json").read_bytes() == before
+
+
+def test_a_resume_refused_by_the_trainer_leaves_the_runs_config_as_it_was(tmp_path):
+    """The memory budget is checked where the trainer sets up, after config.yaml was written: the refused
+    resume left its budget in the run's config, and every plain --resume after it was refused again."""
+    run = tmp_path / "run"
+    assert thinwire("train", "--workload", "digits", "--steps", "10", "--checkpoint-every", "5",
+                    "--out", str(run)).returncode == 0
+    before = (run / "config.yaml").read_bytes()
+    refused = thinwire("train", "--resume", str(run), "--steps", "15", "--memory-budget", "1KiB")
+    assert refused.returncode != 0 and "memory_budget: must be at least" in refused.stderr, refused.stderr[-2000:]
+    assert (run / "config.yaml").read_bytes() == before
+    again = thinwire("train", "--resume", str(run), "--steps", "15")
+    assert again.returncode == 0, again.stderr[-2000:]

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import datetime
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -98,18 +99,30 @@ def run(args: argparse.Namespace) -> int:
     if env.launched:  # under the user's torchrun: this process is a worker
         return _train_as_worker(cfg, env)
     folder = preflight(cfg, runfolder.new_run_id())
+    config = Path(cfg.out) / "config.yaml"
+    kept = config.read_bytes() if config.is_file() else None  # a resume in place: its config until a step lands
+    last = ckpt.latest(Path(cfg.out))
     _prepare(cfg, folder)
-    if cfg.cluster:
-        from thinwire.train.cluster_launch import launch_cluster
+    try:
+        if cfg.cluster:
+            from thinwire.train.cluster_launch import launch_cluster
 
-        launch_cluster(cfg, Path(cfg.out) / "config.yaml")
+            launch_cluster(cfg, config)
+            return 0
+        if cfg.nproc == 1 and cfg.max_restarts == 0:
+            return _train_here(cfg)
+        from thinwire.train.launch import launch_local
+
+        launch_local(cfg, config)  # this process keeps the folder's lock while they run
         return 0
-    if cfg.nproc == 1 and cfg.max_restarts == 0:
-        return _train_here(cfg)
-    from thinwire.train.launch import launch_local
-
-    launch_local(cfg, Path(cfg.out) / "config.yaml")  # this process keeps the folder's lock while they run
-    return 0
+    except BaseException:
+        # refused by the workers (or stopped) before a checkpoint of the new configuration: the run's folder
+        # stays as it was, its config.yaml included, so that a plain --resume goes on as before
+        if kept is not None and ckpt.latest(Path(cfg.out)) == last:
+            tmp = config.with_name(config.name + ".tmp")
+            tmp.write_bytes(kept)
+            os.replace(tmp, config)
+        raise
 
 
 def _train_as_worker(cfg: TrainConfig, env) -> int:
