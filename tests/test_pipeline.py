@@ -401,6 +401,13 @@ def test_a_stage_without_parameters_trains_and_resumes(tmp_path):
     r = thinwire("train", "--resume", str(out), "--steps", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    # a shard lost: refused once, before any worker starts, saying which file to move to go on from the one before
+    (out / "checkpoints" / "shards" / "step_000000004.rank00001.pt").unlink()
+    before = (out / "config.yaml").read_bytes()
+    r = thinwire("train", "--resume", str(out), "--steps", "6")
+    assert r.returncode == 2 and r.stderr.count("is incomplete") == 1, r.stderr[-3000:]
+    assert "Move step_000000004.pt out of" in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+    assert (out / "config.yaml").read_bytes() == before
 
 
 def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):

@@ -378,8 +378,11 @@ def _check_guards(cfg: TrainConfig) -> None:
 
     for field in ("sync", "compression"):
         for path in re.findall(r"guard=([^,]+)", str(getattr(cfg, field))):
+            from thinwire.plan.planfile import normalized_model
+
             prof = load_profile(path)
-            if prof.workload != cfg.workload or dict(prof.model) != dict(cfg.model):
+            if prof.workload != cfg.workload or (normalized_model(cfg.workload, prof.model)
+                                                 != normalized_model(cfg.workload, cfg.model)):
                 raise ConfigError(f"{field}.guard", path, f"a profile of this run's workload ({cfg.workload!r} with "
                                   f"model options {dict(cfg.model)})", f"it profiles {prof.workload!r} with "
                                   f"{dict(prof.model)}; profile this workload (`thinwire profile --workload "
@@ -406,6 +409,7 @@ def _check_resume(cfg: TrainConfig, wl) -> None:
         return
     state = ckpt.load(found)
     ckpt.check_signature(found, state["signature"], ckpt.model_signature(wl.model))
+    ckpt.check_shards(found, state)  # a pipeline's stages: found missing here, not in every worker at once
 
 
 def _prepare(cfg: TrainConfig, folder: runfolder.RunFolder) -> None:

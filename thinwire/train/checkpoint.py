@@ -111,7 +111,8 @@ def load_shard(main: Path, rank: int) -> dict:
     path = shard_path(main, rank)
     if not path.is_file():
         raise ThinwireError(f"checkpoint {str(main)!r} is incomplete: its shard {path.name} (rank {rank}'s stage) is "
-                            "missing. Resume from another checkpoint or start a new run without --resume.")
+                            f"missing. Move {main.name} out of {main.parent} to resume from the checkpoint before it, "
+                            "or start a new run without --resume.")
     return load_shard_file(path)
 
 
@@ -120,6 +121,19 @@ def load_shard_file(path: Path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ThinwireError(f"checkpoint shard {str(path)!r} is not a thinwire checkpoint (format {FORMAT} expected).")
     return state
+
+
+def check_shards(main: Path, state: dict) -> None:
+    """Every shard a pipelined checkpoint names is there and readable (checked before any worker starts)."""
+    for rank in range(int(state.get("shards") or 0)):
+        path = shard_path(main, rank)
+        try:
+            load_shard(main, rank)
+        except ThinwireError as e:
+            if not path.is_file():
+                raise
+            raise ThinwireError(f"{e} Move {main.name} and its shards out of {main.parent} to resume from the "
+                                "checkpoint before it.") from None
 
 
 def model_state(main: Path, state: dict) -> dict:
