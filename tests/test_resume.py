@@ -318,3 +318,21 @@ def test_a_resume_refused_by_the_trainer_leaves_the_runs_config_as_it_was(tmp_pa
     assert (run / "config.yaml").read_bytes() == before
     again = thinwire("train", "--resume", str(run), "--steps", "15")
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_precision_auto_resumes_with_the_mode_its_run_chose():
+    """``--precision auto`` chose again at every resume or restart, from timings that vary: a run could train
+    its first part in int8 and the rest in fp32. The choice is checkpointed and resumed."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        first = thinwire("train", "--workload", "digits", "--steps", "6", "--checkpoint-every", "3", "--precision", "auto",
+                         "--out", str(run))
+        assert first.returncode == 0, first.stderr[-2000:]
+        chosen = json.loads((run / "summary.json").read_text())["precision_report"]["mode"]
+        assert _final_model(run)["precision_mode"] == chosen
+        second = thinwire("train", "--resume", str(run), "--steps", "9")
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert f"precision auto: {chosen}, as the run chose at its start" in " ".join(second.stdout.split())
+        assert json.loads((run / "summary.json").read_text())["precision_report"]["mode"] == chosen

@@ -173,7 +173,7 @@ class Trainer:
         cfg, env, device = self.cfg, self.env, self.device
         model = self.wl.model.to(device)
         self.prec = prepare_precision(  # int8 layers, auto choice, micro-batches under memory_budget
-            model, cfg.precision, device=device, batch=self.shares[env.rank], loss_fn=self.wl.loss,
+            model, self._precision_mode(), device=device, batch=self.shares[env.rank], loss_fn=self.wl.loss,
             sample=sample_from(self.wl.train, collate, device, cfg.seed), memory_budget=cfg.memory_budget,
             optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=cfg.weight_decay), clip=cfg.grad_clip)
         if self.planned:
@@ -419,6 +419,7 @@ class Trainer:
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
                  "config": to_dict(self.cfg), "world_size": self.env.world, "world_sizes": self.world_sizes, "ranks": ranks,
+                 "precision_mode": self.prec.mode,
                  **self._checkpoint_extra()}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
 
@@ -464,6 +465,21 @@ class Trainer:
             if self.step >= self.steps:
                 console.print(f"[yellow]the run is already at step {self.step} and --steps is {self.steps}: nothing "
                               f"to train. Pass a larger --steps to go on.[/yellow]")
+
+    def _precision_mode(self) -> str:
+        """``--precision``, but ``auto`` resumed (or restarted) takes the mode its run chose and checkpointed:
+        choosing again could change the arithmetic in the middle of a run (the trials' timings vary)."""
+        if self.cfg.precision != "auto":
+            return self.cfg.precision
+        box = [None]
+        if self.env.is_main and (source := self._resume_source()) is not None:
+            box[0] = ckpt.load(source).get("precision_mode")
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return "auto"
+        if self.env.is_main:
+            console.print(f"precision auto: {box[0]}, as the run chose at its start (its checkpoint)")
+        return box[0]
 
     def _resume_source(self) -> Path | None:
         if not self.env.is_main:
