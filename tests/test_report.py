@@ -154,3 +154,16 @@ def test_runs_whose_folders_share_a_name_get_names_that_tell_them_apart(tmp_path
     _run(tmp_path / "solo", 3.0)
     names = [r.name for r in _runs([str(tmp_path / "int8" / "run"), str(tmp_path / "fp32" / "run"), str(tmp_path / "solo")])]
     assert names == ["int8/run", "fp32/run", "solo"]
+
+
+def test_a_record_cut_short_by_a_crash_does_not_swallow_the_next_runs_first(tmp_path):
+    """A crash mid-write leaves a last line without its newline; the resumed run's first record (its resume
+    event) was glued onto it and lost with it."""
+    from thinwire.train.metrics import MetricsWriter, scan_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    w = MetricsWriter(tmp_path, enabled=True)
+    w.write({"event": "resume", "step": 1})
+    w.close()
+    records, skipped = scan_metrics(tmp_path)
+    assert records == [{"step": 1, "loss": 2.0}, {"event": "resume", "step": 1}] and sum(skipped.values()) == 1

@@ -65,6 +65,11 @@ class MetricsWriter:
     def __init__(self, out: Path, enabled: bool, tensorboard: bool = False) -> None:
         self.enabled = enabled
         self._f = open(out / METRICS, "a", buffering=1) if enabled else None
+        if self._f is not None and self._f.tell() > 0:  # a record cut short by a crash: the next starts a line
+            with open(out / METRICS, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._f.write("\n")
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
