@@ -59,3 +59,14 @@ def test_config_file_errors(tmp_path):
         load_train_config(str(bad), {}, [])
     with pytest.raises(ConfigError, match=r"--set: must be KEY=VALUE"):
         load_train_config(None, {}, ["steps"])
+
+
+def test_a_run_folder_written_with_a_tilde_in_a_config_is_under_home(tmp_path, monkeypatch):
+    """``out: ~/x`` in YAML (or --set out=~/x) made a folder named '~' in the working directory."""
+    import argparse
+
+    from thinwire.cli.train import FLAGS, resolve_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = argparse.Namespace(**{**{k: None for k in FLAGS}, "config": None, "resume": None, "set": ["out=~/runs/x"]})
+    assert resolve_config(args).out == str(tmp_path / "runs" / "x")

@@ -160,6 +160,9 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         saved = Path(args.resume) / "config.yaml"
         base = str(saved) if saved.is_file() else _config_of_checkpoint(Path(args.resume))
     cfg = load_train_config(base, overrides, args.set)
+    # a path written ~/... in a config file or --set (the shell expands only the flags' own)
+    cfg = dataclasses.replace(cfg, **{k: os.path.expanduser(v) for k in ("out", "cluster", "plan", "data")
+                                      if isinstance(v := getattr(cfg, k), str) and v.startswith("~")})
     # the files a run names, absolute in its config.yaml: a --resume from another folder finds them
     cfg = dataclasses.replace(cfg, **{k: str(Path(v).resolve()) for k in ("cluster", "plan", "data")
                                       if (v := getattr(cfg, k)) and Path(v).exists()},
