@@ -215,3 +215,18 @@ def test_a_profile_matches_a_model_whose_options_are_its_defaults_given_or_not()
     check_profile_matches(prof, "charlm", {"width": 32, "layers": 2})
     with pytest.raises(ThinwireError, match="model options"):
         check_profile_matches(prof, "charlm", {"width": 32, "layers": 3})
+
+
+def test_a_model_that_says_more_communication_than_was_measured_charges_no_negative_cost(digits_profile):
+    """A profile with one slow outlier step prices a large straggler allowance; where the model's DDP step then
+    exceeds the measured one, the difference was charged per byte as a negative cost, and every codec that sends
+    fewer bytes came out slower than DDP fp32 (0.74-0.85x)."""
+    import dataclasses
+
+    noisy = dataclasses.replace(digits_profile, compute=[dataclasses.replace(c, std_s=c.backward_s * 5)
+                                                         for c in digits_profile.compute])
+    r = _report(0.002, noisy)
+    assert r["model"]["charged_per_byte_s"] >= 0 and r["model"]["unexplained_comm_s"] >= 0
+    assert all(c["model_speedup"] >= 1 - 1e-9 for c in r["codecs"]), [(c["codec"], c["model_speedup"]) for c in r["codecs"]]
+    one = _report(0.002, digits_profile, hosts=1)  # a single rank: its DDP step's excess over the floor is noise
+    assert one["measured"]["comm_share"] == 0 and one["model"]["unexplained_comm_s"] == 0

@@ -60,7 +60,7 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
     p = len(ranks)
     floors = [r["floor_s"] for r in ranks]
     ddp = statistics.median(r["ddp_s"] for r in ranks)
-    comm_share = max(0.0, 1 - max(floors) / ddp)
+    comm_share = max(0.0, 1 - max(floors) / ddp) if p > 1 else 0.0  # one rank sends nothing: the rest is noise
     comp = compute_at(profile, per_rank_batch)
     speeds = [comp.total_s / f for f in floors]
     net = Network(alpha_s=network["alpha_s"], beta_s_per_byte=network["beta_s_per_byte"])
@@ -70,7 +70,9 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
                              codec_steals_compute=steals) for c in codecs}
     pn = preds["none"]
     # the measured communication cost the model does not explain, charged per byte (module docstring)
-    unexplained = (ddp - max(floors)) - (pn.step_s - pn.compute_s)
+    # never negative: where the model says more than was measured (a noisy profile's straggler allowance), a
+    # negative charge per byte would make every codec that sends less look slower
+    unexplained = max(0.0, (ddp - max(floors)) - (pn.step_s - pn.compute_s)) if p > 1 else 0.0
     per_byte = unexplained / pn.bytes_per_rank if pn.bytes_per_rank else 0.0
 
     def calibrated(pr) -> float:
