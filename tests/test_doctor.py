@@ -227,6 +227,7 @@ def test_a_model_that_says_more_communication_than_was_measured_charges_no_negat
                                                          for c in digits_profile.compute])
     r = _report(0.002, noisy)
     assert r["model"]["charged_per_byte_s"] >= 0 and r["model"]["unexplained_comm_s"] >= 0
-    assert all(c["model_speedup"] >= 1 - 1e-9 for c in r["codecs"]), [(c["codec"], c["model_speedup"]) for c in r["codecs"]]
+    assert all(c["model_speedup"] >= 1 - 1e-9 for c in r["codecs"]), [(c["codec"], c["model_speedup"])
+                                                                     for c in r["codecs"]]
     one = _report(0.002, digits_profile, hosts=1)  # a single rank: its DDP step's excess over the floor is noise
     assert one["measured"]["comm_share"] == 0 and one["model"]["unexplained_comm_s"] == 0

@@ -327,8 +327,8 @@ def test_precision_auto_resumes_with_the_mode_its_run_chose():
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        first = thinwire("train", "--workload", "digits", "--steps", "6", "--checkpoint-every", "3", "--precision", "auto",
-                         "--out", str(run))
+        first = thinwire("train", "--workload", "digits", "--steps", "6", "--checkpoint-every", "3", "--precision",
+                         "auto", "--out", str(run))
         assert first.returncode == 0, first.stderr[-2000:]
         chosen = json.loads((run / "summary.json").read_text())["precision_report"]["mode"]
         assert _final_model(run)["precision_mode"] == chosen
