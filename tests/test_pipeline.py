@@ -791,6 +791,9 @@ def test_simulate_prices_an_interleaved_pipeline_per_stage_and_says_when_the_pro
     assert "8-stage pipeline, 2 per rank" in outs["new"] and "│ 7 │ h3 │ blocks.7+head" in outs["new"]
     assert "has no interleaved runtime's overhead" in outs["old"]
     assert "has no interleaved runtime's overhead" not in outs["new"]
+    pipe = json.loads((tmp_path / "new" / "simulate.json").read_text())["pipeline"]  # the file has the table's numbers
+    assert pipe["spec"] == "interleaved" and len(pipe["stages"]) == 8 and pipe["predicted_step_s"] > 0
+    assert pipe["stages"][7]["host"] == "h3" and pipe["stages"][7]["layers"] == ["blocks.7", "head"]
     for bad in ("2f2b", "interleaved:virtual=1"):  # refused before anything is written
         r = thinwire("simulate", "--profile", str(new), "--cluster", str(spec), "--pipeline", bad, "--batch-size", "8",
                      "--out", str(tmp_path / "bad"))

@@ -781,6 +781,8 @@ def test_simulate_shows_every_mode_side_by_side(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "sync modes at 2 hosts" in out
     assert all(mode in out for mode in ("allreduce", *SHOWN)), out
+    rows = json.loads((tmp_path / "sim" / "simulate.json").read_text())["sync_modes"]  # the file has them too
+    assert [r["sync"] for r in rows] == ["allreduce", *SHOWN] and all(r["step_s"] > 0 for r in rows)
 
 
 def test_simulate_refuses_a_bad_sync(tmp_path, capsys):

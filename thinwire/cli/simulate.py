@@ -164,7 +164,10 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
             "profile": args.profile, "colocated_cores": opts.colocated_cores}
     own = next((pt for pt in points if pt.p == len(spec.hosts)), points[0])
     # the pipeline's table first: a --pipeline the layout refuses stops before anything is written
-    pipeline = _pipeline_table(args, spec, profile, opts, default_batch, own) if args.pipeline else None
+    pipeline, pipeline_row = _pipeline_table(args, spec, profile, opts, default_batch, own) if args.pipeline else (None,
+                                                                                                                None)
+    sync_table, sync_rows = _sync_table(spec, profile, opts, default_batch, own) if args.sync == "all" else (None, None)
+    meta.update({k: v for k, v in (("pipeline", pipeline_row), ("sync_modes", sync_rows)) if v is not None})
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(output.to_json(points, meta))
     title = f"{args.workload} on {spec.name}, {opts.codec}"
@@ -175,8 +178,8 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
         return 0
     console = Console()
     console.print(output.table(points, f"predicted: {title} ({opts.scaling} scaling)"))
-    if args.sync == "all":
-        console.print(_sync_table(spec, profile, opts, default_batch, own))
+    if sync_table is not None:
+        console.print(sync_table)
     if pipeline is not None:
         console.print(pipeline)
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
@@ -184,8 +187,9 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     return 0
 
 
-def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> Table:
-    """``--pipeline``: the pipeline's predicted step and its parts, against data parallelism on the same hosts."""
+def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> tuple[Table, dict]:
+    """``--pipeline``: the pipeline's predicted step and its parts, against data parallelism on the same hosts
+    (a table, and its numbers for simulate.json)."""
     from thinwire.pipeline.layout import layout
     from thinwire.pipespec import parse_pipeline_spec
     from thinwire.sim.output import _ms
@@ -208,14 +212,20 @@ def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> Table
                     f"paced by {pred.bottleneck}{stale}")
     for col in ("stage", "host", "layers", "compute / micro-batch", "sending / micro-batch", "link to next"):
         t.add_column(col, justify="left" if col in ("host", "layers") else "right")
-    for s, run in enumerate(lay.runs):
-        t.add_row(str(s), stage_hosts[s % lay.stages].name, "+".join(lay.layer_names[i] for i in run),
-                  _ms(pred.stage_s[s]), _ms(pred.send_s[s]), lay.links[s] if s < len(lay.links) else "-")
-    return t
+    rows = [{"stage": s, "host": stage_hosts[s % lay.stages].name, "layers": [lay.layer_names[i] for i in run],
+             "compute_s_per_microbatch": pred.stage_s[s], "sending_s_per_microbatch": pred.send_s[s],
+             "link_to_next": lay.links[s] if s < len(lay.links) else None} for s, run in enumerate(lay.runs)]
+    for r in rows:
+        t.add_row(str(r["stage"]), r["host"], "+".join(r["layers"]), _ms(r["compute_s_per_microbatch"]),
+                  _ms(r["sending_s_per_microbatch"]), r["link_to_next"] or "-")
+    return t, {"spec": pipe.text, "layout": lay.describe(), "predicted_step_s": pred.step_s,
+               "data_parallel_step_s": own.prediction.step_s, "paced_by": pred.bottleneck,
+               "microbatches": lay.microbatches, "stages": rows}
 
 
 def _sync_table(spec, profile, opts, default_batch: int, own):
-    """``--sync all``: every mode of :data:`thinwire.syncspec.SHOWN` at the cluster's own host count."""
+    """``--sync all``: every mode of :data:`thinwire.syncspec.SHOWN` at the cluster's own host count (a table,
+    and its rows for simulate.json)."""
     import dataclasses
 
     from rich.table import Table
@@ -227,13 +237,17 @@ def _sync_table(spec, profile, opts, default_batch: int, own):
     t = Table(title=f"sync modes at {own.p} hosts, {opts.codec} (loss at equal samples: measured, not predicted)")
     for col in ("mode", "step", "vs allreduce", "wire/step"):
         t.add_column(col, justify="left" if col == "mode" else "right")
-    t.add_row("allreduce", _ms(own.prediction.step_s), "1.00x", _bytes(own.prediction.bytes_per_rank))
+    rows = [{"sync": "allreduce", "hosts": own.p, "step_s": own.prediction.step_s, "speedup": 1.0,
+             "bytes_per_step": own.prediction.bytes_per_rank}]
     for text in SHOWN:
         pts = simulate(spec, profile, dataclasses.replace(opts, sync=parse_sync_spec(text), hosts=[own.p]),
                        default_batch=default_batch)
         pt = pts[0]
-        t.add_row(text, _ms(pt.sync_step_s), f"{own.prediction.step_s / pt.sync_step_s:.2f}x", _bytes(pt.sync_bytes_per_step))
-    return t
+        rows.append({"sync": text, "hosts": own.p, "step_s": pt.sync_step_s,
+                     "speedup": own.prediction.step_s / pt.sync_step_s, "bytes_per_step": pt.sync_bytes_per_step})
+    for r in rows:
+        t.add_row(r["sync"], _ms(r["step_s"]), f"{r['speedup']:.2f}x", _bytes(r["bytes_per_step"]))
+    return t, rows
 
 
 def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: Path) -> int:
