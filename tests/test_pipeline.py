@@ -409,6 +409,11 @@ def test_a_stage_without_parameters_trains_and_resumes(tmp_path):
     assert r.returncode == 2 and r.stderr.count("is incomplete") == 1, r.stderr[-3000:]
     assert "Move step_000000004.pt out of" in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
     assert (out / "config.yaml").read_bytes() == before
+    (out / "checkpoints" / "shards" / "step_000000004.rank00001.pt").write_bytes(b"not a checkpoint")  # damaged
+    r = thinwire("train", "--resume", str(out), "--steps", "6")
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "has a damaged shard, step_000000004.rank00001.pt" in text, text[-2000:]
+    assert "Move step_000000004.pt and its shards out of" in text and "Remove it" not in text
 
 
 def test_train_pipeline_matches_one_process_and_resumes_exactly(tmp_path):

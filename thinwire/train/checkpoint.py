@@ -132,8 +132,10 @@ def check_shards(main: Path, state: dict) -> None:
         except ThinwireError as e:
             if not path.is_file():
                 raise
-            raise ThinwireError(f"{e} Move {main.name} and its shards out of {main.parent} to resume from the "
-                                "checkpoint before it.") from None
+            why = str(e).split(". ")[0].split(" is ", 1)[-1]  # "corrupt, truncated or ...": the reason alone
+            raise ThinwireError(f"checkpoint {str(main)!r} has a damaged shard, {path.name} (rank {rank}'s stage): it "
+                                f"is {why}. Move {main.name} and its shards out of {main.parent} to resume from the "
+                                "checkpoint before it, or start a new run without --resume.") from None
 
 
 def model_state(main: Path, state: dict) -> dict:
