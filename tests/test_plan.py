@@ -540,6 +540,19 @@ def test_a_plan_on_fewer_hosts_pays_for_validating_more_items_on_each():
     assert light.chosen.name == alone.chosen.name
 
 
+def test_a_host_left_out_for_its_share_of_validation_is_explained_by_it_not_by_its_steps():
+    """A quarter-core host steps fine with a smaller share, but validation is split evenly: the plan leaves it
+    out for that, and said "every step would otherwise wait for it ... -7.1 ms slower"."""
+    plan = plan_for(four(h3={"cpu": 0.25}), eval_every=1, eval_batches=20)
+    assert plan.chosen.left_out == ["h3"]
+    line = next(line for line in plan.explanation if line.startswith("Leaving out h3"))
+    assert "costs more in its share of each validation" in line and "would otherwise wait" not in line, line
+    assert " -" not in line  # no negative saving
+    slow = plan_for(four(h3={"cpu": 0.1}), eval_every=1, eval_batches=20)  # this one does slow every step
+    assert "every step would otherwise wait for it" in next(line for line in slow.explanation
+                                                             if line.startswith("Leaving out h3"))
+
+
 def test_validation_items_follow_the_trainers_subset():
     from thinwire.plan.planner import validation_items
     from thinwire.workloads.base import eval_subset

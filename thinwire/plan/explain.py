@@ -112,8 +112,16 @@ def _left_out_line(pb: Problem, c: Scored) -> str | None:
         return f"Leaving out {reasons}: the global batch is smaller than the number of hosts."
     codecs = lay.codecs if ok else ("none",) * len(lay.codecs)
     alt = score(pb, Layout(everyone, got[0], tuple(micro_for(k, s) for k, s in zip(caps, got[0])), None, codecs))
-    return (f"Leaving out {reasons}: every step would otherwise wait for it (its compute or its link); keeping it (balanced shares, a flat ring, "
-            f"the same codecs) is predicted at {_ms(alt.step_s)}, {_ms(alt.step_s - c.step_s)} slower.")
+    keeping = "keeping it (balanced shares, a flat ring, the same codecs)"
+    if alt.step_s > c.step_s:
+        return (f"Leaving out {reasons}: every step would otherwise wait for it (its compute or its link); {keeping} "
+                f"is predicted at {_ms(alt.step_s)} per step, {_ms(alt.step_s - c.step_s)} slower.")
+    # its steps are not slower: what it costs is elsewhere (its share of each validation, a codec's samples)
+    where = ("its share of each validation, split evenly over the hosts" if alt.val_per_step_s > c.val_per_step_s
+             else "the samples its codecs need")
+    return (f"Leaving out {reasons}: {keeping} steps in {_ms(alt.step_s)}, {_ms(c.step_s - alt.step_s)} faster, but "
+            f"costs more in {where}: {_ms(alt.time_s)} against {_ms(c.time_s)} per fp32-equivalent step, "
+            "validation included.")
 
 
 def _grouping_line(pb: Problem, c: Scored) -> str | None:
