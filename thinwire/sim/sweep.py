@@ -55,7 +55,8 @@ class SimOptions:
         check(self.mfu is None or 0 < self.mfu <= 1, "--mfu", self.mfu, "a fraction of peak in (0, 1]",
               "0.3-0.5 is typical for training; leave it out to use the profile's measured compute.")
         check_range("--j-per-bit", self.j_per_bit, 0, 1, kind="joules per bit",
-                    fix="The internet's is about 6e-8 (Aslan et al. 2018); leave it out for that default.")
+                    fix=f"The internet's is about {J_PER_BIT_INTERNET:.1e} (Aslan et al. 2018, 0.06 kWh/GB); "
+                        "leave it out for that default.")
         get_device_checked(self.device)
         check(self.aggregation in ("ring", "switch"), "--aggregation", self.aggregation, "ring or switch")
         if self.aggregation == "switch":
