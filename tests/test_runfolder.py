@@ -242,3 +242,21 @@ def test_a_run_on_a_full_disk_stops_with_one_line_and_says_where_to_go_on(tmp_pa
         assert not list((disk / "run" / "checkpoints").iterdir())
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_start_rank_0_refuses_ends_every_rank_at_once(tmp_path):
+    """Rank 0 refuses the folder; rank 1 waits in init_process_group, in C++, where Python's SIGTERM handler never
+    runs: torchrun waited its 30 s grace before SIGKILL. The wait now ends at the agent's SIGTERM."""
+    out = tmp_path / "trx"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "thinwire", "train", "--workload", "digits", "--steps", "5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and "is not empty (it holds notes.txt)" in proc.stderr, proc.stderr[-2000:]
+    assert took < 25 and "forcefully exiting via 9" not in proc.stderr, (took, proc.stderr[-2000:])
+    assert (out / "notes.txt").read_text() == "mine"

@@ -136,3 +136,16 @@ def stop_when_orphaned(interval: float = 1.0) -> threading.Thread:
     t = threading.Thread(target=watch, name="thinwire-orphan-watch", daemon=True)
     t.start()
     return t
+
+
+@contextlib.contextmanager
+def stop_signals_end_process() -> Iterator[None]:
+    """Inside the block a stop signal ends the process at once, as the OS's default action does: for a wait in C++
+    that keeps Python's handlers from running (a rank in ``init_process_group`` waiting for a rank 0 that refused
+    to start: torchrun's SIGTERM then went unheard for its 30 s grace). Nothing is written before the process
+    group exists, so nothing is lost. No-op off the main thread."""
+    with handlers_restored():
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
+        yield

@@ -72,11 +72,15 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 300.0) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    from thinwire.signals import stop_signals_end_process
+
     if env.launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend, store=_attempt_store(env, timeout), rank=env.rank, world_size=env.world,
-                                timeout=timeout)
+        with stop_signals_end_process():  # a stop while it waits for the other ranks ends it at once
+            dist.init_process_group(backend, store=_attempt_store(env, timeout), rank=env.rank, world_size=env.world,
+                                    timeout=timeout)
     elif env.launched:
-        dist.init_process_group(backend, timeout=timeout)
+        with stop_signals_end_process():
+            dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
