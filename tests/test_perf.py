@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import types
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,13 @@ def test_stragglers_and_cpu_shares():
     assert corun_factor([0.875, 0.25, 0.875], 2, measured) == 0.85
     assert corun_factor([0.5, 0.5], 2, measured) == 1.0  # capped hosts leaving a core idle: nobody time-shares
     assert corun_factor([1.0, 1.0], 2, measured) == 0.95 and corun_factor([0.4] * 5, 4, measured) == 0.95  # capped, 2 of 4 cores busy
+    # two single-thread hosts on more cores keep two busy, not their fair shares' worth: more cores is not slower
+    from thinwire.sim.inputs import host_speeds
+
+    prof = types.SimpleNamespace(corun_speed={"2": 0.9, "3": 0.8, "4": 0.7})
+    got = [host_speeds(cpu_shares([None, None], c), profile_threads=1, threads=1, profile=prof, colocated_cores=c)
+           for c in (2, 4, 16)]
+    assert got == [[0.9, 0.9]] * 3, got
     assert blom_z(1) == 0.0
     z = [blom_z(p) for p in (2, 8, 64, 1024)]
     assert z == sorted(z) and 3.0 < z[-1] < 3.3  # the expected max of 1024 normals is ~3.2 sigma

@@ -83,7 +83,8 @@ def host_speeds(cores: list[float], *, profile_threads: int, threads: int, profi
     speeds = [min(c, threads) / profile_threads for c in cores]
     if colocated_cores and profile is not None and profile.corun_speed:
         corun = {int(k): v for k, v in profile.corun_speed.items()}
-        factor = corun_factor(cores, math.ceil(colocated_cores), corun)
+        # a host's process keeps at most its threads busy, whatever share of the cores it may have
+        factor = corun_factor([min(c, threads) for c in cores], math.ceil(colocated_cores), corun)
         speeds = [v * factor for v in speeds]
     return speeds
 
