@@ -1490,3 +1490,17 @@ def test_credit_probe_keeps_the_fastest_rep_so_trips_held_up_by_a_busy_machine_d
     t = {x: [t0 + max(0, x - bucket) / rate_Bps] * 5 for x in (4, size, 2 * size)}
     t[4] = t[4][:2] + [t0 + 4e-3] * 3
     assert network.credit_bytes(t[4], t[size], t[2 * size], rate_Bps=rate_Bps, size=size) == pytest.approx(bucket)
+
+
+def test_simulate_counts_the_worker_process_and_says_which_hosts_cannot_hold_a_rank(tmp_path, capsys):
+    """It showed 11.9 MB per rank and no word on hosts of 100 MiB, where plan said the process alone needs
+    249 MiB and the model fits nowhere."""
+    spec = tmp_path / "small.yaml"
+    spec.write_text("name: small\ndefaults: {bandwidth: 1gbit, cpu: 1.0}\nhosts: [{name: a, memory: 100MiB}, "
+                    "{name: b}]\n")
+    prof = _profile_file(tmp_path, runtime_bytes=250 * 2**20)
+    rc = _cli("simulate", "--cluster", spec, "--profile", prof, "--out", tmp_path / "sim")
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "a (100 MiB): below the" in out and "b (" not in out.split("a (100 MiB)")[0], out[-2000:]
+    point = json.loads((tmp_path / "sim" / "simulate.json").read_text())["points"][-1]
+    assert point["memory"]["runtime"] == 250 * 2**20 and point["memory_per_rank_bytes"] > 250 * 2**20

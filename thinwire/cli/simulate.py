@@ -182,6 +182,11 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
         console.print(sync_table)
     if pipeline is not None:
         console.print(pipeline)
+    short = [h for h in spec.hosts if h.memory is not None and h.memory < own.memory.total]
+    if short:  # the model prices time only: a host that cannot hold a rank would refuse the run
+        console.print(f"[yellow]{', '.join(f'{h.name} ({h.memory / 2**20:.0f} MiB)' for h in short)}: below the "
+                      f"{own.memory.total / 2**20:.0f} MiB a rank needs here (mem/rank): training there would be "
+                      "refused or killed; `thinwire plan` leaves such hosts out or pipelines the model.[/yellow]")
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
                   "scaling.png, timeline.png")
     return 0

@@ -36,15 +36,17 @@ class MemoryEstimate:
     buckets: int
     residuals: int
     activations: int
+    runtime: int = 0  # the worker process itself before its model (Python, torch): the profile's, where measured
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buckets + self.residuals + self.activations
+        return (self.params + self.grads + self.optimizer + self.buckets + self.residuals + self.activations
+                + self.runtime)
 
 
 def memory_per_rank(n_params: int, *, optimizer: str = "adamw", bytes_per_param: int = 4,
                     residual_values: int = 0, activation_bytes: int = 0,
-                    gradient_as_bucket_view: bool = False) -> MemoryEstimate:
+                    gradient_as_bucket_view: bool = False, runtime_bytes: int = 0) -> MemoryEstimate:
     """Bytes one rank holds (see the module docstring). ``residual_values``: fp32 residual entries."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
@@ -54,7 +56,7 @@ def memory_per_rank(n_params: int, *, optimizer: str = "adamw", bytes_per_param:
     return MemoryEstimate(
         params=n_params * bytes_per_param, grads=grads, optimizer=n_params * OPTIMIZER_STATE_BYTES[optimizer],
         buckets=0 if gradient_as_bucket_view else n_params * 4, residuals=residual_values * 4,
-        activations=activation_bytes,
+        activations=activation_bytes, runtime=runtime_bytes,
     )
 
 

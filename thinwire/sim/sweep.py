@@ -172,7 +172,8 @@ def _point(p, b, pred, compute_unit_s, reference_s, speeds, cores, hosts, device
                          j_per_bit=opts.j_per_bit)
     numels = [bk.numel for bk in pred.buckets]
     mem = memory_per_rank(sum(numels), residual_values=sum(bk.residual_values for bk in pred.buckets),
-                          activation_bytes=int(profile.activation_bytes_per_sample * b))
+                          activation_bytes=int(profile.activation_bytes_per_sample * b),
+                          runtime_bytes=int(profile.runtime_bytes or 0))
     n = 4 * sum(numels)
     dense = {"ring": coll.ring_allreduce_s(n, p, alpha=net.alpha_s, beta=net.beta_s_per_byte),
              "halving_doubling": coll.halving_doubling_allreduce_s(n, p, alpha=net.alpha_s, beta=net.beta_s_per_byte),
