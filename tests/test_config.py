@@ -57,6 +57,11 @@ def test_config_file_errors(tmp_path):
     bad.write_text("steps: 5\n\tmodel: 3\n")
     with pytest.raises(ConfigError, match=r"got 'line 2, column 1'. .*found character '\\t' that cannot start"):
         load_train_config(str(bad), {}, [])
+    bad.write_text("workload: digits\nsteps: ten\n")  # a value from the file: the error says which file
+    with pytest.raises(ConfigError, match=r"steps: must be an integer or null, got 'ten'. It is in config file '.*bad"):
+        load_train_config(str(bad), {}, [])
+    with pytest.raises(ConfigError, match=r"steps: must be an integer or null, got 'x'$"):  # from --set: no file named
+        load_train_config(str(bad), {}, ["steps=x"])
     with pytest.raises(ConfigError, match=r"--set: must be KEY=VALUE"):
         load_train_config(None, {}, ["steps"])
 

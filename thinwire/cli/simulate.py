@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
                    help="also price a sync mode: delayed, local:period=H, diloco:period=H[,fragments=F] (columns next to "
                    "allreduce's), or all: a table of the modes side by side")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="also price a pipeline over the spec's hosts, e.g. 1f1b, "
-                   "gpipe:layers=3/2/2/1,activations=int8 (as `train --pipeline`), beside data parallelism")
+                   "gpipe:layers=2/1/1,activations=int8 (as `train --pipeline`), beside data parallelism")
     p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
     p.add_argument("--scaling", default="weak", choices=["weak", "strong"],

@@ -223,7 +223,15 @@ def load_train_config(path: str | dict | None, overrides: dict, sets: list[str])
                 raise ConfigError(".".join(keys), value, "a key under a mapping")
         node[keys[-1]] = value
     data.update(flags)
-    return from_dict(TrainConfig, data, where="")
+    try:
+        return from_dict(TrainConfig, data, where="")
+    except ConfigError as e:
+        top = str(e.field).split(".")[0].split("[")[0]
+        given = set(flags) | {parse_override(item)[0][0] for item in sets}
+        if isinstance(path, (str, Path)) and top not in given:  # the value came from the file: say which
+            fix = f"{e.fix.rstrip('.')}. " if e.fix else ""
+            raise ConfigError(e.field, e.value, e.allowed, f"{fix}It is in config file {str(path)!r}.") from None
+        raise
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
