@@ -336,3 +336,15 @@ def test_precision_auto_resumes_with_the_mode_its_run_chose():
         assert second.returncode == 0, second.stderr[-2000:]
         assert f"precision auto: {chosen}, as the run chose at its start" in " ".join(second.stdout.split())
         assert json.loads((run / "summary.json").read_text())["precision_report"]["mode"] == chosen
+
+
+def test_a_resume_with_another_seed_or_codec_says_so(tmp_path):
+    run = tmp_path / "run"
+    assert thinwire("train", "--workload", "digits", "--steps", "4", "--checkpoint-every", "2",
+                    "--out", str(run)).returncode == 0
+    r = thinwire("train", "--resume", str(run), "--steps", "6", "--seed", "5", "--compression", "int8")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "resumed with other settings than the checkpoint's: --seed 0 -> 5" in text, text[-2000:]
+    assert "--compression none -> int8" in text
+    same = thinwire("train", "--resume", str(run), "--steps", "8")
+    assert "other settings" not in " ".join(same.stdout.split())

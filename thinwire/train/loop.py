@@ -466,6 +466,17 @@ class Trainer:
                 console.print(f"[yellow]the run is already at step {self.step} and --steps is {self.steps}: nothing "
                               f"to train. Pass a larger --steps to go on.[/yellow]")
 
+    def _note_changes(self, saved: dict) -> None:
+        """Say where this job's seed, partition or codec differ from the checkpoint's: the run goes on, but from
+        here its data order (seed), its ranks' shards (partition) or its bytes (compression) are another run's."""
+        what = {"seed": "the data order and per-rank randomness", "partition": "each rank's shard of the data",
+                "compression": "what crosses the wire, and its error-feedback residuals"}
+        changed = [f"--{k} {saved[k]} -> {getattr(self.cfg, k)} ({v})" for k, v in what.items()
+                   if k in saved and saved[k] != getattr(self.cfg, k)]
+        if changed and self.env.is_main:
+            console.print(f"[yellow]resumed with other settings than the checkpoint's: {'; '.join(changed)}; the run "
+                          "goes on from its checkpoint, no longer bit-identical to one that kept them[/yellow]")
+
     def _precision_mode(self) -> str:
         """``--precision``, but ``auto`` resumed (or restarted) takes the mode its run chose and checkpointed:
         choosing again could change the arithmetic in the middle of a run (the trials' timings vary)."""
@@ -508,6 +519,7 @@ class Trainer:
         self.eval_s = float(state.get("eval_s", 0.0))
         self.eval_due = bool(state.get("eval_due", False))  # a validation waiting for the ranks' next average
         self._load_horizon(state)
+        self._note_changes(state.get("config", {}))
         self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
         ranks = state["ranks"]
         if self._same_ranks(state):
