@@ -105,7 +105,8 @@ def _cover(model: nn.Module, layers: list[Layer], workload: str) -> list[Layer]:
 
 
 @torch.no_grad()
-def check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str], model: nn.Module | None = None) -> None:
+def check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str],
+                model: nn.Module | None = None) -> None:
     """Run one sample through the layer list in order (every rank, before the stages are cut): a list that
     does not chain, or a stage output a compressed link cannot carry, is refused with the layer's name on
     every rank at once, not as one stage's crash in the middle of a schedule; with ``model``, a list whose
@@ -150,7 +151,8 @@ def _check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]
         try:
             x = layer.module(*x) if isinstance(x, tuple) else layer.module(x)
         except Exception as e:  # noqa: BLE001 - any failure here is the layer list's, named for the user
-            what = "the model's input (a batch's x)" if i == 0 else f"the output of layer {i - 1} ({layers[i - 1].name})"
+            what = ("the model's input (a batch's x)" if i == 0
+                    else f"the output of layer {i - 1} ({layers[i - 1].name})")
             raise ThinwireError(f"pipeline: layer {i} ({layer.name}) cannot take {what} "
                                 f"({type(e).__name__}: {str(e)[:200]}). A workload's layers(model) lists modules in "
                                 "forward order, the first taking the batch's x, each next one the previous one's "

@@ -418,8 +418,8 @@ class Trainer:
                  "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
-                 "config": to_dict(self.cfg), "world_size": self.env.world, "world_sizes": self.world_sizes, "ranks": ranks,
-                 "precision_mode": self.prec.mode,
+                 "config": to_dict(self.cfg), "world_size": self.env.world, "world_sizes": self.world_sizes,
+                 "ranks": ranks, "precision_mode": self.prec.mode,
                  **self._checkpoint_extra()}
         ckpt.save(self.out, state, self.cfg.keep_checkpoints)
 
@@ -511,7 +511,8 @@ class Trainer:
         self._load_model(state)
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.wall_before = int(state["step"]), float(state["wall_s"])
-        history = [list(map(int, w)) for w in state.get("world_sizes") or [[0, state.get("world_size", self.env.world)]]]
+        history = [list(map(int, w))
+                   for w in state.get("world_sizes") or [[0, state.get("world_size", self.env.world)]]]
         self.world_sizes = history + ([[self.step, self.env.world]] if history[-1][1] != self.env.world else [])
         self.samples_before = (self.step, int(state.get("samples", self.step * self.batch)))
         # the global batch it was trained with (a config's None: the workload's default)

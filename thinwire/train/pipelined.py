@@ -135,8 +135,8 @@ class PipelineTrainer(Trainer):
         self.sync.optimizer, self.sync.clip = self.opt, cfg.grad_clip
         ks = self.layout.rank_stages(self.place.stage)
         self.stage_times: list[tuple] = []  # (forward, backward, schedule, process CPU) seconds per step
-        self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks], [k == len(self.layout.runs) - 1 for k in ks],
-                                   clock=self.pipe.clock)
+        self.acts = ActivationBytes(self.pipe.modules, [k == 0 for k in ks],
+                                   [k == len(self.layout.runs) - 1 for k in ks], clock=self.pipe.clock)
 
     # -- a step --------------------------------------------------------------------------------------
     def _train_step(self) -> dict:
@@ -275,7 +275,8 @@ class PipelineTrainer(Trainer):
         return [r for r in every if r is not None]
 
     def _summary_extra(self) -> dict:
-        return {"pipeline": {"stage_compute": self._stage_compute(), "spec": self.cfg.pipeline_spec.text, "layout": self.layout.describe(),
+        return {"pipeline": {"stage_compute": self._stage_compute(), "spec": self.cfg.pipeline_spec.text,
+                             "layout": self.layout.describe(),
                              "stages": self.layout.stages, "replicas": self.layout.replicas,
                              "microbatches": self.layout.microbatches, "runs": self.layout.runs,
                              "links": self.layout.links, "hosts_in_stage_order": self._stage_hosts(),
