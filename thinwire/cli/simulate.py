@@ -164,9 +164,9 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
             "profile": args.profile, "colocated_cores": opts.colocated_cores}
     own = next((pt for pt in points if pt.p == len(spec.hosts)), points[0])
     # the pipeline's table first: a --pipeline the layout refuses stops before anything is written
-    pipeline, pipeline_row = _pipeline_table(args, spec, profile, opts, default_batch, own) if args.pipeline else (None,
-                                                                                                                None)
-    sync_table, sync_rows = _sync_table(spec, profile, opts, default_batch, own) if args.sync == "all" else (None, None)
+    none = (None, None)
+    pipeline, pipeline_row = _pipeline_table(args, spec, profile, opts, default_batch, own) if args.pipeline else none
+    sync_table, sync_rows = _sync_table(spec, profile, opts, default_batch, own) if args.sync == "all" else none
     meta.update({k: v for k, v in (("pipeline", pipeline_row), ("sync_modes", sync_rows)) if v is not None})
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(output.to_json(points, meta))
