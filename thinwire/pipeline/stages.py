@@ -52,9 +52,7 @@ def layer_list(model: nn.Module, layers: Callable[[nn.Module], list[tuple[str, n
         return _cover(model, _call_layers(layers, model, workload), workload)
     if isinstance(model, nn.Sequential):  # every entry, as its forward runs them: named_children() skips a repeat
         return [Layer(name, module) for name, module in model._modules.items() if module is not None]
-    from thinwire.workloads.registry import WorkloadName
-
-    if workload in {w.value for w in WorkloadName}:  # a built-in workload: nothing the user can add
+    if ":" not in workload and workload != "the workload":  # built in (a user's is module:function): nothing to add
         raise ThinwireError(f"pipeline: the built-in workload {workload} ({type(model).__name__}) has no layer list "
                             "to cut into stages; charlm has one. Pipeline charlm, or a workload of your own that "
                             "returns Workload(..., layers=lambda model: [(name, module), ...]).")

@@ -210,9 +210,10 @@ def _measured_costs(name: str, codec: Codec, profile: Profile | None) -> dict[st
 def check_profile_matches(profile: Profile, workload: str, model: dict) -> None:
     """The profile measured this workload's model: options compared with the workload's defaults filled in
     (``layers=2`` given or left out is the same model)."""
-    from thinwire.plan.planfile import normalized_model
+    from thinwire.workloads.registry import model_defaults
 
-    if profile.workload != workload or normalized_model(workload, profile.model) != normalized_model(workload, model):
+    defaults = model_defaults(workload)  # the same filling as plan's (thinwire.plan.planfile.normalized_model)
+    if profile.workload != workload or {**defaults, **profile.model} != {**defaults, **dict(model)}:
         raise ThinwireError(f"profile: measured workload {profile.workload!r} with model options {profile.model}, "
                             f"but the simulation asks for {workload!r} with {dict(model)}. Profile this workload "
                             "with `thinwire profile` or pass the matching --profile.")
