@@ -434,7 +434,7 @@ def reprice(result: dict, key: str, work: Path) -> None:
             if "error" in run or run.get("predicted_step_s") is None:
                 continue
             step, why, stage_s = predict_step(sc, args, spec, prof, plans)
-            run.setdefault("predicted_step_s_before", run["predicted_step_s"])
+            run["predicted_step_s_before"] = run["predicted_step_s"]
             run["predicted_step_s"], run["predicted_stage_s"] = step, stage_s
             print(f"[{key}] {name}, seed {seed}: predicted {run['predicted_step_s_before'] * 1e3:.0f} -> {step * 1e3:.0f} ms, "
                   f"measured {run['median_step_s'] * 1e3:.0f} ({why})", flush=True)

@@ -862,9 +862,10 @@ def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probe
     price = dict(microbatches=8, replica_batch=32, activations=["fp32"] * 3, threads=1)
     base = predict_pipeline(spec, prof, list(spec.hosts), runs, **price)
     # h2 measured at a quarter of a core where the spec says half: its stage takes twice as long per micro-batch
+    # at full speed, and longer than that in all, its quota running out sooner
     measured = HostSpeedRecord(cluster="pp", threads=1, batch=8, speed={"h0": 0.5, "h1": 0.5, "h2": 0.25, "h3": 0.5})
     slow = predict_pipeline(spec, dc.replace(prof, host_speed=measured), list(spec.hosts), runs, **price)
-    assert slow.stage_s[2] == pytest.approx(2 * base.stage_s[2]) and slow.stage_s[0] == pytest.approx(base.stage_s[0])
+    assert slow.stage_s[2] >= 2 * base.stage_s[2] - 1e-12 and slow.stage_s[0] == pytest.approx(base.stage_s[0])
     assert slow.step_s > base.step_s
     # measured on another cluster, or not for every host: the spec's cores, as before
     for other in (dc.replace(measured, cluster="elsewhere"), dc.replace(measured, speed={"h0": 0.1})):
@@ -881,6 +882,46 @@ def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probe
     assert late.step_s - free.step_s >= 2 * 3 * 0.01 - 1e-9  # at least the first micro-batch's way there and back
     assert late.after_s == pytest.approx(free.after_s)
     assert hops.after_s - free.after_s == pytest.approx((2 * 3 + 2 * 3) * 0.01)  # 4 stages: norm and loss rings
+
+
+def test_a_cpu_quota_runs_short_work_between_idle_gaps_at_full_speed_and_work_without_pause_at_its_share():
+    """The emulator's ``cpu:`` is a CFS quota: one period's quota may be spent at once, at full speed."""
+    from thinwire.perf.pipeline import simulate_schedule
+
+    def step(quota=None, forward=1.0, busy=None):
+        return simulate_schedule(forward_s=[forward] * 2, backward_s=[2 * forward] * 2, send_forward_s=[0] * 2,
+                                 send_backward_s=[0] * 2, microbatches=8, quota=quota, busy_s=busy)
+
+    full = step()
+    assert full == 27.0  # (M + S - 1)(f + b)
+    assert step([(0.5, 0.0)] * 2) == pytest.approx(2 * full)  # no bucket: every computation at half speed
+    assert step([(0.5, 1e9)] * 2) == pytest.approx(full)  # a bucket that never runs dry: full speed
+    # a period's quota of 2 s: the first computations run at full speed, then half speed once spent
+    busy = []
+    some = step([(0.5, 2.0)] * 2, busy=busy)
+    assert full < some < 2 * full and busy[0] == pytest.approx(24.0) and 24 < busy[1] < 48  # 24 s of work each
+    # short work with idle gaps between (stage 1 waits for a slow stage 0): full speed within its quota
+    busy = []
+    simulate_schedule(forward_s=[1.0, 0.1], backward_s=[2.0, 0.2], send_forward_s=[0, 0], send_backward_s=[0, 0],
+                      microbatches=8, quota=[(1.0, 0.0), (0.5, 0.3)], busy_s=busy)
+    assert busy == pytest.approx([24.0, 2.4])
+
+
+def test_the_pipeline_model_runs_a_stage_at_full_speed_while_its_cpu_quota_lasts(monkeypatch):
+    """A stage host's ``cpu:`` quota (0.5 core, 10 ms periods): stages whose micro-batch fits the period's
+    5 ms of quota compute at full speed, twice the sustained speed; the busiest is throttled part of the time."""
+    from thinwire.sim import pipeline as P
+
+    spec, prof = _cluster(), _layered_profile()
+    assert P.cpu_quotas(list(spec.hosts)) == [(0.5, 0.005)] * 4
+    runs = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    price = dict(microbatches=8, replica_batch=32, activations=["fp32"] * 3, threads=1)
+    burst = P.predict_pipeline(spec, prof, list(spec.hosts), runs, **price)
+    monkeypatch.setattr(P, "cpu_quotas", lambda hosts, **_: [(1.0, 0.0)] * len(hosts))
+    flat = P.predict_pipeline(spec, prof, list(spec.hosts), runs, **price)  # every stage at the sustained speed
+    assert [burst.stage_s[k] for k in (0, 2, 3)] == pytest.approx([flat.stage_s[k] / 2 for k in (0, 2, 3)])
+    assert flat.stage_s[1] / 2 < burst.stage_s[1] < flat.stage_s[1]
+    assert burst.step_s < flat.step_s
 
 
 def test_a_token_bucket_lets_messages_between_idle_gaps_pass_free_and_back_to_back_ones_pay_the_rate():
@@ -920,14 +961,17 @@ def test_pipeline_model_spends_the_probed_token_bucket_on_hand_overs():
     assert step("10mbit", 10**9) == pytest.approx(step("10tbit", None), rel=1e-4)  # a bucket it never empties
 
 
-def test_pipeline_model_charges_each_stage_its_links_wire_formats():
+def test_pipeline_model_charges_each_stage_its_links_wire_formats(monkeypatch):
     """int8 links cost the stages their packing: the sender packs its output and unpacks the gradient that
     comes back, the receiver unpacks its input and packs its gradient (stochastically), per micro-batch, at
-    the stage host's speed."""
+    the stage host's speed (here its sustained speed: no bursts under the quota)."""
     import dataclasses as dc
 
     from thinwire.measure.file import Cost, HostSpeedRecord
+    from thinwire.sim import pipeline as P
     from thinwire.sim.pipeline import predict_pipeline
+
+    monkeypatch.setattr(P, "cpu_quotas", lambda hosts, **_: [(1.0, 0.0)] * len(hosts))
 
     spec = _cluster()
     half = HostSpeedRecord(cluster="pp", threads=1, batch=8, speed={f"h{i}": 0.5 for i in range(4)})

@@ -125,15 +125,48 @@ class Credit:
         return took
 
 
+class CpuQuota:
+    """A host's CPU under a CFS bandwidth quota (the emulator's ``cpu:``; Linux's sched-bwc): each period grants
+    ``share`` of the period's time, which the host may spend at once, at full speed, and then waits for the
+    next period. As a token bucket in seconds of full-speed work: ``cap`` (the quota of one period) at most,
+    gathered at ``share`` per second, spent at one per second while the host computes. So work of a few
+    milliseconds between idle gaps (a pipeline stage's micro-batch while its neighbours compute) runs at full
+    speed, and a host that computes without pause runs at ``share`` of it. ``share`` 1: no quota.
+
+    >>> q = CpuQuota(0.5, 1.0)
+    >>> [round(q.run(t, w), 6) for t, w in ((0.0, 1.0), (1.0, 1.0), (10.0, 3.0))]  # the third: 2 s fast, 1 s of work slow
+    [1.0, 1.0, 4.0]
+    """
+
+    def __init__(self, share: float, cap: float) -> None:
+        assert 0 < share and cap >= 0
+        self.share, self.cap, self.tokens, self.since = min(1.0, share), cap, cap, 0.0
+
+    def run(self, start: float, seconds: float) -> float:
+        """How long work of ``seconds`` at full speed, started at ``start`` (calls in time order), takes."""
+        if self.share >= 1.0:
+            return seconds
+        self.tokens = min(self.cap, self.tokens + self.share * max(0.0, start - self.since))
+        fast = self.tokens / (1.0 - self.share)  # full speed until the tokens are gone, gathering meanwhile
+        took = seconds if seconds <= fast else fast + (seconds - fast) / self.share
+        self.tokens = max(0.0, self.tokens - (1.0 - self.share) * min(seconds, fast))
+        self.since = start + took
+        return took
+
+
 def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
                       send_backward_s: list[float], microbatches: int, schedule: str = "1f1b",
                       alpha: float = 0.0, credit_s: list[float] | None = None,
-                      programs: Sequence[Sequence[tuple]] | None = None) -> float:
+                      programs: Sequence[Sequence[tuple]] | None = None,
+                      quota: list[tuple[float, float]] | None = None, busy_s: list[float] | None = None) -> float:
     """Seconds from the first action to the last (module docstring). Per stage k: ``forward_s[k]``,
     ``backward_s[k]`` per micro-batch; ``send_forward_s[k]``: its output's seconds on its host's egress
     (unused on the last stage), ``send_backward_s[k]``: its input gradient's (unused on the first).
     ``alpha``: each message's latency beyond its time on the egress. ``credit_s[r]``: rank r's token
-    bucket in seconds of its egress (none: every message pays the rate), full at the start.
+    bucket in seconds of its egress (none: every message pays the rate), full at the start. ``quota[r]``:
+    rank r's CPU quota as ``(share, cap)`` (:class:`CpuQuota`; then ``forward_s`` and ``backward_s`` are at
+    full speed); none: every computation takes its time. ``busy_s``, when given, gets each stage's seconds
+    of computing (quota waits included).
 
     ``programs``: one per rank, stage k on rank ``k % ranks`` (the interleaved schedule's, written out by
     :func:`thinwire.pipeline.programs.interleaved_programs`); by default each stage is a rank running
@@ -156,7 +189,9 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
         programs = [_with_stage(stage_program(schedule, s, C, microbatches), s) for s in range(C)]
     R = len(programs)
     links = [Credit(c) for c in (credit_s if credit_s is not None else [0.0] * R)]
-    assert len(links) == R and C % R == 0
+    cpus = [CpuQuota(*q) for q in (quota if quota is not None else [(1.0, 0.0)] * R)]
+    assert len(links) == len(cpus) == R and C % R == 0
+    busy = [0.0] * C
     pc, egress = [0] * R, [0.0] * R
     done: dict[tuple, float] = {}         # op -> when it completes, once known
     posted: dict[tuple, float] = {}       # ("send", kind, k, m) -> when the sender fired it
@@ -208,7 +243,9 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
             else:
                 k, _ = arg
                 pc[r] += 1
-                push(now + (forward_s[k] if what == "F" else backward_s[k]), "run", (r,))
+                took = cpus[r].run(now, forward_s[k] if what == "F" else backward_s[k])
+                busy[k] += took
+                push(now + took, "run", (r,))
                 return
             pc[r] += 1
 
@@ -226,6 +263,8 @@ def simulate_schedule(*, forward_s: list[float], backward_s: list[float], send_f
             if op in posted:
                 write(*key, max(now, posted[op]))
     assert all(pc[r] == len(programs[r]) for r in range(R)), "the schedule deadlocked"
+    if busy_s is not None:
+        busy_s[:] = busy
     return end
 
 
