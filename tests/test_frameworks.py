@@ -103,6 +103,15 @@ def test_lightning_sync_mode_resumes_exactly(tmp_path, sync):
         assert got["stats"]["counts"].get("int8", 0) > 0
 
 
+def test_lightning_refuses_a_sync_mode_with_two_optimizers(tmp_path):
+    """A mode averages once per step: with two optimizers Lightning would step it twice per batch."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKERS / "lightning_worker.py"), "--out", str(tmp_path), "--steps", "2", "--sync",
+                           "local:period=2", "--two-optimizers"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "sync=local runs one optimizer, and configure_optimizers returned 2" in proc.stdout + proc.stderr
+
+
 def test_lightning_validates_the_ranks_average_and_trains_on_untouched(tmp_path):
     """Local SGD averaging every 4 steps, validation every 3: at step 3 the ranks differ; validation sees
     their average on both ranks, ModelCheckpoint's save at validation's end holds the average as

@@ -368,3 +368,45 @@ def test_buckets_on_both_paths_keep_one_collective_order():
             for got, want, ref in zip(r["grads"][step], results[0]["grads"][step], truth):
                 assert torch.equal(got, want)
                 assert rel(got, ref) < 0.1  # int8 twice (3 ranks) with error feedback; mixed-up buckets read ~1
+
+
+def _backward_after_close(rank, world, how):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if how == "attach":
+        state = thinwire.attach(model, "int8", min_compress_bytes=0)
+        model(torch.randn(2, 8)).sum().backward()
+    else:
+        state = thinwire.sync(model, "local:period=1,warmup=0", codec="int8")
+    state.close()
+    try:
+        if how == "attach":
+            model(torch.randn(2, 8)).sum().backward()
+        else:
+            with state.no_sync():
+                model(torch.randn(2, 8)).sum().backward()
+            state.step(opt)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["attach", "sync"])
+def test_a_closed_state_refuses_to_average_instead_of_hanging(how):
+    """Work handed to a closed communication thread never ran: DDP's reducer (or the sync mode) waited forever."""
+    for r in run_ranks(_backward_after_close, 1, how):
+        assert "thinwire state was closed" in r
+
+
+@pytest.mark.parametrize("bad, match", [(None, "got NoneType"), ({"foo": 1}, r"got a dict with keys \['foo'\]")])
+def test_loading_something_else_than_a_hook_state_says_what_it_takes(bad, match):
+    from thinwire.compress.hook import CommState, StaticPolicy
+    from thinwire.compress.spec import parse_codec_spec
+
+    state = CommState.__new__(CommState)  # no process group needed to refuse the input
+    state.policy = StaticPolicy(parse_codec_spec("int8"))
+    with pytest.raises(ValueError, match="CommState.load_state_dict takes what CommState.state_dict.. returned.*" + match):
+        state.load_state_dict(bad)

@@ -251,8 +251,24 @@ def iterable_training():
     return thinwire.Workload(model=torch.nn.Linear(2, 1), train=iter(data), val=data, loss=torch.nn.functional.mse_loss)
 
 
+def unpaired_items():
+    import thinwire
+
+    class Inputs(torch.utils.data.Dataset):  # items without targets
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.zeros(2)
+
+    pairs = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    return thinwire.Workload(model=torch.nn.Linear(2, 1), train=Inputs(), val=pairs, loss=torch.nn.functional.mse_loss)
+
+
 @pytest.mark.parametrize("name, options, match", [
     ("tests.test_inputs:empty_validation", {}, r"empty_validation's val set is empty; give it at least one item"),
+    ("tests.test_inputs:unpaired_items", {}, r"unpaired_items's train set gives a Tensor at train\[0\], where thinwire "
+     r"needs an \(input, target\) pair"),
     ("tests.test_inputs:iterable_training", {}, r"iterable_training's train set has no len\(\); thinwire samples map"),
     ("tests.nowhere:f", {}, r"workload: cannot import module 'tests.nowhere'.*Check that it is on PYTHONPATH"),
     ("tests.test_inputs:nothing", {}, r"workload: module 'tests.test_inputs' has no function 'nothing'"),

@@ -924,6 +924,36 @@ def test_the_pipeline_model_runs_a_stage_at_full_speed_while_its_cpu_quota_lasts
     assert burst.step_s < flat.step_s
 
 
+def test_the_pipeline_model_scales_the_layers_costs_to_the_whole_models_step_at_the_same_batch(monkeypatch):
+    """Layers timed one by one give each stage's share; the whole model's measured forward and backward at the
+    profile's layer batch give the total (a 25M-parameter charlm's backward: 110 ms where its layers add up to 78)."""
+    import dataclasses as dc
+
+    from thinwire.measure.file import ComputePoint
+    from thinwire.sim import pipeline as P
+
+    monkeypatch.setattr(P, "cpu_quotas", lambda hosts, **_: [(1.0, 0.0)] * len(hosts))
+    spec, prof = _cluster(), _layered_profile()
+    b = prof.layers_batch
+    fsum = sum(l.forward_call_s(b, b) for l in prof.layers)
+    bsum = sum(l.backward_call_s(b, b) for l in prof.layers)
+
+    def at(forward, backward, batch=b):
+        point = ComputePoint(batch=batch, pre_s=forward, forward_s=forward, backward_s=backward, post_s=0.003)
+        return dc.replace(prof, compute=[point])
+
+    runs = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    price = dict(microbatches=8, replica_batch=32, activations=["fp32"] * 3, threads=1)
+    assert P.layer_scales(at(fsum, bsum)) == pytest.approx((1.0, 1.0))
+    assert P.layer_scales(at(2 * fsum, 3 * bsum)) == pytest.approx((2.0, 3.0))
+    assert P.layer_scales(at(2 * fsum, 3 * bsum, batch=b + 1)) == (1.0, 1.0)  # measured at another batch: as timed
+    assert P.layer_scales(at(0.0, bsum)) == pytest.approx((1.0, 1.0))  # an older profile without forward_s
+    same = P.predict_pipeline(spec, at(fsum, bsum), list(spec.hosts), runs, **price)
+    slow = P.predict_pipeline(spec, at(fsum, 3 * bsum), list(spec.hosts), runs, **price)
+    assert slow.step_s > 1.5 * same.step_s
+    assert slow.stage_s[1] > 2 * same.stage_s[1]
+
+
 def test_a_token_bucket_lets_messages_between_idle_gaps_pass_free_and_back_to_back_ones_pay_the_rate():
     """tc's tbf (the emulator's links): credit gathers while an egress idles, up to the bucket."""
     from thinwire.perf.pipeline import simulate_schedule

@@ -1143,3 +1143,54 @@ def test_a_users_loop_resumed_keeps_each_ranks_batchnorm_statistics(mode):
     for rank in range(2):
         for k in straight[rank]:
             assert torch.equal(straight[rank][k], resumed[rank][k]), (rank, k)
+
+
+def _small_model_counts(rank, world, mode, kwargs):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)))  # 2 KiB of parameters: under the 4 KiB default
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = thinwire.sync(model, mode, codec="int8", **kwargs)
+    for _ in range(2):
+        with sync.no_sync():
+            model(torch.randn(4, 16)).sum().backward()
+        sync.step(opt)
+    sync.flush()
+    counts = dict(sync.comm.counts)
+    sync.close()
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "delayed", "local:period=1,warmup=0", "diloco:period=1"])
+def test_a_sync_mode_takes_the_hooks_options_as_attach_does(mode):
+    """min_compress_bytes (and nonfinite, timeout_s) reach the mode's averaging, not only allreduce's hook."""
+    small = run_ranks(_small_model_counts, 2, mode, {})
+    assert all("int8" not in c for c in small)  # below the default threshold: sent as is
+    every = run_ranks(_small_model_counts, 2, mode, dict(min_compress_bytes=0, timeout_s=60, nonfinite="raise"))
+    assert all(c.get("int8", 0) > 0 for c in every)
+    with pytest.raises(AssertionError, match="ValueError: timeout_s must be a number of seconds > 0"):
+        run_ranks(_small_model_counts, 1, mode, dict(timeout_s=-1))
+
+
+def _twice(rank, world, first, second):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(torch.nn.Linear(4, 4))
+    thinwire.attach(model, "int8") if first == "attach" else thinwire.sync(model, first, codec="int8")
+    try:
+        thinwire.attach(model, "int8") if second == "attach" else thinwire.sync(model, second, codec="int8")
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("first, second, match", [
+    ("local:period=2", "local:period=2", "thinwire.attach (or an earlier thinwire.sync) already averages this model"),
+    ("attach", "diloco:period=2", "thinwire.attach (or an earlier thinwire.sync) already averages this model"),
+    ("local:period=2", "attach", "a thinwire hook is already attached to this model"),
+])
+def test_thinwire_on_a_model_twice_says_it_is_thinwires_own(first, second, match):
+    """Not "a DDP communication hook of its own": the hook there is thinwire's, and the fix is one call."""
+    assert match in run_ranks(_twice, 1, first, second)[0]

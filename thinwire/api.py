@@ -33,7 +33,8 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     :mod:`thinwire.syncspec`), each average through ``codec`` with error feedback. Returns a
     :class:`~thinwire.compress.sync.SyncMode`; its ``comm`` counts bytes and holds the residuals.
 
-    ``optimizer``: the one the loop steps; ``delayed`` predicts each step's weights with it (a copy of its
+    ``error_feedback``, ``warmup_steps``, ``min_compress_bytes``, ``nonfinite`` and ``timeout_s`` as in
+    :func:`thinwire.attach`. ``optimizer``: the one the loop steps; ``delayed`` predicts each step's weights with it (a copy of its
     state), from the first step on, a resumed run's included (``mode.step(optimizer)`` alone tells it only
     after a step).
 

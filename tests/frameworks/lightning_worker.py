@@ -40,6 +40,25 @@ class Module(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.arange(1000), batch_size=1)
 
 
+class TwoOptimizers(Module):
+    """--two-optimizers: manual optimization with one optimizer per half of the parameters."""
+
+    def __init__(self, out):
+        super().__init__(out)
+        self.automatic_optimization = False
+
+    def training_step(self, idx, i):
+        loss = super().training_step(idx, i)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        return [torch.optim.SGD(params[:len(params) // 2], lr=0.05), torch.optim.SGD(params[len(params) // 2:], lr=0.05)]
+
+
 class Validated(Module):
     """--val: validates every 3 steps, saving each rank's own parameters before and those validation sees."""
 
@@ -64,9 +83,10 @@ def main():
     ap.add_argument("--resume", default=None)
     ap.add_argument("--sync", default="allreduce")
     ap.add_argument("--val", action="store_true", help="validate every 3 steps; ModelCheckpoint's default saves then")
+    ap.add_argument("--two-optimizers", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    module = (Validated if a.val else Module)(a.out)
+    module = (Validated if a.val else TwoOptimizers if a.two_optimizers else Module)(a.out)
     callbacks = [ModelCheckpoint(dirpath=a.out, save_last=True, every_n_train_steps=a.steps)]
     if a.val:
         callbacks.append(ModelCheckpoint(dirpath=f"{a.out}/val_ckpt", save_top_k=-1))   # at each validation's end

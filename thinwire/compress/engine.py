@@ -43,21 +43,30 @@ class CommThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._submitted = 0  # written by the submitting thread only
         self._returned = 0   # written by this thread only
+        self.closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable, *args) -> torch.futures.Future:
         """Run ``fn(*args)`` after every job submitted before it; its result completes the future."""
+        self.check_open()  # else nothing would ever run it: the caller (DDP's reducer) would wait forever
         fut: torch.futures.Future = torch.futures.Future()
         self._submitted += 1
         self._jobs.put((fut, fn, args))
         return fut
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("thinwire: this model's thinwire state was closed (close()), so it can no longer "
+                               "average gradients; close it after the last backward and step, or build a new DDP "
+                               "model and attach thinwire to it")
 
     def idle(self) -> bool:
         """Every submitted job has returned. Call it from the (single) submitting thread."""
         return self._returned == self._submitted
 
     def close(self) -> None:
+        self.closed = True
         self._jobs.put(None)
         self._thread.join(timeout=5)
 

@@ -16,8 +16,10 @@ How a bucket travels (every rank decides identically, from sizes and the step nu
    (or a compressed reduce-scatter + all-gather) with local decoding for quantized ones, PowerSGD's
    two factor all-reduces for ``powersgd``.
 4. A non-finite gradient on any rank is never folded into a residual. ``nonfinite="skip"`` (the
-   default) makes the bucket's result NaN on every rank, so the optimizer step is skipped as with
-   uncompressed DDP under a GradScaler, and logs a warning; ``"raise"`` raises ``FloatingPointError``.
+   default) makes the bucket's result NaN on every rank, as uncompressed DDP would, and logs a warning
+   (a GradScaler, or ``thinwire train``, then skips the optimizer step; a loop of one's own checks the
+   gradients before stepping); ``"raise"`` fails the backward: the hook raises ``FloatingPointError``,
+   which DDP's reducer re-raises as a ``RuntimeError`` naming the bucket and the step.
 
 Bucket jobs run in order on one communication thread (:mod:`thinwire.compress.engine`), so any
 DDP bucket layout works on gloo and NCCL alike. A bucket that needs only all-reduces (fp32, and the
@@ -148,6 +150,7 @@ class CommState:
 
     # -- the hook ------------------------------------------------------------------------------
     def hook(self, bucket):  # no annotations: DDP rejects the string ones `from __future__` makes
+        self._thread.check_open()
         step, index = self.step, bucket.index()
         if bucket.is_last():
             self.step += 1
@@ -284,7 +287,8 @@ class CommState:
         msg = f"non-finite gradient in bucket {index} at step {step} on some rank; residuals left unchanged"
         if self.nonfinite == "raise":
             raise FloatingPointError(msg)
-        log.warning("%s; the bucket is averaged as NaN so the optimizer step is skipped", msg)
+        log.warning("%s; the bucket is averaged as NaN on every rank (a GradScaler or thinwire train skips the "
+                    "optimizer step; a loop of your own should check the gradients before stepping)", msg)
         return buf.fill_(float("nan"))
 
     # -- introspection and checkpoints -----------------------------------------------------------
@@ -314,6 +318,10 @@ class CommState:
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or "step" not in sd:
+            what = f"a dict with keys {sorted(map(str, sd))[:6]}" if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"CommState.load_state_dict takes what CommState.state_dict() returned (a dict with "
+                             f"step, residuals, counters, ...), got {what}; save state.state_dict() with the model's")
         self.step = int(sd["step"])
         if self.feedback is not None:
             self.feedback.load_state_dict(sd.get("residuals", {}))
@@ -325,6 +333,10 @@ class CommState:
         self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
         self.wire.calls = int(counters.get("calls", 0))
         self.counts = Counter({str(k): int(v) for k, v in counters.get("counts", {}).items()})
+
+    def check_open(self) -> None:
+        """Raise where :meth:`close` was called: a closed state averages nothing."""
+        self._thread.check_open()
 
     def close(self) -> None:
         self._thread.close()
@@ -379,8 +391,11 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
 
 
 def check_options(*, error_feedback: bool = True, warmup_steps: int = 0, min_compress_bytes: int = 0,
-                  nonfinite: str = "skip") -> None:
+                  nonfinite: str = "skip", timeout_s: float | None = None) -> None:
     """The hook's options, each named with what it takes."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not math.isfinite(timeout_s) or timeout_s <= 0):
+        raise ValueError(f"timeout_s must be a number of seconds > 0 or None (no bound), got {timeout_s!r}")
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     for name, value in (("warmup_steps", warmup_steps), ("min_compress_bytes", min_compress_bytes)):

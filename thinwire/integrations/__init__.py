@@ -65,7 +65,7 @@ def check_hook_kwargs(kwargs: dict, who: str) -> None:
     if unknown:
         raise TypeError(f"{who}: unknown keyword {unknown[0]!r}; it takes {', '.join(known)} (as thinwire.attach)"
                         + ("; sync modes are offered in Lightning and accelerate, not here" if "sync" in unknown else ""))
-    check_options(**{k: v for k, v in kwargs.items() if k != "timeout_s"})
+    check_options(**kwargs)
 
 
 def to_cpu(obj):

@@ -66,12 +66,21 @@ class ThinwireStrategy(DDPStrategy):
         self._consensus = None  # during validation with a mode whose ranks diverge: the context, entered
         self._own: dict = {}    # ... and this rank's own tensors it replaced with the ranks' average
 
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self.sync_spec.mode != "allreduce" and len(self.optimizers) > 1:
+            # the mode's before_step/after_step would run once per optimizer's step: averaging twice per batch
+            raise ValueError(f"ThinwireStrategy: sync={self.sync_spec.mode} runs one optimizer, and "
+                             f"configure_optimizers returned {len(self.optimizers)}; put every parameter group in one "
+                             "optimizer (torch.optim takes a list of groups, each with its own lr), or use "
+                             "sync='allreduce'")
+
     def _register_ddp_hooks(self) -> None:
         # not DDPStrategy's: that one registers hooks on CUDA only
         if self.sync_spec.mode == "allreduce":
             self.comm = attach(self.model, self.codec, **self._kwargs, **self._hook_kwargs)
         else:
-            self.mode = sync(self.model, self.sync_spec, codec=self.codec, **self._kwargs)
+            self.mode = sync(self.model, self.sync_spec, codec=self.codec, **self._kwargs, **self._hook_kwargs)
             self.comm = self.mode.comm
         if self._restored is not None:
             self._apply(self._restored)

@@ -66,7 +66,7 @@ class ThinwireCallback(TrainerCallback):
             log.warning("thinwire: resumed at step %d but %s does not exist (a checkpoint from outside output_dir, "
                         "or saved without thinwire); error-feedback residuals start empty", step, path)
             return
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers
         if saved["world_size"] != size:
             log.warning("thinwire: %s was saved by a run of %d ranks, this one has %d; residuals start empty",
                         path, saved["world_size"], size)

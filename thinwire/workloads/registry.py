@@ -89,7 +89,24 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
         if n == 0:
             raise ThinwireError(f"workload: {name}'s {field} set is empty; give it at least one item "
                                 f"({'training needs samples' if field == 'train' else 'validation reports its loss'}).")
+        _check_pairs(name, field, data)
     return wl
+
+
+def _check_pairs(name: str, field: str, data) -> None:
+    """The trainer unpacks every batch as ``inputs, targets``: a set whose items are not pairs fails here, not
+    as an unpacking error in every worker once training has started."""
+    where = f"{field}.batch([0])" if hasattr(data, "batch") else f"{field}[0]"
+    try:
+        item = data.batch([0]) if hasattr(data, "batch") else data[0]
+    except Exception as e:  # noqa: BLE001 - the user's dataset: any error, named
+        raise ThinwireError(f"workload: {name}'s {where} raised {type(e).__name__}: {str(e)[:300]}; thinwire reads "
+                            f"items by index 0..len-1.") from None
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        got = f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+        raise ThinwireError(f"workload: {name}'s {field} set gives {got} at {where}, where thinwire needs an "
+                            "(input, target) pair; return (x, y) from __getitem__ (the input may itself be a tuple or "
+                            "a dict of tensors).")
 
 
 def model_defaults(name: str) -> dict:

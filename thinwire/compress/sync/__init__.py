@@ -38,33 +38,44 @@ MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "
 
 
 def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_steps: int = 0,
+           min_compress_bytes: int = 4096, nonfinite: str = "skip", timeout_s: float | None = None,
            process_group=None, bucket_mb: float = 25.0) -> SyncMode:
     """The sync mode ``spec.mode`` (a parsed spec: mode, period, warmup, outer_lr, outer_momentum) on a
     DDP ``model``, averaging with ``policy``'s codec. ``allreduce`` attaches the DDP hook (on a module
     without DDP, :class:`~.base.Unwrapped`, it averages after backward: :class:`~.base.Averaged`); the others
     average outside backward. ``delayed`` always gets a new process group: its averaging stays in
-    flight while the loop issues its own collectives, and so does streaming DiLoCo with a delay."""
+    flight while the loop issues its own collectives, and so does streaming DiLoCo with a delay.
+    ``min_compress_bytes``, ``nonfinite`` and ``timeout_s`` (of the groups made here) as in
+    :func:`~thinwire.compress.hook.attach`."""
+    import datetime
+
+    from thinwire.compress.hook import check_options
+
     refuse_sparse(model.module, f"sync {spec.mode}")
+    check_options(error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=min_compress_bytes,
+                  nonfinite=nonfinite, timeout_s=timeout_s)
+    options = dict(error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=min_compress_bytes,
+                   nonfinite=nonfinite)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     if spec.mode == "allreduce" and not isinstance(model, Unwrapped):
-        return SyncMode(model, attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
-                                      process_group=process_group), spec)
+        return SyncMode(model, attach(model, policy, **options, timeout_s=timeout_s, process_group=process_group), spec)
     if spec.mode == "auto":  # the DDP hook and delayed's averages share one CommState, in a group of their own
         if isinstance(model, Unwrapped):
             from thinwire.errors import ConfigError
 
             raise ConfigError("sync", "auto", "a mode without DDP's hook here (allreduce or delayed)",
                               "--sync auto chooses between DDP's all-reduce and delayed; a pipeline stage has no DDP.")
-        comm = attach(model, policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
-                      process_group=dist.new_group(backend=dist.get_backend()))
+        comm = attach(model, policy, **options, process_group=dist.new_group(backend=dist.get_backend(),
+                                                                             timeout=timeout))
         return ChooseSync(model, comm, spec, bucket_mb=bucket_mb)
     if spec.mode == "delayed" or spec.delay > 0 or process_group is None:
-        process_group = dist.new_group(backend=dist.get_backend())
-    comm = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps, min_compress_bytes=4096,
-                     nonfinite="skip", group=process_group)
+        process_group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+    comm = CommState(policy, **options, group=process_group)
     policy.bind(comm, model.module)
     mode = Averaged if spec.mode == "allreduce" else kind(spec)
     if isinstance(model, DistributedDataParallel):
         _keep_own_gradients(model, spec)
+        model._thinwire_state = comm  # a second attach or sync on this model is refused, saying why
     return mode(model, comm, spec, bucket_mb=bucket_mb)
 
 
@@ -73,11 +84,15 @@ def _keep_own_gradients(model: DistributedDataParallel, spec) -> None:
     backward in it (DDP decides at the forward whether its backward all-reduces) would all-reduce every
     gradient in fp32 besides the mode's own averaging: accelerate's loops do, written the usual way. DDP's
     backward gets torch's no-op hook (each rank keeps its own gradient), so such a backward costs no traffic."""
+    from thinwire.errors import ConfigError
+
+    if getattr(model, "_thinwire_state", None) is not None:
+        raise ConfigError("sync", spec.mode, "a DDP model thinwire is not attached to yet",
+                          "thinwire.attach (or an earlier thinwire.sync) already averages this model; give the codec "
+                          "to thinwire.sync(model, mode, codec=...) instead, once per DDP model.")
     try:
         model.register_comm_hook(None, noop_hook)
     except RuntimeError:
-        from thinwire.errors import ConfigError
-
         raise ConfigError("sync", spec.mode, "a model without a DDP communication hook of its own",
                           f"sync {spec.mode} averages by itself, so DDP's backward must not: build the DDP model anew "
                           "without register_comm_hook.") from None

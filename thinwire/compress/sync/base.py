@@ -152,6 +152,7 @@ class SyncMode:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop."""
+        self.comm.check_open()
         self.optimizer = optimizer
         self.before_step()
         optimizer.step()

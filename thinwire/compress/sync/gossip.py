@@ -101,9 +101,10 @@ def neighbours(topology: str, rank: int, world: int, step: int) -> tuple[list[in
 def check_topology(topology: str, world: int) -> None:
     """Refuse a topology this world size cannot form (a torus needs two rows and two columns)."""
     if topology == "torus" and torus_shape(world)[0] < 2:
-        raise ConfigError("sync.topology", topology, f"ring, exp2 or random with {world} hosts",
-                          f"A torus needs a world size with two factors >= 2 (4, 6, 8, 9, ...); {world} hosts "
-                          "would form a ring.")
+        hosts = f"{world} host{'s' if world != 1 else ''}"
+        raise ConfigError("sync.topology", topology, f"ring, exp2 or random with {hosts}",
+                          f"A torus needs a world size with two factors >= 2 (4, 6, 8, 9, ...); {hosts} "
+                          f"would form a ring{'' if world > 1 else ' of one'}.")
 
 
 def check_compressible(topology: str) -> None:
