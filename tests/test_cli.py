@@ -191,3 +191,38 @@ def test_cluster_bench_refuses_a_message_smaller_than_one_value(tmp_path):
     spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
     assert_refused(thinwire("cluster", "bench", spec, "--sizes", "4KiB,2"),
                    r"--sizes: must be message sizes of at least 4 bytes \(one fp32 value\), got 2")
+
+
+def test_a_memory_budget_no_batch_fits_leaves_no_run_behind(tmp_path):
+    r = thinwire("train", "--steps", "3", "--set", "model.layers=1", "--set", "model.width=32", "--memory-budget",
+                 "1B", "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_and_profile_do_not_write_over_a_file_of_another_kind(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("workload: charlm\nsteps: 3\n")
+    r = thinwire("plan", "--cluster", str(ROOT / "examples" / "clusters" / "plan-a-slow-cpu.yaml"), "--workload", "digits",
+                 "--out", str(config))
+    assert_refused(r, r"--out: must be a new file, or a plan to replace.*exists and is not a plan thinwire wrote")
+    r = thinwire("profile", "--workload", "digits", "--out", str(config))
+    assert_refused(r, r"--out: must be a new file, or a profile to replace")
+    assert config.read_text() == "workload: charlm\nsteps: 3\n"
+
+
+def test_simulate_refuses_a_host_series_that_passes_its_last_term_and_report_a_missing_folder(tmp_path):
+    r = thinwire("simulate", "--cluster", str(ROOT / "examples" / "clusters" / "plan-a-slow-cpu.yaml"), "--hosts",
+                 "2,4,...,10", "--out", str(tmp_path / "sim"))
+    assert_refused(r, r"2,4,\.\.\. multiplies by 2 at each term, which passes 10 by: it goes 8, 16")
+    assert_refused(thinwire("report", str(tmp_path / "nope")), r"report: .*nope' does not exist")
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--retries", "-1"], r"--retries: must be an integer >= 0"),
+    (["--max-foreign", "0.5"], r"--max-foreign: must be a number of cores >= 0, used with --validate"),
+])
+def test_simulate_checks_the_validation_flags_without_validate_too(tmp_path, args, pattern):
+    r = thinwire("simulate", "--cluster", str(ROOT / "examples" / "clusters" / "plan-a-slow-cpu.yaml"), *args,
+                 "--out", str(tmp_path / "sim"))
+    assert_refused(r, pattern)

@@ -396,3 +396,29 @@ def test_a_parameter_the_loss_does_not_use_is_named_not_a_ddp_traceback(tmp_path
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "model: spare.weight, spare.bias got no gradient in step 1: the loss does not depend on them" in proc.stderr
     assert "p.requires_grad_(False)" in proc.stderr
+
+
+def takes_no_data():
+    return empty_validation()
+
+
+def bad_task():
+    import dataclasses
+
+    return dataclasses.replace(unpaired_items(), task="foo")
+
+
+not_callable = 3
+
+
+@pytest.mark.parametrize("name, data, match", [
+    ("tests.test_inputs:takes_no_data", "/tmp", r"data: tests.test_inputs:takes_no_data takes no data argument, so "
+     r"--data '/tmp' would go unused"),
+    ("tests.test_inputs:bad_task", None, r"bad_task's Workload has task='foo'; it must be lm, classification or regression"),
+    ("tests.test_inputs:not_callable", None, r"module 'tests.test_inputs' has 'not_callable' of type int, not a function"),
+])
+def test_a_user_workload_drops_no_input_in_silence(name, data, match):
+    from thinwire.workloads.registry import build_workload
+
+    with pytest.raises(ThinwireError, match=match):
+        build_workload(name, {}, data)

@@ -348,3 +348,66 @@ def test_a_resume_with_another_seed_or_codec_says_so(tmp_path):
     assert "--compression none -> int8" in text
     same = thinwire("train", "--resume", str(run), "--steps", "8")
     assert "other settings" not in " ".join(same.stdout.split())
+
+
+def test_a_resume_with_a_config_file_keeps_the_runs_own_config_under_the_files_keys(tmp_path):
+    """--resume DIR --config FILE (or resume: in FILE): FILE's keys on the run's config.yaml, not on the defaults
+    (a file without the model's options trained the defaults' model against the run's checkpoint)."""
+    run = tmp_path / "run"
+    tiny = ["--set", "model.layers=1", "--set", "model.width=32"]
+    assert thinwire("train", "--steps", "3", "--checkpoint-every", "3", *tiny, "--out", str(run)).returncode == 0
+    more = tmp_path / "more.yaml"
+    more.write_text("steps: 5\nlr: 0.002\n")
+    r = thinwire("train", "--resume", str(run), "--config", str(more))
+    assert r.returncode == 0, r.stderr[-2000:]
+    import yaml
+
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["layers"] == 1 and saved["model"]["width"] == 32 and saved["steps"] == 5
+    assert saved["lr"] == 0.002
+    # resume: in the file, and another folder: goes on from the run, and says so
+    more.write_text(f"resume: {run}\nsteps: 7\nmodel: {{dropout: 0.0}}\n")
+    r = thinwire("train", "--config", str(more), "--out", str(tmp_path / "copy"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"says resume: {run}" in " ".join(r.stderr.split())
+    assert yaml.safe_load((tmp_path / "copy" / "config.yaml").read_text())["model"]["layers"] == 1
+
+
+def test_a_resume_with_other_data_or_model_options_says_so_and_another_workload_is_refused(tmp_path):
+    run = tmp_path / "run"
+    tiny = ["--set", "model.layers=1", "--set", "model.width=32"]
+    assert thinwire("train", "--steps", "2", "--checkpoint-every", "2", *tiny, "--out", str(run)).returncode == 0
+    r = thinwire("train", "--resume", str(run), "--steps", "3", "--set", "model.dropout=0.5")
+    assert r.returncode == 0 and "model.dropout 0.0 -> 0.5" in " ".join(r.stdout.split()), r.stdout[-2000:]
+    refused = thinwire("train", "--resume", str(run), "--steps", "4", "--workload", "digits")
+    assert refused.returncode == 2 and "workload: run" in refused.stderr and "trains charlm" in refused.stderr
+    assert "cannot change on --resume" in refused.stderr and "model.layers" not in refused.stderr
+
+
+def test_a_folder_of_another_tool_is_not_resumed(tmp_path):
+    """thinwire doctor's folder holds a config.yaml but is no run: resuming it must not train into it."""
+    other = tmp_path / "doctor"
+    other.mkdir()
+    (other / "config.yaml").write_text("workload: charlm\nsteps: 3\n")
+    (other / "report.json").write_text("{}")
+    r = thinwire("train", "--resume", str(other), "--steps", "3")
+    assert r.returncode == 2 and "is not a thinwire run folder" in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in other.iterdir()) == ["config.yaml", "report.json"]
+
+
+def test_a_run_whose_every_step_is_non_finite_stops_as_diverged(tmp_path):
+    from thinwire.train.loop import MAX_SKIPPED_IN_A_ROW
+
+    wl = tmp_path / "nanwl.py"
+    wl.write_text("import torch\nimport thinwire\n"
+                  "def build():\n"
+                  "    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64))\n"
+                  "    loss = lambda out, y: (out.squeeze(-1) - y).pow(2).mean() * float('nan')\n"
+                  "    return thinwire.Workload(model=torch.nn.Linear(4, 1), train=data, val=data, loss=loss, batch_size=8)\n")
+    env_path = f"{tmp_path}:{ROOT}"
+    r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "nanwl:build", "--steps",
+                        str(MAX_SKIPPED_IN_A_ROW + 20), "--eval-every", "1000", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env_path}, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"training diverged: the last {MAX_SKIPPED_IN_A_ROW} steps all had a non-finite gradient" in \
+        " ".join(r.stderr.split()), r.stderr[-2000:]

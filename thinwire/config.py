@@ -382,14 +382,21 @@ def save_yaml(obj: Any, path: str | Path) -> Path:
     return path
 
 
-def check_writable(path: str | Path, field: str, *, folder: bool, inputs: dict[str, str | None] | None = None) -> None:
+def check_writable(path: str | Path, field: str, *, folder: bool, inputs: dict[str, str | None] | None = None,
+                   kind: tuple[str, tuple[str, ...]] | None = None) -> None:
     """Refuse an output path that cannot be written before any work is done for it (a profile that took
     minutes, lost to a typo in ``--out``): the nearest folder that exists on the way to it must take a
     new file (tried with a temporary one, which is gone at once), and a file's path must not be a folder,
-    nor one of the command's ``inputs`` (flag: path), which writing it would replace."""
+    nor one of the command's ``inputs`` (flag: path), which writing it would replace. ``kind``: ``(what, keys)``
+    of the file the command writes; an existing file is replaced only if it is such a file (a YAML mapping with
+    those keys: an earlier plan, say), never another (a run's config.yaml)."""
     import tempfile
 
     path = Path(path)
+    if kind is not None and path.is_file() and not _is_kind(path, kind[1]):
+        raise ConfigError(field, str(path), f"a new file, or a {kind[0]} to replace",
+                          f"{short(str(path))} exists and is not a {kind[0]} thinwire wrote: writing would destroy it. "
+                          "Name another file; nothing was changed.")
     for flag, given in (inputs or {}).items():
         if given and Path(given).exists() and path.exists() and path.resolve() == Path(given).resolve():
             raise ConfigError(field, str(path), f"a file other than the {flag} input",
@@ -409,6 +416,17 @@ def check_writable(path: str | Path, field: str, *, folder: bool, inputs: dict[s
     if why is not None:
         raise ConfigError(field, str(path), f"a {'folder' if folder else 'file'} that can be written",
                           f"{short(str(base))} cannot take new files ({why}); choose another path")
+
+
+def _is_kind(path: Path, keys: tuple[str, ...]) -> bool:
+    """Whether ``path`` is a YAML mapping with every one of ``keys`` (a file of the kind thinwire writes)."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            return False
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in keys)
 
 
 def load_dataclass(cls: type[T], path: str | Path, *, what: str, make: str) -> T:

@@ -148,7 +148,7 @@ def parse_pipeline_spec(text: str | None) -> PipelineSpec:
             values["layers"] = tuple(int(p) for p in parts)
         else:
             _check(bool(_INT.fullmatch(raw)) and 1 <= int(raw) <= MAX_STAGES * 64, key, raw,
-                   f"a whole number >= 1 (stages at most {MAX_STAGES})")
+                   f"a whole number from 1 to {MAX_STAGES if key == 'stages' else MAX_STAGES * 64}")
             values[key] = int(raw)
     _check(values.get("stages", 1) <= MAX_STAGES, "stages", values.get("stages"), f"at most {MAX_STAGES}")
     if schedule == "interleaved":

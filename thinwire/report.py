@@ -93,6 +93,8 @@ def current(records: list[dict], skipped: Counter) -> list[dict]:
 
 def read_run(path: str) -> Run:
     folder = Path(path)
+    if not folder.exists():
+        raise ThinwireError(f"report: {path!r} does not exist. Pass the --out folder of a run.")
     if not (folder / METRICS).is_file():
         raise ThinwireError(f"report: {path!r} holds no metrics.jsonl. Pass the --out folder of a run.")
     records, skipped = scan_metrics(folder)

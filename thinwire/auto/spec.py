@@ -56,7 +56,9 @@ class AutoConfig:
                   "Where the job has an aggregator on the switch (--aggregation switch), auto tries every int8 "
                   "candidate both around the ring and through the switch by itself.")
             parse_codec_spec(c)
-        check("none" in self.candidates, "auto.candidates", self.candidates, "a list that includes 'none'")
+        check("none" in self.candidates, "auto.candidates", "|".join(self.candidates),
+              "a list that includes 'none', its codecs separated by | (auto:candidates=none|bf16|int8)",
+              "auto falls back to none where no compressed candidate pays off.")
         if not self.start:
             object.__setattr__(self, "start", "bf16" if "bf16" in self.candidates else "none")
         check(self.start in self.candidates, "auto.start", self.start, f"one of the candidates ({'|'.join(self.candidates)})",
@@ -99,7 +101,7 @@ def load_guard_profile(path: str, field: str, make: str):
     if not Path(path).is_file():
         raise ConfigError(field, path, "the path of an existing profile", f"No such file. {make}")
     try:
-        return load_profile(path)
+        return load_profile(path, flag=None)
     except ThinwireError as e:
         raise ConfigError(field, path, "a profile written by `thinwire profile`", f"{str(e).rstrip('.')}. {make}") from None
 

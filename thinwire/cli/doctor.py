@@ -104,7 +104,7 @@ def _guard_records(path: str, cfg) -> dict:
 
     from thinwire.plan.planfile import normalized_model
 
-    prof = load_profile(path)
+    prof = load_profile(path, flag=None)  # --guard: a guarded profile is made, not measured here
     if prof.workload != cfg.workload or (normalized_model(cfg.workload, prof.model)
                                          != normalized_model(cfg.workload, cfg.model)):
         raise ThinwireError(f"--guard: {path!r} profiles workload {prof.workload!r} with model options {prof.model}, "

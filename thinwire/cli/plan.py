@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.plan.planner import PlanOptions, make_plan
     from thinwire.workloads.registry import check_workload_name
 
-    check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--profile": args.profile})
+    check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--profile": args.profile},
+                   kind=("plan", ("version", "cluster", "workload", "executable")))
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
 
-    check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--data": args.data})
+    check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--data": args.data},
+                   kind=("profile", ("version", "workload", "compute")))
     args.workload = args.workload or "charlm"
     check_workload_name(args.workload)
     model = model_options(args.set)

@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-foreign", type=float, metavar="CORES",
                    help="with --validate: wait until other processes use at most CORES, and repeat a run "
                         "during which they used more (up to --retries times)")
-    p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--retries", type=int, default=2, help="with --max-foreign: how often a run is repeated")
     p.add_argument("--recompute", action="store_true",
                    help="with --validate: measure the workload's step again (as the profile did, a few seconds) "
                         "right before each run and predict with it, for a machine whose speed drifts")
@@ -85,6 +85,10 @@ def parse_hosts(text: str) -> list[int]:
         check(len(out) <= MAX_POINTS, "--hosts", text, f"a sweep of at most {MAX_POINTS} host counts",
               "Take larger steps (2,4,...,1024 doubles) or a shorter range.")
         x = x * b // a if b % a == 0 else x + (b - a)
+    if out[-1] != z:  # the series passes the last term by: say so rather than stop short of it in silence
+        rule = f"multiplies by {b // a}" if b % a == 0 else f"adds {b - a}"
+        raise ConfigError("--hosts", text, allowed, f"{a},{b},... {rule} at each term, which passes {z} by: it goes "
+                          f"{out[-1]}, {x}. End the series at one of them, or list the counts.")
     return out
 
 
@@ -109,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     check(args.steps is None or args.steps >= 1, "--steps", args.steps, "an integer >= 1")  # 0 was the default
     check(args.validate or not args.recompute, "--recompute", True, "used with --validate",
           "Add --validate, or drop --recompute (it re-measures the step before each real run).")
+    check(args.max_foreign is None or (args.validate and args.max_foreign >= 0), "--max-foreign", args.max_foreign,
+          "a number of cores >= 0, used with --validate", "It holds --validate's runs until the machine is that quiet.")
+    check(args.retries >= 0, "--retries", args.retries, "an integer >= 0 (runs repeated when the machine was busy)")
     from thinwire.commspec import check_sync_pairing
     from thinwire.syncspec import parse_sync_spec
 

@@ -98,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     env = read_env()
     if env.launched:  # under the user's torchrun: this process is a worker
         return _train_as_worker(cfg, env)
+    existed = Path(cfg.out).exists()
+    try:
+        fresh = not existed or (Path(cfg.out).is_dir() and not any(Path(cfg.out).iterdir()))
+    except OSError:  # preflight names what is wrong with the folder
+        fresh = False
     folder = preflight(cfg, runfolder.new_run_id())
     config = Path(cfg.out) / "config.yaml"
     kept = config.read_bytes() if config.is_file() else None  # a resume in place: its config until a step lands
@@ -122,7 +127,24 @@ def run(args: argparse.Namespace) -> int:
             tmp = config.with_name(config.name + ".tmp")
             tmp.write_bytes(kept)
             os.replace(tmp, config)
+        elif fresh:
+            _unclaim(Path(cfg.out), remove=not existed)
         raise
+
+
+def _unclaim(out: Path, *, remove: bool) -> None:
+    """A new run refused before its first record (a memory budget no micro-batch fits, found in the worker)
+    leaves no half-made run: its marker and config.yaml go, and the folder (``remove``: it made it) if nothing
+    else is in it (``hosts/``, a cluster's logs that explain the failure, stays)."""
+    try:
+        if set(os.listdir(out)) - {runfolder.MARKER, "config.yaml"}:
+            return
+        for name in ("config.yaml", runfolder.MARKER):
+            (out / name).unlink(missing_ok=True)
+        if remove:
+            out.rmdir()
+    except OSError:
+        pass
 
 
 def _train_as_worker(cfg: TrainConfig, env) -> int:
@@ -159,6 +181,10 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     if args.resume and not base:  # continue with the resumed run's own config unless told otherwise
         saved = Path(args.resume) / "config.yaml"
         base = str(saved) if saved.is_file() else _config_of_checkpoint(Path(args.resume))
+    elif base:
+        base = _on_resumed_run(args, base)
+    if args.resume and args.workload and base:
+        _same_workload(args, base)
     cfg = load_train_config(base, overrides, args.set)
     # a path written ~/... in a config file or --set (the shell expands only the flags' own)
     cfg = dataclasses.replace(cfg, **{k: os.path.expanduser(v) for k in ("out", "cluster", "plan", "data")
@@ -176,6 +202,49 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg = dataclasses.replace(cfg, out=str(Path("runs") / f"{cfg.workload.replace(':', '.')}-{stamp}"))
     return cfg
+
+
+def _same_workload(args: argparse.Namespace, base: str | dict) -> None:
+    """A resumed run keeps its workload: another one's options and checkpoint do not fit it (the error would
+    otherwise name a model option of the run's config that the user never gave)."""
+    from thinwire.config import load_yaml
+
+    data = base if isinstance(base, dict) else load_yaml(Path(base))
+    was = data.get("workload") if isinstance(data, dict) else None
+    if isinstance(was, str) and was != args.workload:
+        raise ThinwireError(f"workload: run {args.resume} trains {was}; --workload {args.workload} cannot change on "
+                            f"--resume (its checkpoint holds {was}'s parameters). Leave --workload out to go on, or "
+                            f"start a new run: thinwire train --workload {args.workload} --out NEW_FOLDER.")
+
+
+def _on_resumed_run(args: argparse.Namespace, path: str) -> str | dict:
+    """A config file that resumes a run (``--resume DIR --config FILE``, or ``resume:`` in FILE): FILE's keys
+    on top of the resumed run's own config, as ``--set`` and flags go on top of it; a file that leaves out the
+    model's options must not train the workload's defaults against the run's checkpoint."""
+    from thinwire.config import load_yaml
+
+    data = load_yaml(Path(path))
+    if not isinstance(data, dict):
+        return path  # load_train_config says what is wrong with it
+    resume = args.resume or data.get("resume")
+    if not isinstance(resume, str) or not Path(resume).expanduser().is_dir():
+        return path
+    folder = Path(resume).expanduser()
+    saved = folder / "config.yaml"
+    run = load_yaml(saved) if saved.is_file() else _config_of_checkpoint(folder)
+    if not isinstance(run, dict):
+        return path
+    if not args.resume:  # the file resumes: say so, a file copied from a resumed run's folder keeps its resume:
+        print(f"thinwire: note: {path} says resume: {resume}; this run goes on from that run's latest checkpoint "
+              "with its configuration under the file's keys (delete the resume: line to start afresh)",
+              file=sys.stderr, flush=True)
+    merged = dict(run)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def _out_given(args: argparse.Namespace) -> bool:
@@ -383,7 +452,7 @@ def _check_guards(cfg: TrainConfig) -> None:
         for path in re.findall(r"guard=([^,]+)", str(getattr(cfg, field))):
             from thinwire.plan.planfile import normalized_model
 
-            prof = load_profile(path)
+            prof = load_profile(path, flag=None)
             if prof.workload != cfg.workload or (normalized_model(cfg.workload, prof.model)
                                                  != normalized_model(cfg.workload, cfg.model)):
                 raise ConfigError(f"{field}.guard", path, f"a profile of this run's workload ({cfg.workload!r} with "
@@ -404,8 +473,11 @@ def _check_resume(cfg: TrainConfig, wl) -> None:
     found = ckpt.latest(Path(cfg.resume))
     if found is None:
         if not ckpt.stopped_before_first(Path(cfg.resume)):
-            raise ThinwireError(f"resume: folder {cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
-                                "Pass the --out folder of an earlier run.")
+            marker = (Path(cfg.resume) / runfolder.MARKER).is_file()
+            raise ThinwireError(f"resume: folder {cfg.resume!r} "
+                                + ("holds no checkpoint (checkpoints/step_*.pt). " if marker else
+                                   f"is not a thinwire run folder (no {runfolder.MARKER}, no checkpoints/). ")
+                                + "Pass the --out folder of an earlier `thinwire train` run.")
         print(f"thinwire: note: {cfg.resume} holds no checkpoint: its run stopped before its first one (every "
               f"{cfg.checkpoint_every} steps), so it trains again from step 0 with its configuration",
               file=sys.stderr, flush=True)

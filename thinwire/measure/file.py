@@ -334,7 +334,8 @@ def save_profile(profile: Profile, path: str | Path) -> Path:
     return save_yaml(profile, path)
 
 
-def load_profile(path: str | Path) -> Profile:
-    """Read and check a profile; a missing file says how to make one."""
+def load_profile(path: str | Path, *, flag: str | None = "--profile") -> Profile:
+    """Read and check a profile; a missing file says how to make one (and, where leaving ``flag`` out measures
+    one instead, so)."""
     return load_dataclass(Profile, path, what="profile", make=f"Make one with `thinwire profile --workload W --out "
-                          f"{path}`, or leave --profile out to measure now.")
+                          f"{path}`" + (f", or leave {flag} out to measure now." if flag else "."))

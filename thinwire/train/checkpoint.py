@@ -163,9 +163,10 @@ def load(path: Path) -> dict:
 
 
 def stopped_before_first(folder: Path) -> bool:
-    """Whether ``folder`` holds a run (its ``config.yaml``) that stopped before its first checkpoint: resuming it
-    trains it again from step 0 with that configuration."""
-    return latest(folder) is None and (folder / "config.yaml").is_file()
+    """Whether ``folder`` holds a run (its ``config.yaml`` and the run marker, ``thinwire.train.runfolder.MARKER``)
+    that stopped before its first checkpoint: resuming it trains it again from step 0 with that configuration.
+    Another tool's folder with a config.yaml (``thinwire doctor``'s) is no such run."""
+    return latest(folder) is None and (folder / "config.yaml").is_file() and (folder / ".thinwire-run").is_file()
 
 
 def _read(path: Path):

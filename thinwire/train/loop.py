@@ -41,10 +41,13 @@ from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
 from thinwire.workloads.base import GlobalSampler, collate, correct, eval_subset, even_shares
 from thinwire.workloads.partition import ShardSampler, shards
-from thinwire.workloads.registry import build_workload
+from thinwire.workloads.registry import build_workload, model_defaults
 
 
 VALIDATION_NOTE_S = 5.0  # a validation running longer than this logs its progress
+# skipped optimizer steps in a row (a non-finite average gradient) that end a run as diverged: more than a
+# GradScaler's start takes to find its scale (it halves from 2^16 at each overflow)
+MAX_SKIPPED_IN_A_ROW = 50
 
 
 def train(cfg: TrainConfig, out: Path) -> dict:
@@ -125,6 +128,7 @@ class Trainer:
         self.restarts = env.restart_count + int(os.environ.get(RESTARTS_BEFORE_ENV, 0))  # a switch fallback's too
         self.samples_before = (0, 0)  # (step, samples) where this process started: a resume may change the batch
         self.eval_s = 0.0  # seconds spent validating, this run (the checkpoint carries it)
+        self.skipped_in_a_row = 0  # optimizer steps skipped for a non-finite gradient, in a row
         self.eval_due = False  # a validation mark passed, waiting for the ranks to agree (:meth:`_validates_now`)
         self.told_wait = False  # that wait was said (once per process)
         self.counts_before: dict[str, int] = {}  # codec use counts of the run before this process's start
@@ -300,8 +304,17 @@ class Trainer:
         return self.prec.runner.context()
 
     def _log(self, rec: dict, bar: ProgressBar) -> None:
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
         if rec["skipped"]:
             bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the same on every rank: the average is non-finite
+            self.metrics.write({"step": self.step, "samples": self._samples(), "wall_s": self._wall(), **rec})
+            last = ckpt.latest(self.out)
+            raise ThinwireError(
+                f"training diverged: the last {self.skipped_in_a_row} steps all had a non-finite gradient (loss "
+                f"{rec['loss']}), so none of them changed the model; the run stopped at step {self.step}. Lower --lr, "
+                "train in --precision fp32, or check the workload's loss for NaN"
+                + (f"; --resume {self.out} goes on from step {ckpt.step_of(last)}." if last else "."))
         if self.step % self.cfg.log_every == 0 or rec["skipped"]:
             rec = {"step": self.step, "samples": self._samples(), "wall_s": self._wall(), **rec}
             if not rec["skipped"]:
@@ -467,12 +480,21 @@ class Trainer:
                               f"to train. Pass a larger --steps to go on.[/yellow]")
 
     def _note_changes(self, saved: dict) -> None:
-        """Say where this job's seed, partition or codec differ from the checkpoint's: the run goes on, but from
-        here its data order (seed), its ranks' shards (partition) or its bytes (compression) are another run's."""
+        """Say where this job's seed, partition, codec, data or model options (those that leave the parameters'
+        shapes as they are: dropout, say) differ from the checkpoint's: the run goes on, but from here it is
+        another run's."""
         what = {"seed": "the data order and per-rank randomness", "partition": "each rank's shard of the data",
                 "compression": "what crosses the wire, and its error-feedback residuals"}
         changed = [f"--{k} {saved[k]} -> {getattr(self.cfg, k)} ({v})" for k, v in what.items()
                    if k in saved and saved[k] != getattr(self.cfg, k)]
+        if "data" in saved and saved["data"] != self.cfg.data:
+            changed.append(f"--data {saved['data']} -> {self.cfg.data} (the samples it trains and validates on)")
+        defaults = model_defaults(self.cfg.workload)  # the options a config leaves out
+        old, new = {**defaults, **(saved.get("model") or {})}, {**defaults, **(self.cfg.model or {})}
+        model = [f"model.{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new), key=str)
+                 if k in old and k in new and old[k] != new[k]]
+        if model:
+            changed.append(f"{', '.join(model)} (the model's options)")
         if changed and self.env.is_main:
             console.print(f"[yellow]resumed with other settings than the checkpoint's: {'; '.join(changed)}; the run "
                           "goes on from its checkpoint, no longer bit-identical to one that kept them[/yellow]")

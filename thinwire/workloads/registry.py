@@ -62,9 +62,16 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
                             "Check that it is on PYTHONPATH.") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise ThinwireError(f"workload: module {short(module_name)} has no function {short(func_name)}.")
+        what = (f"has no function {short(func_name)}" if fn is None else
+                f"has {short(func_name)} of type {type(fn).__name__}, not a function")
+        raise ThinwireError(f"workload: module {short(module_name)} {what}; a workload is a function that returns a "
+                            "thinwire.Workload.")
     kwargs = dict(options)
-    if data is not None and "data" in inspect.signature(fn).parameters:
+    if data is not None:
+        params = inspect.signature(fn).parameters
+        if "data" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ThinwireError(f"data: {name} takes no data argument, so --data {short(data)} would go unused. "
+                                f"Give {func_name} a data=... parameter to read it, or leave --data out.")
         kwargs["data"] = data
     try:
         inspect.signature(fn).bind(**kwargs)
@@ -79,6 +86,9 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
                             f"{where.name}). Call it in Python to see the whole traceback.") from None
     if not isinstance(wl, Workload):
         raise ThinwireError(f"workload: {name} must return a thinwire.Workload, got {type(wl).__name__}.")
+    if wl.task not in ("lm", "classification", "regression"):
+        raise ThinwireError(f"workload: {name}'s Workload has task={short(wl.task)}; it must be lm, classification or "
+                            "regression (which validation metrics it reports).")
     for field in ("train", "val"):
         data = getattr(wl, field)
         try:
