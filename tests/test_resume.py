@@ -96,7 +96,8 @@ def test_a_run_stopped_before_its_first_checkpoint_trains_again_from_step_0_on_r
     run = read_run(str(out))  # the steps trained again replace the first attempt's in the plot
     assert [p[0] for p in run.train] == [1, 2, 3, 4] and run.skipped["record redone"] == 6
     (tmp_path / "empty").mkdir()
-    assert_refused(thinwire("train", "--resume", str(tmp_path / "empty")), r"resume: .* holds no checkpoint")
+    assert_refused(thinwire("train", "--resume", str(tmp_path / "empty")),
+                   r"resume: .*empty' is not a thinwire run folder \(no \.thinwire-run, no checkpoints/\)")
     assert_refused(thinwire("train", "--resume", str(tmp_path / "nothing-here")),
                    r"resume: '.*nothing-here' does not exist\. Pass the --out folder of an earlier run")
 

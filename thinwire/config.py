@@ -393,14 +393,14 @@ def check_writable(path: str | Path, field: str, *, folder: bool, inputs: dict[s
     import tempfile
 
     path = Path(path)
-    if kind is not None and path.is_file() and not _is_kind(path, kind[1]):
-        raise ConfigError(field, str(path), f"a new file, or a {kind[0]} to replace",
-                          f"{short(str(path))} exists and is not a {kind[0]} thinwire wrote: writing would destroy it. "
-                          "Name another file; nothing was changed.")
     for flag, given in (inputs or {}).items():
         if given and Path(given).exists() and path.exists() and path.resolve() == Path(given).resolve():
             raise ConfigError(field, str(path), f"a file other than the {flag} input",
                               f"writing it would replace {flag} {short(str(given))}; name another file")
+    if kind is not None and path.is_file() and not _is_kind(path, kind[1]):
+        raise ConfigError(field, str(path), f"a new file, or a {kind[0]} to replace",
+                          f"{short(str(path))} exists and is not a {kind[0]} thinwire wrote: writing would destroy it. "
+                          "Name another file; nothing was changed.")
     if not folder and path.is_dir():
         raise ConfigError(field, str(path), "a file to write", f"{short(str(path))} is a folder; name a file in it, "
                           f"e.g. {path / 'out.yaml'}")
