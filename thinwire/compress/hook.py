@@ -372,8 +372,10 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     if getattr(model, "_thinwire_state", None) is not None:
         raise ValueError("thinwire.attach: a thinwire hook is already attached to this model; attach once per model")
     refuse_sparse(model.module, "thinwire.attach")  # DDP hands a hook a sparse bucket no codec's encoding takes
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"thinwire.attach: timeout_s must be a number of seconds > 0 or None (no bound), got {timeout_s!r}")
+    try:
+        check_options(timeout_s=timeout_s)  # the rest are checked where the state is built
+    except ValueError as e:
+        raise ValueError(f"thinwire.attach: {e}") from None
     policy = _as_policy(codec)
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     group = process_group if process_group is not None else dist.new_group(backend=dist.get_backend(), timeout=timeout)
