@@ -672,7 +672,7 @@ def test_the_overhead_probe_times_both_schedules_and_the_model_charges_the_inter
     from thinwire.measure.pipeline_overhead import pipeline_overhead
     from thinwire.sim.pipeline import predict_pipeline
 
-    got = pipeline_overhead(reps=2)
+    got = pipeline_overhead(reps=3)
     assert got["interleaved_per_microbatch_s"] > got["per_microbatch_s"] > 0
     prof, spec = _layered_profile(), _cluster()
     runs = [[0, 1], [2], [3], [4], [5], [6], [7], [8, 9]]

@@ -3,11 +3,13 @@ bookkeeping and the point-to-point sends and receives of an activation and its g
 
 Two processes on this machine (one thread each, gloo over loopback) run a 2-stage pipeline of one tiny
 layer each (``torch.distributed.pipelining``'s 1F1B) at M = 4 and M = 16 micro-batches; each rep after a
-barrier, the slower rank's step, the fastest of ``reps`` kept. The layers' compute is negligible and
-loopback has no wire to speak of, so the step grows by one stage's per-micro-batch overhead for each
-micro-batch added: ``overhead = (t16 - t4) / 12`` (its forward and backward actions, one send and one
-receive each way). The model adds it to every stage's compute per micro-batch, over the host's speed
-(:mod:`thinwire.sim.pipeline`).
+barrier, the slower rank's step, the median of ``reps`` kept (as the profile's compute times are: a run's
+step is a typical one; the fastest of 5, kept before, read 0.35-0.75 ms per micro-batch from one profile
+to the next, 2026-12-06, while the pipelines those profiles priced stepped 2-27% slower than predicted).
+The layers' compute is negligible and loopback has no wire to speak of, so the step grows by one stage's
+per-micro-batch overhead for each micro-batch added: ``overhead = (t16 - t4) / 12`` (its forward and
+backward actions, one send and one receive each way). The model adds it to every stage's compute per
+micro-batch, over the host's speed (:mod:`thinwire.sim.pipeline`).
 
 The same for the interleaved schedule (``ScheduleInterleaved1F1B``, 2 tiny stages per rank): a rank's
 overhead per micro-batch, both its stages. It is not twice 1F1B's: each of a rank's 6 sends and receives
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from thinwire.measure.collective import WORLD, rank_args, run_ranks
@@ -38,25 +41,25 @@ def _rank(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(args.store, WORLD), rank=args.rank, world_size=WORLD)
     loss = lambda out, y: out.square().mean()  # noqa: E731
     try:
-        best: dict[str, list[float]] = {"1f1b": [], "interleaved": []}
+        steps: dict[str, list[float]] = {"1f1b": [], "interleaved": []}
         for m in MICROBATCHES:
             stage = PipelineStage(torch.nn.Linear(8, 8), args.rank, WORLD, torch.device("cpu"))
-            best["1f1b"].append(_best_step(args, Schedule1F1B(stage, n_microbatches=m, loss_fn=loss), m,
+            steps["1f1b"].append(_median_step(args, Schedule1F1B(stage, n_microbatches=m, loss_fn=loss), m,
                                            last=args.rank == WORLD - 1))
             stages = [PipelineStage(torch.nn.Linear(8, 8), args.rank + v * WORLD, 2 * WORLD, torch.device("cpu"))
                       for v in range(2)]
-            best["interleaved"].append(_best_step(args, ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss),
+            steps["interleaved"].append(_median_step(args, ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss),
                                                   m, last=args.rank == WORLD - 1))
         dist.barrier()
     finally:
         dist.destroy_process_group()
     if args.rank == 0:
-        print(json.dumps({"microbatches": list(MICROBATCHES), "times_s": best["1f1b"],
-                          "interleaved_times_s": best["interleaved"]}), flush=True)
+        print(json.dumps({"microbatches": list(MICROBATCHES), "times_s": steps["1f1b"],
+                          "interleaved_times_s": steps["interleaved"]}), flush=True)
 
 
-def _best_step(args, sched, m: int, *, last: bool) -> float:
-    """The fastest of ``args.reps`` steps (the slower rank's), after two warm-ups (shape inference, connections)."""
+def _median_step(args, sched, m: int, *, last: bool) -> float:
+    """The median of ``args.reps`` steps (the slower rank's), after two warm-ups (shape inference, connections)."""
     import torch
     import torch.distributed as dist
 
@@ -70,7 +73,7 @@ def _best_step(args, sched, m: int, *, last: bool) -> float:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= 2:
             times.append(dt.item())
-    return min(times)
+    return statistics.median(times)
 
 
 def per_microbatch(microbatches: list[int], times: list[float]) -> float:
@@ -79,7 +82,7 @@ def per_microbatch(microbatches: list[int], times: list[float]) -> float:
     return max(0.0, (t1 - t0) / (m1 - m0))
 
 
-def pipeline_overhead(reps: int = 5, timeout: float = 120.0) -> dict:
+def pipeline_overhead(reps: int = 9, timeout: float = 120.0) -> dict:
     """``{"per_microbatch_s", "interleaved_per_microbatch_s", "microbatches", "times_s", "interleaved_times_s"}``
     (module docstring)."""
     out = run_ranks("thinwire.measure.pipeline_overhead", ["--reps", str(reps)], timeout,
