@@ -103,6 +103,36 @@ def test_lightning_sync_mode_resumes_exactly(tmp_path, sync):
         assert got["stats"]["counts"].get("int8", 0) > 0
 
 
+def test_lightning_local_checkpoint_holds_the_average_and_resumes_equal_ranks_under_allreduce(tmp_path):
+    """A checkpoint written between two local SGD averages (not at validation) holds the ranks' average as
+    Lightning's state_dict (what a job of another size, or inference, loads); resumed with sync='allreduce',
+    every rank goes on from that model, so the ranks end equal (their own models would never meet again)."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    first.mkdir(), resumed.mkdir()
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", "--sync", "local:period=3,warmup=0")
+    ckpt = load(first / "last.ckpt")
+    a, b = (ckpt["thinwire"]["ranks"][r]["model"] for r in range(2))
+    assert any(not torch.equal(a[k], b[k]) for k in a), "the checkpoint should fall between averages"
+    for k, v in ckpt["state_dict"].items():
+        torch.testing.assert_close(v, (a[k] + b[k]) / 2, rtol=1e-6, atol=1e-7)
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "6", "--resume", str(first / "last.ckpt"))
+    ends = [load(resumed / f"end_rank{r}.pt")["params"] for r in range(2)]
+    torch.testing.assert_close(ends[0], ends[1], rtol=0, atol=0)
+
+
+def test_lightning_strategy_checks_its_keywords_before_any_process_starts():
+    """timeout_s, nonfinite, sync=None, a keyword neither thinwire's nor DDP's, and static_graph with a mode
+    that runs under no_sync: each refused where the strategy is built, naming it."""
+    from thinwire.integrations.lightning import ThinwireStrategy
+
+    for kw, says in ((dict(timeout_s=-1), "timeout_s"), (dict(nonfinite="ignore"), "nonfinite"),
+                     (dict(sync=None), "sync must be a sync spec"), (dict(bogus_kw=1), "unknown keyword 'bogus_kw'"),
+                     (dict(sync="delayed", static_graph=True), "static_graph=True runs with sync='allreduce' only")):
+        with pytest.raises((TypeError, ValueError), match=says):
+            ThinwireStrategy("int8", **kw)
+    ThinwireStrategy("int8", static_graph=True, find_unused_parameters=False, nonfinite="raise", timeout_s=30)
+
+
 def test_lightning_refuses_a_sync_mode_with_two_optimizers(tmp_path):
     """A mode averages once per step: with two optimizers Lightning would step it twice per batch."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

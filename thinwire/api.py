@@ -70,6 +70,10 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)
+    if spec.mode != "allreduce" and getattr(model, "static_graph", False):
+        raise ValueError(f"thinwire.sync: {spec.mode!r} runs its steps under model.no_sync(), which a DDP model built "
+                         "with static_graph=True does not allow (PyTorch's assertion 'expect_autograd_hooks_'); "
+                         "build it without static_graph, or use 'allreduce'")
     m = create(model, spec, as_policy(comm), **kwargs)
     m.optimizer = optimizer
     return m

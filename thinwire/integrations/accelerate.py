@@ -68,7 +68,9 @@ class SyncStates:
     residuals and, for a mode whose ranks diverge between averages (local SGD, DiLoCo, gossip, dynamic),
     every rank's own parameters and optimizer state: accelerate's own checkpoint holds rank 0's only, so
     a run resumed between two averages would go on from rank 0's model on every rank. accelerate loads
-    these after its model and optimizer, so each rank ends with its own."""
+    these after its model and optimizer, so each rank ends with its own. accelerate's own model file holds
+    rank 0's model, not the ranks' average: for that one (to evaluate, or to load elsewhere) save it inside
+    ``with mode.consensus(): ...`` (every rank enters it)."""
 
     def __init__(self, mode, model, optimizer) -> None:
         self.mode, self.model, self.optimizer = mode, model, optimizer
@@ -76,19 +78,28 @@ class SyncStates:
     def state_dict(self) -> dict:
         mine = {"sync": self.mode.state_dict()}  # first: it waits for averages in flight
         mine["comm"] = self.mode.comm.state_dict()
-        if self.mode.diverges:
+        if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics: delayed) differ
             mine["model"] = self.model.module.state_dict()
-            if self.optimizer is not None:
-                mine["optimizer"] = self.optimizer.state_dict()
+        if self.mode.diverges and self.optimizer is not None:
+            mine["optimizer"] = self.optimizer.state_dict()
         return gather_states(mine)
 
     def load_state_dict(self, sd: dict) -> None:
         mine = rank_state(sd, "the accelerate checkpoint")
         if mine is None:
             return
-        if "model" in mine:
-            self.model.module.load_state_dict(mine["model"])
-        if "optimizer" in mine and self.optimizer is not None:
+        module = self.model.module
+        if "model" in mine and self.mode.diverges:
+            module.load_state_dict(mine["model"])
+        elif "model" in mine:  # this mode keeps the ranks' parameters equal: every rank goes on from accelerate's
+            params = {n for n, _ in module.named_parameters()}
+            if self.mode.buffers_diverge:  # ... but each keeps its own BatchNorm statistics (delayed)
+                module.load_state_dict({k: v for k, v in mine["model"].items() if k not in params}, strict=False)
+            else:
+                log.warning("thinwire: the checkpoint holds each rank's own model (saved by a sync mode whose ranks' "
+                            "models differ); this mode keeps the ranks equal, so every rank goes on from the model "
+                            "accelerate saved (rank 0's)")
+        if "optimizer" in mine and self.optimizer is not None and self.mode.diverges:
             self.optimizer.load_state_dict(mine["optimizer"])
         self.mode.load_state_dict(mine["sync"])
         self.mode.comm.load_state_dict(mine["comm"])

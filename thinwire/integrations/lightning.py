@@ -27,44 +27,73 @@ from typing import Any
 
 from thinwire.api import attach, sync
 from thinwire.commspec import check_sync_pairing
-from thinwire.integrations import check_hook_kwargs, gather_states, hook_codec, need, rank_state
+from thinwire.integrations import check_hook_kwargs, gather_states, hook_codec, log, need, rank_state
 from thinwire.syncspec import parse_sync_spec
 
 pl = need("pytorch_lightning", "lightning")
 from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
 
 
+def check_ddp_kwargs(kwargs: dict) -> None:
+    """The keywords left for ``DDPStrategy``, which hands what it does not take itself to
+    ``DistributedDataParallel`` only at setup, in every process: a typo would surface there."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    known = {n for f in (DDPStrategy.__init__, DistributedDataParallel.__init__)
+             for n in inspect.signature(f).parameters if n not in ("self", "kwargs", "module")}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"ThinwireStrategy: unknown keyword {unknown[0]!r}: neither thinwire's (codec, sync, "
+                        "error_feedback, warmup_steps, min_compress_bytes, nonfinite, timeout_s) nor DDPStrategy's or "
+                        f"DistributedDataParallel's ({', '.join(sorted(known))})")
+
+
 class ThinwireStrategy(DDPStrategy):
     """``DDPStrategy`` with thinwire's averaging: ``codec`` is any ``--compression`` form (``"int8"``,
     ``"topk:ratio=0.01"``, ``"auto"``; see ``thinwire codecs``); ``sync`` a ``--sync`` form
     (``"allreduce"``, the default, ``"delayed"``, ``"local:period=8"``, ``"diloco:period=100"``);
-    ``error_feedback``, ``warmup_steps``, ``min_compress_bytes`` and ``timeout_s`` as in
-    :func:`thinwire.attach`; every other keyword goes to ``DDPStrategy`` (``find_unused_parameters``,
-    ``static_graph``, ...). A sync mode supports one optimizer."""
+    ``error_feedback``, ``warmup_steps``, ``min_compress_bytes``, ``nonfinite`` and ``timeout_s`` as in
+    :func:`thinwire.attach`; every other keyword goes to ``DDPStrategy`` and from it to
+    ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph`` with ``allreduce``, ...). A sync
+    mode supports one optimizer. On one process nothing is attached (nothing to average; ``comm`` stays None)."""
 
     strategy_name = "thinwire"
 
     def __init__(self, codec: str = "int8", *, sync: str = "allreduce", error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_bytes: int = 4096, timeout_s: float | None = None,
-                 **ddp_kwargs: Any) -> None:
+                 warmup_steps: int = 0, min_compress_bytes: int = 4096, nonfinite: str = "skip",
+                 timeout_s: float | None = None, **ddp_kwargs: Any) -> None:
+        from thinwire.syncspec import SyncSpec
+
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if key in ddp_kwargs:
                 raise ValueError(f"ThinwireStrategy: {key}= is Lightning's own hook setting; thinwire's hook "
                                  "replaces it (pass codec= or sync= instead, or use DDPStrategy for PyTorch's hooks)")
-        super().__init__(**ddp_kwargs)
+        check_ddp_kwargs(ddp_kwargs)
         # bad specs fail here, before any process starts
         self.codec = hook_codec(codec, "ThinwireStrategy")
         check_hook_kwargs(dict(error_feedback=error_feedback, warmup_steps=warmup_steps,
-                               min_compress_bytes=min_compress_bytes), "ThinwireStrategy")
+                               min_compress_bytes=min_compress_bytes, nonfinite=nonfinite, timeout_s=timeout_s),
+                          "ThinwireStrategy")
+        if not isinstance(sync, (str, SyncSpec)):
+            raise TypeError(f"ThinwireStrategy: sync must be a sync spec string such as 'allreduce', 'delayed' or "
+                            f"'local:period=8' (see thinwire.syncspec), got {sync!r}")
         self.sync_spec = parse_sync_spec(sync) if isinstance(sync, str) else sync
         self.sync_spec = check_sync_pairing(self.sync_spec, self.codec)
+        if self.sync_spec.mode != "allreduce" and ddp_kwargs.get("static_graph"):
+            raise ValueError(f"ThinwireStrategy: static_graph=True runs with sync='allreduce' only; "
+                             f"sync={self.sync_spec.mode!r} skips DDP's all-reduce on its steps (no_sync), which a "
+                             "static graph does not allow. Drop static_graph, or use sync='allreduce'")
+        super().__init__(**ddp_kwargs)
         self._kwargs = dict(error_feedback=error_feedback, warmup_steps=warmup_steps)
-        self._hook_kwargs = dict(min_compress_bytes=min_compress_bytes, timeout_s=timeout_s)
+        self._hook_kwargs = dict(min_compress_bytes=min_compress_bytes, nonfinite=nonfinite, timeout_s=timeout_s)
         self.comm = None        # the CommState, once the model is wrapped
         self.mode = None        # the SyncMode, when sync is not allreduce
         self._restored = None   # this rank's state read from a checkpoint before the hook exists
         self._consensus = None  # during validation with a mode whose ranks diverge: the context, entered
         self._own: dict = {}    # ... and this rank's own tensors it replaced with the ranks' average
+        self._warned_own = False
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -77,6 +106,9 @@ class ThinwireStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         # not DDPStrategy's: that one registers hooks on CUDA only
+        if self.world_size == 1:  # nothing to average: a codec would only change the gradients (as accelerate, HF)
+            log.info("thinwire: one process: nothing to average, no hook attached")
+            return
         if self.sync_spec.mode == "allreduce":
             self.comm = attach(self.model, self.codec, **self._kwargs, **self._hook_kwargs)
         else:
@@ -109,7 +141,7 @@ class ThinwireStrategy(DDPStrategy):
     # -- validation: the ranks' average -----------------------------------------------------------
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self.mode is not None and self.mode.diverges and self._consensus is None:
+        if self.mode is not None and self.mode.buffers_diverge and self._consensus is None:
             self._consensus = self.mode.consensus()
             self._own = self._consensus.__enter__()
 
@@ -126,10 +158,15 @@ class ThinwireStrategy(DDPStrategy):
             mine: dict[str, Any] = {}
             if self.mode is not None:
                 mine["sync"] = self.mode.state_dict()  # first: it waits for averages in flight
-                if self.mode.diverges:  # ranks' parameters and optimizer states differ between averages
+                if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics) differ between averages
                     own = self._own      # inside validation's consensus: the rank's own, not the average
                     mine["model"] = {k: own.get(id(v), v).detach().clone()
                                      for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
+                    if self._consensus is None:  # outside validation: the checkpoint's model is the ranks' average too
+                        with self.mode.consensus():
+                            checkpoint["state_dict"] = {k: v.detach().clone()
+                                                        for k, v in self.lightning_module.state_dict().items()}
+                if self.mode.diverges:  # and their optimizer states
                     mine["optimizers"] = [o.state_dict() for o in self.optimizers]
             mine["comm"] = self.comm.state_dict()
             checkpoint["thinwire"] = gather_states(mine)
@@ -147,14 +184,33 @@ class ThinwireStrategy(DDPStrategy):
 
     def _apply(self, mine: dict) -> None:
         if "model" in mine:  # after DDP's constructor broadcast rank 0's parameters
-            self.lightning_module.load_state_dict(mine["model"])
+            self._load_own(mine["model"])
         if self.mode is not None and "sync" in mine:
             self.mode.load_state_dict(mine["sync"])
         self.comm.load_state_dict(mine["comm"])
 
+    def _load_own(self, own: dict) -> None:
+        """This rank's own model from the checkpoint, where this run lets the ranks' models differ as the saved
+        one did. A mode that keeps their parameters equal (``allreduce``; ``delayed``, whose BatchNorm statistics
+        alone are each rank's) goes on from the checkpoint's model, the ranks' average, on every rank: their own
+        parameters would never meet again."""
+        module = self.lightning_module
+        if self.mode is not None and self.mode.diverges:
+            module.load_state_dict(own)
+            return
+        params = {n for n, _ in module.named_parameters()}
+        if self.mode is not None and self.mode.buffers_diverge:
+            module.load_state_dict({k: v for k, v in own.items() if k not in params}, strict=False)
+            return
+        if not self._warned_own:
+            self._warned_own = True
+            log.warning("thinwire: the checkpoint holds each rank's own model (saved by a sync mode whose ranks' models "
+                        "differ); sync=%r keeps the ranks equal, so every rank goes on from the checkpoint's model",
+                        self.sync_spec.mode)
+
     def load_optimizer_state_dict(self, checkpoint) -> None:
         mine = rank_state(checkpoint.get("thinwire"), "the checkpoint", warn=False)  # said at the model's load
-        if mine is None or "optimizers" not in mine:
+        if mine is None or "optimizers" not in mine or not (self.mode is not None and self.mode.diverges):
             return super().load_optimizer_state_dict(checkpoint)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": mine["optimizers"]})
 
