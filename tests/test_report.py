@@ -167,3 +167,36 @@ def test_a_record_cut_short_by_a_crash_does_not_swallow_the_next_runs_first(tmp_
     w.close()
     records, skipped = scan_metrics(tmp_path)
     assert records == [{"step": 1, "loss": 2.0}, {"event": "resume", "step": 1}] and sum(skipped.values()) == 1
+
+
+# -- the output folder: files thinwire did not write are never replaced -----------------------------------
+def test_report_and_simulate_refuse_an_out_folder_holding_files_they_did_not_write(tmp_path):
+    """A folder with the user's own loss.png (or simulate.json): refused, the file intact; a folder the command
+    wrote before, or a run's own folder, takes its plots again."""
+    from tests.test_cli import assert_refused, thinwire
+    from tests.test_pipeline import _layered_profile
+
+    from thinwire.measure.file import save_profile
+
+    _run(tmp_path / "a", 1.0)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "loss.png").write_text("my plot")
+    assert_refused(thinwire("report", str(tmp_path / "a"), "--out", str(mine)),
+                   r"holds loss.png, which `thinwire report` did not write")
+    assert (mine / "loss.png").read_text() == "my plot"
+    for _ in range(2):
+        assert thinwire("report", str(tmp_path / "a"), "--out", str(tmp_path / "plots")).returncode == 0
+    (tmp_path / "a" / ".thinwire-run").touch()
+    assert thinwire("report", str(tmp_path / "a")).returncode == 0 and (tmp_path / "a" / "loss.png").stat().st_size > 1000
+
+    spec, prof = tmp_path / "c.yaml", tmp_path / "p.yaml"
+    spec.write_text("name: pp\ndefaults: {bandwidth: 1gbit}\nhosts: [{name: h0}, {name: h1}]\n")
+    save_profile(_layered_profile(), prof)
+    (mine / "simulate.json").write_text("my notes")
+    args = ["simulate", "--profile", str(prof), "--cluster", str(spec), "--workload", "charlm"]
+    assert_refused(thinwire(*args, "--out", str(mine)), r"holds simulate.json, which `thinwire simulate` did not write")
+    assert (mine / "simulate.json").read_text() == "my notes"
+    for _ in range(2):
+        r = thinwire(*args, "--out", str(tmp_path / "sim"))
+        assert r.returncode == 0, r.stderr

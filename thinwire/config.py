@@ -418,6 +418,26 @@ def check_writable(path: str | Path, field: str, *, folder: bool, inputs: dict[s
                           f"{short(str(base))} cannot take new files ({why}); choose another path")
 
 
+def check_outputs(folder: str | Path, names: tuple[str, ...], command: str, field: str = "--out",
+                  *, theirs: tuple[str, ...] = ()) -> None:
+    """Refuse a ``folder`` that holds a file named as one ``command`` writes there (``names``) unless thinwire
+    wrote it: the folder carries ``command``'s marker (:func:`mark_outputs`, left by an earlier run of it) or
+    one of ``theirs`` (a run's ``.thinwire-run``, where ``report`` puts its plots by default)."""
+    folder = Path(folder)
+    if not folder.is_dir() or any((folder / m).exists() for m in (f".thinwire-{command}", *theirs)):
+        return
+    clash = [n for n in names if (folder / n).exists()]
+    if clash:
+        raise ConfigError(field, str(folder), f"a new folder, or one `thinwire {command}` wrote before",
+                          f"it holds {', '.join(clash)}, which `thinwire {command}` did not write and would replace. "
+                          "Name another folder; nothing was changed.")
+
+
+def mark_outputs(folder: str | Path, command: str) -> None:
+    """Mark ``folder`` as written by ``command`` (a later run of it may replace its files: :func:`check_outputs`)."""
+    (Path(folder) / f".thinwire-{command}").touch()
+
+
 def _is_kind(path: Path, keys: tuple[str, ...]) -> bool:
     """Whether ``path`` is a YAML mapping with every one of ``keys`` (a file of the kind thinwire writes)."""
     try:

@@ -146,6 +146,9 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+PLOTS = ("loss.png", "breakdown.png")  # what report writes into its folder
+
+
 def report(paths: list[str], out: str | None = None) -> list[Path]:
     import matplotlib
 

@@ -14,12 +14,16 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from thinwire.config import check_writable
-    from thinwire.report import report
+    from thinwire.config import check_outputs, check_writable, mark_outputs
+    from thinwire.report import PLOTS, report
 
-    if args.out or Path(args.runs[0]).is_dir():  # without --out the plots go into the first run
-        check_writable(args.out or args.runs[0], "--out", folder=True)
-
-    for path in report(args.runs, args.out):
+    folder = args.out or args.runs[0]  # without --out the plots go into the first run
+    if args.out or Path(folder).is_dir():
+        check_writable(folder, "--out", folder=True)
+        check_outputs(folder, PLOTS, "report", theirs=(".thinwire-run",))
+    paths = report(args.runs, args.out)
+    if not (Path(folder) / ".thinwire-run").exists():
+        mark_outputs(folder, "report")
+    for path in paths:
         print(path)
     return 0

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, workload_of
-from thinwire.config import check, check_writable
+from thinwire.config import check, check_outputs, check_writable, mark_outputs
 from thinwire.errors import ConfigError
 
 EPILOG = """examples:
@@ -92,6 +92,7 @@ def parse_hosts(text: str) -> list[int]:
     return out
 
 
+SIM_FILES = ("simulate.json", "scaling.png", "timeline.png")  # what simulate writes into --out
 MAX_POINTS = 256  # host counts one --hosts sweep may expand to (each is simulated)
 
 
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.workloads.registry import check_workload_name
 
     check_writable(args.out or "runs", "--out", folder=True)  # the default folder goes under runs/
+    if args.out:
+        check_outputs(args.out, SIM_FILES, "simulate")
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)
@@ -176,6 +179,7 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     sync_table, sync_rows = _sync_table(spec, profile, opts, default_batch, own) if args.sync == "all" else none
     meta.update({k: v for k, v in (("pipeline", pipeline_row), ("sync_modes", sync_rows)) if v is not None})
     out.mkdir(parents=True, exist_ok=True)
+    mark_outputs(out, "simulate")
     (out / "simulate.json").write_text(output.to_json(points, meta))
     title = f"{args.workload} on {spec.name}, {opts.codec}"
     output.plot_scaling(points, out / "scaling.png", title)
