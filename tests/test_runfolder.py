@@ -260,3 +260,21 @@ def test_under_torchrun_a_start_rank_0_refuses_ends_every_rank_at_once(tmp_path)
     assert proc.returncode != 0 and "is not empty (it holds notes.txt)" in proc.stderr, proc.stderr[-2000:]
     assert took < 25 and "forcefully exiting via 9" not in proc.stderr, (took, proc.stderr[-2000:])
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_save_removes_what_a_writer_killed_mid_write_left(tmp_path):
+    """A worker killed inside ``save_atomic`` leaves its temporary file (only it would remove it): the next
+    checkpoint at or past that step removes it, and a shard's too; a later step's (being written) is kept."""
+    from thinwire.train.checkpoint import checkpoint_dir, save
+
+    folder = checkpoint_dir(tmp_path)
+    (folder / "shards").mkdir(parents=True)
+    stale = [folder / ".step_000000008.pt.zxidlz2o.tmp", folder / "shards" / ".step_000000008.rank00001.pt.ab.tmp"]
+    later = folder / ".step_000000012.pt.k3j.tmp"
+    for f in (*stale, later):
+        f.write_bytes(b"half a checkpoint")
+    save(tmp_path, {"step": 4}, keep=2)
+    assert all(f.exists() for f in (*stale, later))
+    save(tmp_path, {"step": 8}, keep=2)
+    assert not any(f.exists() for f in stale) and later.exists()
+    assert sorted(p.name for p in folder.glob("step_*.pt")) == ["step_000000004.pt", "step_000000008.pt"]

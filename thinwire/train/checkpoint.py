@@ -26,6 +26,7 @@ from thinwire.errors import ThinwireError, cannot_write
 
 FORMAT = "thinwire-checkpoint-1"
 NAME = re.compile(r"^step_(\d{9})\.pt$")
+TMP_NAME = re.compile(r"^\.step_(\d{9})\.(?:rank\d+\.)?pt\..*\.tmp$")  # save_atomic's temporary file of a checkpoint or shard
 
 
 def checkpoint_dir(out: Path) -> Path:
@@ -92,7 +93,18 @@ def save(out: Path, state: dict, keep: int) -> Path:
         old.unlink(missing_ok=True)
         for shard in (old.parent / "shards").glob(old.stem + ".rank*.pt"):
             shard.unlink(missing_ok=True)
+    drop_partial(path.parent, state["step"])
     return path
+
+
+def drop_partial(folder: Path, step: int) -> None:
+    """Remove what a writer killed mid-write left (``save_atomic``'s temporary files, which only it would
+    remove) for checkpoints up to ``step``: written by now, or never to be (every shard of a step is written
+    before its checkpoint). Each restart after a kill could otherwise leave one more."""
+    for tmp in [*folder.glob(".step_*.tmp"), *(folder / "shards").glob(".step_*.tmp")]:
+        m = TMP_NAME.match(tmp.name)
+        if m and int(m.group(1)) <= step:
+            tmp.unlink(missing_ok=True)
 
 
 def shard_path(main: Path, rank: int) -> Path:
