@@ -410,5 +410,12 @@ def test_a_run_whose_every_step_is_non_finite_stops_as_diverged(tmp_path):
                         str(MAX_SKIPPED_IN_A_ROW + 20), "--eval-every", "1000", "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env_path}, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert f"training diverged: the last {MAX_SKIPPED_IN_A_ROW} steps all had a non-finite gradient" in \
+    assert f"training diverged: the last {MAX_SKIPPED_IN_A_ROW} step(s) all had a non-finite gradient" in \
         " ".join(r.stderr.split()), r.stderr[-2000:]
+    # a shorter run of nothing but non-finite steps changed nothing either: not a success
+    r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "nanwl:build", "--steps", "12",
+                        "--eval-every", "1000", "--out", str(tmp_path / "short")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env_path}, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "training diverged: the last 12 step(s) all had a non-finite gradient" in " ".join(r.stderr.split()), \
+        r.stderr[-2000:]

@@ -230,6 +230,7 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------------
     def fit(self) -> dict:
         self._maybe_resume()
+        self.first_step = self.step  # where this process began (a resume's step)
         self.t_start = time.perf_counter()
         bar = ProgressBar(self.steps, self.step, self.env.is_main, f"{self.cfg.workload} x{self.env.world}")
         try:
@@ -307,11 +308,13 @@ class Trainer:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
         if rec["skipped"]:
             bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
-        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the same on every rank: the average is non-finite
+        # the same on every rank (the average is non-finite): many in a row, or every step this process trained
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW or (
+                self.step == self.steps and self.skipped_in_a_row >= self.step - self.first_step):
             self.metrics.write({"step": self.step, "samples": self._samples(), "wall_s": self._wall(), **rec})
             last = ckpt.latest(self.out)
             raise ThinwireError(
-                f"training diverged: the last {self.skipped_in_a_row} steps all had a non-finite gradient (loss "
+                f"training diverged: the last {self.skipped_in_a_row} step(s) all had a non-finite gradient (loss "
                 f"{rec['loss']}), so none of them changed the model; the run stopped at step {self.step}. Lower --lr, "
                 "train in --precision fp32, or check the workload's loss for NaN"
                 + (f"; --resume {self.out} goes on from step {ckpt.step_of(last)}." if last else "."))
