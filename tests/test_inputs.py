@@ -251,6 +251,13 @@ def iterable_training():
     return thinwire.Workload(model=torch.nn.Linear(2, 1), train=iter(data), val=data, loss=torch.nn.functional.mse_loss)
 
 
+def frozen_model():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2))
+    return thinwire.Workload(model=torch.nn.ReLU(), train=data, val=data, loss=torch.nn.functional.mse_loss)
+
+
 def unpaired_items():
     import thinwire
 
@@ -267,6 +274,7 @@ def unpaired_items():
 
 @pytest.mark.parametrize("name, options, match", [
     ("tests.test_inputs:empty_validation", {}, r"empty_validation's val set is empty; give it at least one item"),
+    ("tests.test_inputs:frozen_model", {}, r"frozen_model's model has no trainable parameters"),
     ("tests.test_inputs:unpaired_items", {}, r"unpaired_items's train set gives a Tensor at train\[0\], where thinwire "
      r"needs an \(input, target\) pair"),
     ("tests.test_inputs:iterable_training", {}, r"iterable_training's train set has no len\(\); thinwire samples map"),

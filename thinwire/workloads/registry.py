@@ -89,6 +89,10 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
     if wl.task not in ("lm", "classification", "regression"):
         raise ThinwireError(f"workload: {name}'s Workload has task={short(wl.task)}; it must be lm, classification or "
                             "regression (which validation metrics it reports).")
+    if not any(p.requires_grad for p in wl.model.parameters()):
+        raise ThinwireError(f"workload: {name}'s model has no trainable parameters (none, or every one with "
+                            "requires_grad=False), so training would change nothing; give it a layer with weights, "
+                            "or unfreeze some.")
     for field in ("train", "val"):
         data = getattr(wl, field)
         try:
