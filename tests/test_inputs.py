@@ -430,3 +430,39 @@ def test_a_user_workload_drops_no_input_in_silence(name, data, match):
 
     with pytest.raises(ThinwireError, match=match):
         build_workload(name, {}, data)
+
+
+def wrong_shape_model():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(16, 8), torch.zeros(16, dtype=torch.long))
+    return thinwire.Workload(model=torch.nn.Linear(5, 3), train=data, val=data, loss=torch.nn.functional.cross_entropy,
+                             batch_size=8, task="classification")
+
+
+def wrong_loss():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(16, 8), torch.zeros(16, dtype=torch.long))
+    return thinwire.Workload(model=torch.nn.Linear(8, 3), train=data, val=data, loss=lambda o, y: o.view(5, -1).sum(),
+                             batch_size=8, task="classification")
+
+
+@pytest.mark.parametrize("name, says", [
+    ("wrong_shape_model", r"wrong_shape_model's model's forward failed on the first batch \(inputs of shape \(\d, 8\), "
+                          r"targets \(\d,\)\): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    ("wrong_loss", r"wrong_loss's loss failed on the first batch \(the model's output of shape \(\d, 3\), targets \(\d,\)\): "
+                   r"RuntimeError: .*\(at .*test_inputs.py:\d+, in <lambda>\)"),
+])
+def test_a_workload_that_fails_on_its_first_batch_says_so_and_leaves_no_run(tmp_path, name, says):
+    import re
+
+    from tests.test_cli import thinwire
+
+    for nproc in ("1", "2"):
+        out = tmp_path / f"run{nproc}"
+        r = thinwire("train", "--workload", f"tests.test_inputs:{name}", "--steps", "3", "--nproc", nproc,
+                     "--out", str(out), timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert re.search(says, " ".join(r.stderr.split())), r.stderr[-3000:]
+        assert not out.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import math
 import os
 import re
@@ -133,18 +134,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _unclaim(out: Path, *, remove: bool) -> None:
-    """A new run refused before its first record (a memory budget no micro-batch fits, found in the worker)
-    leaves no half-made run: its marker and config.yaml go, and the folder (``remove``: it made it) if nothing
+    """A new run refused before its first record (a memory budget no micro-batch fits, found in the worker; a model
+    that fails on the first batch) leaves no half-made run: its marker, config.yaml and start events go, and the folder (``remove``: it made it) if nothing
     else is in it (``hosts/``, a cluster's logs that explain the failure, stays)."""
     try:
-        if set(os.listdir(out)) - {runfolder.MARKER, "config.yaml"}:
+        if set(os.listdir(out)) - {runfolder.MARKER, "config.yaml", "metrics.jsonl"} or not _no_records(out):
             return
-        for name in ("config.yaml", runfolder.MARKER):
+        for name in ("metrics.jsonl", "config.yaml", runfolder.MARKER):
             (out / name).unlink(missing_ok=True)
         if remove:
             out.rmdir()
     except OSError:
         pass
+
+
+def _no_records(out: Path) -> bool:
+    """Whether the run's metrics.jsonl, if any, holds only its workers' start events (no step trained)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return True
+    try:
+        if path.stat().st_size > 1 << 16:
+            return False
+        return all(json.loads(line).get("event") == "start" for line in path.read_text().splitlines() if line.strip())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _train_as_worker(cfg: TrainConfig, env) -> int:

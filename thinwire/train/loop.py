@@ -279,7 +279,7 @@ class Trainer:
             for i, (xm, ym) in enumerate(zip(B.split(x, self.prec.micro_sizes), B.split(y, self.prec.micro_sizes))):
                 with self.ddp.no_sync() if i < n - 1 else self.sync.no_sync():  # all-reduce once, at the end
                     with self._autocast():
-                        part = self.wl.loss(self.ddp(xm), ym) * (B.batch_len(ym) / total * self.loss_weight)
+                        part = self._forward_loss(xm, ym) * (B.batch_len(ym) / total * self.loss_weight)
                     t2 = time.perf_counter()
                     self.prec.runner.backward(part)
                 loss += part.detach()
@@ -565,6 +565,31 @@ class Trainer:
             console.print(f"[yellow]checkpoint has {len(ranks)} {kind}, this job {self.env.world}{other}: "
                           f"error-feedback residuals and RNG streams start fresh{mode}[/yellow]")
         self._retune()
+
+    def _forward_loss(self, x, y):
+        """The workload's loss of its model's output. On this process's first step an error there is the
+        workload's (its model does not take the data's inputs, its loss not the outputs): said in one paragraph,
+        where in the user's code, not as every rank's traceback."""
+        what = "model's forward"
+        try:
+            out = self.ddp(x)
+            what = "loss"
+            return self.wl.loss(out, y)
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            if self.step != self.first_step or isinstance(e, (dist.DistError, torch.OutOfMemoryError)):
+                raise
+            import traceback
+
+            shape = lambda b: str(B.tree_map(lambda t: tuple(t.shape), b))[:200]  # noqa: E731
+            given = (f"inputs of shape {shape(x)}" if what != "loss" else
+                     f"the model's output of shape {shape(out)}") + f", targets {shape(y)}"
+            own = [f for f in traceback.extract_tb(e.__traceback__)
+                   if not any(part in f.filename for part in ("/torch/", "/thinwire/"))]
+            where = f" (at {own[-1].filename}:{own[-1].lineno}, in {own[-1].name})" if own else ""
+            raise ThinwireError(f"workload: {self.cfg.workload}'s {what} failed on the first batch ({given}): "
+                                f"{type(e).__name__}: {str(e)[:300]}{where}. The model takes the data's inputs, the "
+                                "loss the model's output and the targets: check the workload's shapes and types (call "
+                                "them in Python on one batch to see the whole traceback).") from None
 
     def _unused_parameters(self, e: RuntimeError) -> ThinwireError | None:
         """DDP's error for parameters that got no gradient (its advice, ``find_unused_parameters``, is no option
