@@ -1194,3 +1194,30 @@ def _twice(rank, world, first, second):
 def test_thinwire_on_a_model_twice_says_it_is_thinwires_own(first, second, match):
     """Not "a DDP communication hook of its own": the hook there is thinwire's, and the fix is one call."""
     assert match in run_ranks(_twice, 1, first, second)[0]
+
+
+def _misloaded(rank: int, world: int) -> dict:
+    """Each mode's load_state_dict given what it never returned."""
+    got = {}
+    ddp = DistributedDataParallel(_net())
+    local = thinwire.sync(ddp, "local:period=4", codec="none")
+    diloco = thinwire.sync(DistributedDataParallel(_net()), "diloco:period=8", codec="none")
+    for name, mode, sd in (("none", local, None), ("foo", local, {"foo": 1}), ("diloco", local, diloco.state_dict()),
+                           ("comm", diloco, local.comm.state_dict())):
+        try:
+            mode.load_state_dict(sd)
+            got[name] = "accepted"
+        except (TypeError, ValueError) as e:
+            got[name] = str(e)
+    local.load_state_dict({})  # a fresh state (a checkpoint that predates the mode's)
+    diloco.load_state_dict(local.state_dict())  # the same fields: DiLoCo's momentum starts afresh
+    local.close(), diloco.close()
+    return got
+
+
+def test_a_modes_load_state_dict_refuses_what_no_state_dict_of_it_returned():
+    got = run_ranks(_misloaded, 2)[0]
+    assert got["none"] == "LocalSGD.load_state_dict needs the dict its state_dict() returned, got NoneType"
+    assert "keys ['foo'] are not a local mode's state (it holds steps, anchor)" in got["foo"]
+    assert "keys ['momentum'] are not a local mode's state" in got["diloco"]
+    assert "are not a diloco mode's state" in got["comm"] and "the CommState's?" in got["comm"]

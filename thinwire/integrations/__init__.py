@@ -102,3 +102,14 @@ def rank_state(saved: dict | None, where: str, *, warn: bool = True) -> dict | N
                         "start empty", where, saved.get("world_size"), size)
         return None
     return saved["ranks"][rank]
+
+
+def load_mode_state(mode, sd: dict, where: str) -> None:
+    """``mode``'s state from a checkpoint; where it is another mode's (the run changed ``sync``), that mode's state
+    is left out, said, and this one's starts fresh, as ``thinwire train`` does."""
+    try:
+        mode.check_state(sd)
+    except ValueError:
+        log.warning("thinwire: %s holds another sync mode's state; %s's own starts fresh", where, mode.name)
+        sd = {}
+    mode.load_state_dict(sd)

@@ -25,7 +25,7 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
-from thinwire.integrations import gather_states, log, need, rank_state
+from thinwire.integrations import gather_states, load_mode_state, log, need, rank_state
 
 need("accelerate", "accelerate")
 
@@ -101,7 +101,7 @@ class SyncStates:
                             "accelerate saved (rank 0's)")
         if "optimizer" in mine and self.optimizer is not None and self.mode.diverges:
             self.optimizer.load_state_dict(mine["optimizer"])
-        self.mode.load_state_dict(mine["sync"])
+        load_mode_state(self.mode, mine["sync"], "the accelerate checkpoint")
         self.mode.comm.load_state_dict(mine["comm"])
 
 

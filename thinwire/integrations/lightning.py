@@ -27,7 +27,8 @@ from typing import Any
 
 from thinwire.api import attach, sync
 from thinwire.commspec import check_sync_pairing
-from thinwire.integrations import check_hook_kwargs, gather_states, hook_codec, log, need, rank_state
+from thinwire.integrations import (check_hook_kwargs, gather_states, hook_codec, load_mode_state, log, need,
+                                   rank_state)
 from thinwire.syncspec import parse_sync_spec
 
 pl = need("pytorch_lightning", "lightning")
@@ -186,7 +187,7 @@ class ThinwireStrategy(DDPStrategy):
         if "model" in mine:  # after DDP's constructor broadcast rank 0's parameters
             self._load_own(mine["model"])
         if self.mode is not None and "sync" in mine:
-            self.mode.load_state_dict(mine["sync"])
+            load_mode_state(self.mode, mine["sync"], "the checkpoint")
         self.comm.load_state_dict(mine["comm"])
 
     def _load_own(self, own: dict) -> None:

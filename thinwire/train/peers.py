@@ -138,6 +138,7 @@ class PeerLocalSGD(SyncMode):
 
     name = "torch:localsgd"
     diverges = True
+    state_keys = ("averager_step",)
 
     def __init__(self, model: DistributedDataParallel, comm: PeerComm, spec: TorchSpec) -> None:
         super().__init__(model, comm, spec)
@@ -163,4 +164,5 @@ class PeerLocalSGD(SyncMode):
         return {"averager_step": self.averager.step}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self.averager.step = int(sd.get("averager_step", 0))

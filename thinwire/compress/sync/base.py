@@ -119,6 +119,7 @@ class SyncMode:
 
     name = "allreduce"
     diverges = False
+    state_keys: tuple[str, ...] = ()  # what :meth:`state_dict` holds (:meth:`check_state` refuses other keys)
 
     @property
     def buffers_diverge(self) -> bool:
@@ -222,7 +223,20 @@ class SyncMode:
         return {}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self._own_buffers_on_resume()
+
+    def check_state(self, sd) -> None:
+        """Refuse what no :meth:`state_dict` of this mode returned (each mode's ``load_state_dict`` starts here): a
+        mixed-up file would otherwise resume without a word and not exactly. An empty dict is a fresh state."""
+        if not isinstance(sd, dict):
+            raise TypeError(f"{type(self).__name__}.load_state_dict needs the dict its state_dict() returned, got "
+                            f"{type(sd).__name__}")
+        unknown = sorted(str(k) for k in set(sd) - set(self.state_keys))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: keys {unknown[:6]} are not a {self.name} mode's "
+                             f"state (it holds {', '.join(self.state_keys) or 'nothing'}): the state of another mode, or "
+                             "another object's (the CommState's?); pass what this mode's state_dict() returned")
 
     def _own_buffers_on_resume(self) -> None:
         """As if the run never stopped (each mode's ``load_state_dict`` ends here): a new DDP wrapper's first

@@ -43,6 +43,7 @@ KEY_OFFSET = 1 << 20   # delayed's residual keys, apart from the DDP hook's buck
 
 class ChooseSync(SyncMode):
     name = "auto"
+    state_keys = ("steps", "choice", "agreed", "times", "delayed")
     buffers_diverge = True  # once it runs delayed (forward under no_sync), as Delayed's
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
@@ -119,6 +120,7 @@ class ChooseSync(SyncMode):
                 "times": {k: list(v) for k, v in self.times.items()}, "delayed": self.delayed.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self.steps = int(sd.get("steps", 0))
         self.choice, self.agreed = sd.get("choice"), sd.get("agreed")
         self.delayed.load_state_dict(sd.get("delayed", {}))

@@ -114,6 +114,7 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
 
 class Delayed(SyncMode):
     name = "delayed"
+    state_keys = ("started", "pending", "held", "own")
     buffers_diverge = True  # forward runs under no_sync: DDP sends no buffers, each rank keeps its own statistics
     key_offset = 0  # error-feedback keys of its buckets start here (``auto`` shares a CommState with the DDP hook)
 
@@ -222,6 +223,7 @@ class Delayed(SyncMode):
                 "own": cpu_list(self.own) if self.predict == "own" and self.own is not None else None}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self.started = bool(sd.get("started", False))
         pending = sd.get("pending")
         like = [torch.empty(0, device=self.buckets.params[0].device)] * len(pending or [])

@@ -25,6 +25,7 @@ from thinwire.compress.sync.local import LocalSGD
 
 class DiLoCo(LocalSGD):
     name = "diloco"
+    state_keys = ("steps", "anchor", "momentum")
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)

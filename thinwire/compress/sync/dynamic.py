@@ -67,6 +67,7 @@ CHUNK = 1 << 20     # coordinates sketched at a time
 
 class Dynamic(LocalSGD):
     name = "dynamic"
+    state_keys = ("steps", "anchor", "checks", "syncs", "lr_peak")
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)

@@ -122,6 +122,7 @@ def degree(topology: str, world: int) -> int:
 
 class Gossip(SyncMode):
     name = "gossip"
+    state_keys = ("steps", "public", "round")
     diverges = True
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
@@ -262,6 +263,7 @@ class Gossip(SyncMode):
                               "got": [cpu_list(g) for _, g in r.parts]}} if r is not None else {})}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self.steps = int(sd.get("steps", 0))
         like = self.buckets.flatten(list(self.buckets.params))
         if self.choco and "public" in sd:

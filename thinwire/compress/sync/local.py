@@ -28,6 +28,7 @@ from thinwire.perf.sync import periodic_step_s
 
 class LocalSGD(SyncMode):
     name = "local"
+    state_keys = ("steps", "anchor")
     diverges = True
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
@@ -99,6 +100,7 @@ class LocalSGD(SyncMode):
         return {"steps": self.steps, "anchor": cpu_list(self.anchor)}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self.steps = int(sd.get("steps", 0))
         like = self._flat_params()
         self.anchor = on_device(sd.get("anchor"), like)

@@ -50,6 +50,7 @@ def split_even(numels: list[int], parts: int) -> list[list[int]]:
 
 class StreamingDiLoCo(LocalSGD):
     name = "diloco"
+    state_keys = ("steps", "syncs", "anchors", "momenta", "inflight")
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)
@@ -128,6 +129,7 @@ class StreamingDiLoCo(LocalSGD):
                 "momenta": [cpu_list(m) for m in self.momenta], "inflight": cpu_list(self.inflight)}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.check_state(sd)
         self.steps, self.syncs = int(sd.get("steps", 0)), int(sd.get("syncs", 0))
         flats = [f.flatten(list(f.params)) for f in self.fragments]
         self.anchors = [on_device(a, like) for a, like in zip(sd["anchors"], flats)] if sd.get("anchors") else None
