@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML")
     add_workload_args(p, from_profile=True)
-    p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now, ~10 s)")
+    p.add_argument("--profile", help="profile YAML from `thinwire profile` (default: measure now: 1-2 min, most of it the co-running hosts' probe; save one with `thinwire profile` and pass it)")
     p.add_argument("--compression", default="none", help="codec spec, e.g. bf16, topk:ratio=0.01")
     p.add_argument("--aggregation", default="ring", choices=["ring", "switch"],
                    help="switch: int8 buckets through an aggregator on the switch (`train --aggregation switch`)")
