@@ -84,7 +84,7 @@ def test_report_draws_a_resumed_run_as_it_stands(tmp_path):
 
 
 @pytest.mark.parametrize("make, expected", [
-    (_resumed, "run resumed: skipped 11 records of steps trained again after a resume"),
+    (_resumed, "run resumed: skipped 11 records of steps trained again after a resume or restart"),
     (_nonfinite, "run nonfinite: skipped 3 non-finite losses"),
     (_partial, "run partial: skipped 1 partial line"),
     (_no_steps, "run no_steps: no step records with a finite loss to plot"),

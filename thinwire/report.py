@@ -30,7 +30,8 @@ NOUNS = {"partial line": ("partial line", "partial lines"), "non-UTF-8 line": ("
          "non-finite loss": ("non-finite loss", "non-finite losses"),
          "non-finite val_loss": ("non-finite val_loss", "non-finite val_losses"),
          "record without step or wall_s": ("record without step or wall_s", "records without step or wall_s"),
-         "record redone": ("record of a step trained again after a resume", "records of steps trained again after a resume")}
+         "record redone": ("record of a step trained again after a resume or restart",
+                           "records of steps trained again after a resume or restart")}
 
 
 @dataclasses.dataclass

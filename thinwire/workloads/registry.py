@@ -76,7 +76,10 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
     try:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
-        raise ThinwireError(f"model: options {sorted(kwargs)} do not fit {name}: {e}.") from None
+        takes = [n for n, p in inspect.signature(fn).parameters.items() if n != "data"
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise ThinwireError(f"model: options {sorted(kwargs)} do not fit {name}: {e}; it takes "
+                            f"{', '.join(takes) or 'no options'}.") from None
     try:
         wl = fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's own code: where it failed, in one paragraph
