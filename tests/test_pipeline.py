@@ -865,7 +865,8 @@ def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probe
     # at full speed, and longer than that in all, its quota running out sooner
     measured = HostSpeedRecord(cluster="pp", threads=1, batch=8, speed={"h0": 0.5, "h1": 0.5, "h2": 0.25, "h3": 0.5})
     slow = predict_pipeline(spec, dc.replace(prof, host_speed=measured), list(spec.hosts), runs, **price)
-    assert slow.stage_s[2] >= 2 * base.stage_s[2] - 1e-12 and slow.stage_s[0] == pytest.approx(base.stage_s[0])
+    # (stage 0's own work is unchanged; when its quota's periods fall differs, so its throttled time may, a little)
+    assert slow.stage_s[2] >= 2 * base.stage_s[2] - 1e-12 and slow.stage_s[0] == pytest.approx(base.stage_s[0], rel=0.1)
     assert slow.step_s > base.step_s
     # measured on another cluster, or not for every host: the spec's cores, as before
     for other in (dc.replace(measured, cluster="elsewhere"), dc.replace(measured, speed={"h0": 0.1})):
@@ -885,7 +886,8 @@ def test_pipeline_model_takes_host_speeds_measured_on_that_cluster_and_the_probe
 
 
 def test_a_cpu_quota_runs_short_work_between_idle_gaps_at_full_speed_and_work_without_pause_at_its_share():
-    """The emulator's ``cpu:`` is a CFS quota: one period's quota may be spent at once, at full speed."""
+    """The emulator's ``cpu:`` is a CFS quota: one period's quota may be spent at once, at full speed, and a
+    host that has spent it waits for the next period."""
     from thinwire.perf.pipeline import simulate_schedule
 
     def step(quota=None, forward=1.0, busy=None):
@@ -895,21 +897,22 @@ def test_a_cpu_quota_runs_short_work_between_idle_gaps_at_full_speed_and_work_wi
     full = step()
     assert full == 27.0  # (M + S - 1)(f + b)
     assert step([(0.5, 0.0)] * 2) == pytest.approx(2 * full)  # no bucket: every computation at half speed
-    assert step([(0.5, 1e9)] * 2) == pytest.approx(full)  # a bucket that never runs dry: full speed
-    # a period's quota of 2 s: the first computations run at full speed, then half speed once spent
+    assert step([(0.5, 1e9)] * 2) == pytest.approx(full)  # a quota that never runs out: full speed
+    # periods of 4 s holding 2 s of running: full speed while a period's quota lasts, a wait for the next after
     busy = []
     some = step([(0.5, 2.0)] * 2, busy=busy)
-    assert full < some < 2 * full and busy[0] == pytest.approx(24.0) and 24 < busy[1] < 48  # 24 s of work each
+    assert full < some < 2 * full and all(24 < b < 48 for b in busy)  # 24 s of work each, some of it waiting
     # short work with idle gaps between (stage 1 waits for a slow stage 0): full speed within its quota
     busy = []
     simulate_schedule(forward_s=[1.0, 0.1], backward_s=[2.0, 0.2], send_forward_s=[0, 0], send_backward_s=[0, 0],
-                      microbatches=8, quota=[(1.0, 0.0), (0.5, 0.3)], busy_s=busy)
-    assert busy == pytest.approx([24.0, 2.4])
+                      microbatches=8, quota=[(1.0, 0.0), (0.5, 1.0)], busy_s=busy)
+    assert busy == pytest.approx([24.0, 2.4])  # 0.3 s of work every 3 s: never more than a period's 1 s
 
 
 def test_the_pipeline_model_runs_a_stage_at_full_speed_while_its_cpu_quota_lasts(monkeypatch):
-    """A stage host's ``cpu:`` quota (0.5 core, 10 ms periods): stages whose micro-batch fits the period's
-    5 ms of quota compute at full speed, twice the sustained speed; the busiest is throttled part of the time."""
+    """A stage host's ``cpu:`` quota (0.5 core, 10 ms periods of 5 ms running): stages whose micro-batch fits a
+    period's 5 ms compute at full speed (twice the sustained speed) but where a period's quota ran out; the
+    busiest is throttled more of the time."""
     from thinwire.sim import pipeline as P
 
     spec, prof = _cluster(), _layered_profile()
@@ -919,8 +922,9 @@ def test_the_pipeline_model_runs_a_stage_at_full_speed_while_its_cpu_quota_lasts
     burst = P.predict_pipeline(spec, prof, list(spec.hosts), runs, **price)
     monkeypatch.setattr(P, "cpu_quotas", lambda hosts, **_: [(1.0, 0.0)] * len(hosts))
     flat = P.predict_pipeline(spec, prof, list(spec.hosts), runs, **price)  # every stage at the sustained speed
-    assert [burst.stage_s[k] for k in (0, 2, 3)] == pytest.approx([flat.stage_s[k] / 2 for k in (0, 2, 3)])
-    assert flat.stage_s[1] / 2 < burst.stage_s[1] < flat.stage_s[1]
+    for k in range(4):
+        assert flat.stage_s[k] / 2 - 1e-12 <= burst.stage_s[k] < 0.9 * flat.stage_s[k]
+    assert burst.stage_s[1] / flat.stage_s[1] > burst.stage_s[3] / flat.stage_s[3]  # stage 1 the busiest
     assert burst.step_s < flat.step_s
 
 

@@ -14,8 +14,10 @@ the plain inputs of :func:`thinwire.perf.pipeline.simulate_schedule`.
   parallelism (:func:`thinwire.sim.inputs.host_speeds`). That speed is sustained, computing without pause;
   a host with a ``cpu:`` quota (a CFS quota, 10 ms periods) may spend a period's quota at once, at full
   speed (the measured speed over the quota's cores): a stage whose micro-batch takes a few milliseconds,
-  between waits for its neighbours, computes at full speed until its quota runs out
-  (:class:`thinwire.perf.pipeline.CpuQuota`, :func:`cpu_quotas`). On 4 hosts x 0.45 core the middle stages
+  between waits for its neighbours, computes at full speed until its quota runs out and then waits for the
+  next period (:class:`thinwire.perf.pipeline.CpuQuota`, :func:`cpu_quotas`); ``STEADY_STEPS`` steps are
+  played back to back on the same periods and the first left out, so a step starts wherever the one before
+  left its hosts' periods, as in training. On 4 hosts x 0.45 core the middle stages
   of a 4-stage charlm timed 4.1 ms per micro-batch (``summary.json``'s ``stage_compute``) where the
   sustained speed prices 8.5 ms and full speed 3.9 ms.
 * **Links**: a micro-batch's output of the stage before a cut, forward, and its gradient, back, in the
@@ -47,9 +49,11 @@ from thinwire.cluster.spec import ClusterSpec, HostSpec
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import DEFAULT_ALPHA_S, Profile
 from thinwire.perf import collectives as coll
-from thinwire.perf.pipeline import simulate_schedule
+from thinwire.perf.pipeline import CpuQuota, simulate_schedule
 from thinwire.pipeline.wire import payload_bytes
 from thinwire.sim.inputs import compute_at, efficiency_of, host_cores, host_speeds, measured_speeds
+
+STEADY_STEPS = 5  # steps simulated back to back; the first (quota periods fresh at its start) not counted
 
 
 @dataclasses.dataclass
@@ -143,10 +147,19 @@ def predict_pipeline(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec],
         from thinwire.pipeline.programs import interleaved_programs
 
         programs = interleaved_programs(H, S // H, microbatches)
-    busy: list[float] = []
-    step = simulate_schedule(forward_s=forward, backward_s=backward, send_forward_s=send_f, send_backward_s=send_b,
-                             microbatches=microbatches, schedule=schedule, alpha=hand_off,
-                             credit_s=[burst / r for r in rate], programs=programs, quota=quota, busy_s=busy) + after
+    # steps back to back on the hosts' quota periods: a step starts wherever the last one left its periods
+    cpus = [CpuQuota(*q) for q in quota]
+    origin, steps = 0.0, []
+    for _ in range(STEADY_STEPS):
+        busy: list[float] = []
+        for c in cpus:
+            c.origin = origin
+        step = simulate_schedule(forward_s=forward, backward_s=backward, send_forward_s=send_f,
+                                 send_backward_s=send_b, microbatches=microbatches, schedule=schedule, alpha=hand_off,
+                                 credit_s=[burst / r for r in rate], programs=programs, quota=cpus, busy_s=busy) + after
+        steps.append(step)
+        origin += step
+    step = sum(steps[1:]) / (len(steps) - 1)
     return PipelinePrediction(step_s=step, stage_s=[b / microbatches for b in busy], egress_s=egress,
                               link_s=links, after_s=after, microbatches=microbatches, send_s=sends)
 
