@@ -113,3 +113,19 @@ def load_mode_state(mode, sd: dict, where: str) -> None:
         log.warning("thinwire: %s holds another sync mode's state; %s's own starts fresh", where, mode.name)
         sd = {}
     mode.load_state_dict(sd)
+
+
+def load_own_model(mode, module, own: dict, saved: str) -> None:
+    """A rank's own model from a checkpoint of a mode whose ranks' models differ, loaded where this run's ``mode``
+    lets them differ too. A mode that keeps their parameters equal (``allreduce``; ``delayed``, whose BatchNorm
+    statistics alone are each rank's) goes on from the checkpoint's model (``saved``) on every rank: their own
+    parameters would never meet again."""
+    if mode is not None and mode.diverges:
+        module.load_state_dict(own)
+        return
+    if mode is not None and mode.buffers_diverge:
+        params = {n for n, _ in module.named_parameters()}
+        module.load_state_dict({k: v for k, v in own.items() if k not in params}, strict=False)
+        return
+    log.warning("thinwire: the checkpoint holds each rank's own model (saved by a sync mode whose ranks' models "
+                "differ); this run keeps the ranks equal, so every rank goes on from %s", saved)

@@ -25,7 +25,7 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
-from thinwire.integrations import gather_states, load_mode_state, log, need, rank_state
+from thinwire.integrations import gather_states, load_mode_state, load_own_model, log, need, rank_state
 
 need("accelerate", "accelerate")
 
@@ -88,17 +88,8 @@ class SyncStates:
         mine = rank_state(sd, "the accelerate checkpoint")
         if mine is None:
             return
-        module = self.model.module
-        if "model" in mine and self.mode.diverges:
-            module.load_state_dict(mine["model"])
-        elif "model" in mine:  # this mode keeps the ranks' parameters equal: every rank goes on from accelerate's
-            params = {n for n, _ in module.named_parameters()}
-            if self.mode.buffers_diverge:  # ... but each keeps its own BatchNorm statistics (delayed)
-                module.load_state_dict({k: v for k, v in mine["model"].items() if k not in params}, strict=False)
-            else:
-                log.warning("thinwire: the checkpoint holds each rank's own model (saved by a sync mode whose ranks' "
-                            "models differ); this mode keeps the ranks equal, so every rank goes on from the model "
-                            "accelerate saved (rank 0's)")
+        if "model" in mine:
+            load_own_model(self.mode, self.model.module, mine["model"], "the model accelerate saved (rank 0's)")
         if "optimizer" in mine and self.optimizer is not None and self.mode.diverges:
             self.optimizer.load_state_dict(mine["optimizer"])
         load_mode_state(self.mode, mine["sync"], "the accelerate checkpoint")

@@ -27,8 +27,8 @@ from typing import Any
 
 from thinwire.api import attach, sync
 from thinwire.commspec import check_sync_pairing
-from thinwire.integrations import (check_hook_kwargs, gather_states, hook_codec, load_mode_state, log, need,
-                                   rank_state)
+from thinwire.integrations import (check_hook_kwargs, gather_states, hook_codec, load_mode_state, load_own_model,
+                                   log, need, rank_state)
 from thinwire.syncspec import parse_sync_spec
 
 pl = need("pytorch_lightning", "lightning")
@@ -94,7 +94,6 @@ class ThinwireStrategy(DDPStrategy):
         self._restored = None   # this rank's state read from a checkpoint before the hook exists
         self._consensus = None  # during validation with a mode whose ranks diverge: the context, entered
         self._own: dict = {}    # ... and this rank's own tensors it replaced with the ranks' average
-        self._warned_own = False
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -185,29 +184,11 @@ class ThinwireStrategy(DDPStrategy):
 
     def _apply(self, mine: dict) -> None:
         if "model" in mine:  # after DDP's constructor broadcast rank 0's parameters
-            self._load_own(mine["model"])
+            load_own_model(self.mode, self.lightning_module, mine["model"],
+                           "the checkpoint's model (the ranks' average)")
         if self.mode is not None and "sync" in mine:
             load_mode_state(self.mode, mine["sync"], "the checkpoint")
         self.comm.load_state_dict(mine["comm"])
-
-    def _load_own(self, own: dict) -> None:
-        """This rank's own model from the checkpoint, where this run lets the ranks' models differ as the saved
-        one did. A mode that keeps their parameters equal (``allreduce``; ``delayed``, whose BatchNorm statistics
-        alone are each rank's) goes on from the checkpoint's model, the ranks' average, on every rank: their own
-        parameters would never meet again."""
-        module = self.lightning_module
-        if self.mode is not None and self.mode.diverges:
-            module.load_state_dict(own)
-            return
-        params = {n for n, _ in module.named_parameters()}
-        if self.mode is not None and self.mode.buffers_diverge:
-            module.load_state_dict({k: v for k, v in own.items() if k not in params}, strict=False)
-            return
-        if not self._warned_own:
-            self._warned_own = True
-            log.warning("thinwire: the checkpoint holds each rank's own model (saved by a sync mode whose ranks' models "
-                        "differ); sync=%r keeps the ranks equal, so every rank goes on from the checkpoint's model",
-                        self.sync_spec.mode)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         mine = rank_state(checkpoint.get("thinwire"), "the checkpoint", warn=False)  # said at the model's load
