@@ -28,7 +28,7 @@ def attach(model, codec="none", **kwargs) -> CommState:
 
 
 def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
-    """A sync mode on a DDP model: when gradients or parameters are averaged (``thinwire sync`` forms:
+    """A sync mode on a DDP model: when gradients or parameters are averaged (the ``--sync`` forms:
     ``"allreduce"``, ``"delayed"``, ``"local:period=8"``, ``"diloco:period=100"``; see
     :mod:`thinwire.syncspec`), each average through ``codec`` with error feedback. Returns a
     :class:`~thinwire.compress.sync.SyncMode`; its ``comm`` counts bytes and holds the residuals.

@@ -29,7 +29,7 @@ data-parallel replicas of the pipeline (world = replicas x stages), whose gradie
 stage's count of layers of the model's layer list (``2/1/1``); without it the list is cut so that the
 largest stage holds the fewest parameters. ``activations`` is the format of the activations and their
 gradients on the links between stages (:mod:`thinwire.pipeline.wire`): fp32 (default), bf16, or int8 with a
-scale per row.
+scale per block of 32 values.
 
     >>> s = parse_pipeline_spec("1f1b:stages=4,layers=2/1/1/2")
     >>> s.schedule, s.stages, s.layers, s.text

@@ -21,7 +21,7 @@ EPILOG = """examples:
   thinwire plan --cluster examples/clusters/plan-a-slow-cpu.yaml --workload charlm --profile charlm.profile.yaml \\
                 --batch-size 32 --out plan.yaml
   thinwire plan --cluster examples/clusters/plan-b-two-groups.yaml --workload charlm --set model.width=256 \\
-                --codecs none,bf16,int8 --colocated 2 --out plan.yaml      # no --profile: measures (~10-30 s)
+                --codecs none,bf16,int8 --colocated 2 --out plan.yaml  # no --profile: measures (1-2 min, the guard too)
   thinwire train --cluster examples/clusters/plan-a-slow-cpu.yaml --plan plan.yaml
 """
 

@@ -56,10 +56,11 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--compression", help="codec spec (int8, topk:ratio=0.01, powersgd:rank=4), auto, or "
                    "torch:none|fp16|bf16|powersgd:rank=R|localsgd:period=H (PyTorch's own hooks); see `thinwire codecs`")
-    p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), delayed, "
+    p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), "
                    "auto[:trial=N,guard=PROFILE] (allreduce or delayed, by this run's clock; never delayed where the profile's guard says it costs loss), "
-                   "local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9,fragments=F,delay=1,alpha=0.5], "
-                   "gossip[:topology=exp2|ring|torus|random,gamma=G], dynamic[:threshold=D,check_every=B]")
+                   "delayed[:predict=own|last|off], local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9] "
+                   "(streaming: fragments=F[,delay=1,alpha=0.5]), gossip[:topology=exp2|ring|torus|random,gamma=G,"
+                   "overlap=1], dynamic[:threshold=D,check_every=B,rule=drift|spread,by_lr=1]; see README, Sync modes")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="cut the model into stages on different workers: "
                    "gpipe, 1f1b or interleaved[:stages=S,microbatches=M,layers=A/B/..,activations=F,virtual=V,"
                    "recompute=on] "

@@ -576,7 +576,7 @@ class Trainer:
             what = "loss"
             return self.wl.loss(out, y)
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
-            if self.step != self.first_step or isinstance(e, (dist.DistError, torch.OutOfMemoryError)):
+            if self.step != self.first_step or isinstance(e, (dist.DistError, torch.cuda.OutOfMemoryError)):
                 raise
             import traceback
 
