@@ -137,7 +137,7 @@ class CpuQuota:
 
     It replaced a token bucket of the same rate and size (the grant gathered continuously), which spread a
     throttled host's work evenly where the kernel stops it until the period ends: priced on the stored
-    pipeline runs (``benchmarks/results/pipeline.json``, ``archive/pipeline_v4.json``: 7 rows each, two
+    pipeline runs (``benchmarks/results/archive/pipeline_v5.json``, ``archive/pipeline_v4.json``: 7 rows each, two
     days), the largest error went from 22% to 19% and from 16% to 15%, the sum of their sizes from 166 to 149
     points.
 
