@@ -13,8 +13,8 @@ use :class:`~thinwire.precision.runner.PrecisionRunner` ("fp16") instead.
 
 Example::
 
-    >>> model = convert(model, "int8", scaling="rowwise", exclude=["head"])
-    >>> conversion_report(model)["swapped"]
+    model = convert(model, "int8", scaling="rowwise", exclude=["head"])
+    conversion_report(model)["swapped"]
     7
 """
 

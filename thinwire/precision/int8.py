@@ -40,7 +40,7 @@ once and counts as ``float``.
 Example::
 
     >>> layer = Int8Linear(256, 128)
-    >>> layer(torch.randn(32, 256)).sum().backward()
+    >>> layer(torch.randn(32, 256, requires_grad=True)).sum().backward()
     >>> layer.stats.int8   # output, input gradient, weight gradient
     3
 """

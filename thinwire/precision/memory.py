@@ -29,9 +29,9 @@ Cost: four to six extra training steps at start (the measured ones are 1.5-3x sl
 
 Example::
 
-    >>> plan = plan_memory(model, budget=parse_size("512MiB"), batch=32, sample=sample,
-    ...                    loss_fn=loss_fn, optimizer_fn=lambda ps: torch.optim.AdamW(ps))
-    >>> plan.micro_sizes          # e.g. [11, 11, 10]: accumulate three micro-batches per step
+    plan = plan_memory(model, budget=parse_size("512MiB"), batch=32, sample=sample,
+                       loss_fn=loss_fn, optimizer_fn=lambda ps: torch.optim.AdamW(ps))
+    plan.micro_sizes          # e.g. [11, 11, 10]: accumulate three micro-batches per step
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ names the step and the new scale), never applying it silently.
 
 Example (one training step; ``runner.step`` clips, steps the optimizer or skips)::
 
-    >>> runner = PrecisionRunner("bf16", torch.device("cpu"))
-    >>> with runner.context():
-    ...     loss = loss_fn(model(x), y)
-    >>> runner.backward(loss)
-    >>> skipped = runner.step(optimizer, clip=1.0)
-    >>> optimizer.zero_grad(set_to_none=True)
+    runner = PrecisionRunner("bf16", torch.device("cpu"))
+    with runner.context():
+        loss = loss_fn(model(x), y)
+    runner.backward(loss)
+    skipped = runner.step(optimizer, clip=1.0)
+    optimizer.zero_grad(set_to_none=True)
 """
 
 from __future__ import annotations
