@@ -120,6 +120,19 @@ def test_lightning_local_checkpoint_holds_the_average_and_resumes_equal_ranks_un
     torch.testing.assert_close(ends[0], ends[1], rtol=0, atol=0)
 
 
+def test_lightning_diloco_checkpoint_resumed_as_local_sgd_starts_every_rank_from_the_average(tmp_path):
+    """A checkpoint between two DiLoCo outer steps resumed under local SGD (another mode whose ranks differ): every
+    rank starts from the ranks' average, so the first average leaves them equal. Each rank's own model as local
+    SGD's fresh anchor kept them apart for good (the same averaged change added to two different anchors)."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    first.mkdir(), resumed.mkdir()
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", "--sync", "diloco:period=3")
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "6", "--resume", str(first / "last.ckpt"),
+             "--sync", "local:period=2,warmup=0")
+    ends = [load(resumed / f"end_rank{r}.pt")["params"] for r in range(2)]
+    torch.testing.assert_close(ends[0], ends[1], rtol=0, atol=0)
+
+
 def test_lightning_strategy_checks_its_keywords_before_any_process_starts():
     """timeout_s, nonfinite, sync=None, a keyword neither thinwire's nor DDP's, and static_graph with a mode
     that runs under no_sync: each refused where the strategy is built, naming it."""
@@ -195,6 +208,23 @@ def test_accelerate_sync_mode_resumes_exactly_between_two_averages(tmp_path, syn
         want, got = load(straight / f"end_rank{r}.pt"), load(resumed / f"end_rank{r}.pt")
         torch.testing.assert_close(got["params"], want["params"], rtol=0, atol=0)
         assert got["stats"]["counts"].get("int8", 0) > 0
+
+
+def test_accelerate_resume_into_another_mode(tmp_path):
+    """save_state of attach() resumed with sync() (its mode starts fresh; was a KeyError in every worker), and of
+    DiLoCo between two outer steps resumed as local SGD: every rank starts from the ranks' average, so the first
+    average leaves them equal (each rank's own model as its anchor kept them apart for good)."""
+    hook, diloco, resumed = (tmp_path / n for n in ("hook", "diloco", "resumed"))
+    for d in (hook, diloco, resumed):
+        d.mkdir()
+    worker = WORKERS / "accelerate_sync_worker.py"
+    torchrun(WORKERS / "accelerate_worker.py", "--out", str(hook), "--steps", "2")
+    torchrun(worker, "--out", str(resumed), "--first-step", "2", "--steps", "3", "--resume", str(hook / "state"))
+    torchrun(worker, "--out", str(diloco), "--steps", "4", "--sync", "diloco:period=3")
+    torchrun(worker, "--out", str(resumed), "--first-step", "4", "--steps", "6", "--resume", str(diloco / "state"),
+             "--sync", "local:period=2,warmup=0")
+    ends = [load(resumed / f"end_rank{r}.pt")["params"] for r in range(2)]
+    torch.testing.assert_close(ends[0], ends[1], rtol=0, atol=0)
 
 
 def test_hf_trainer_callback_averages_int8_and_resume_restores_residuals(tmp_path):

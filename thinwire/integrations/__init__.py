@@ -104,28 +104,57 @@ def rank_state(saved: dict | None, where: str, *, warn: bool = True) -> dict | N
     return saved["ranks"][rank]
 
 
-def load_mode_state(mode, sd: dict, where: str) -> None:
-    """``mode``'s state from a checkpoint; where it is another mode's (the run changed ``sync``), that mode's state
-    is left out, said, and this one's starts fresh, as ``thinwire train`` does."""
+def mode_record(mode) -> dict:
+    """What a checkpoint keeps of a sync mode for this rank: its state, and its name (what tells a resume under
+    another mode apart, where two modes' states have the same keys)."""
+    return {"sync": mode.state_dict(), "sync_name": mode.name}  # the state first: it waits for averages in flight
+
+
+def same_mode(mode, mine: dict) -> bool:
+    """Whether ``mine`` (a rank's part of a checkpoint) was saved by this run's sync ``mode``: by the name saved with
+    it, and by its state's keys where an older checkpoint has no name."""
+    if mode is None or not isinstance(mine.get("sync"), dict) or mine.get("sync_name", mode.name) != mode.name:
+        return False
     try:
-        mode.check_state(sd)
+        mode.check_state(mine["sync"])
     except ValueError:
-        log.warning("thinwire: %s holds another sync mode's state; %s's own starts fresh", where, mode.name)
-        sd = {}
-    mode.load_state_dict(sd)
+        return False
+    return True
 
 
-def load_own_model(mode, module, own: dict, saved: str) -> None:
-    """A rank's own model from a checkpoint of a mode whose ranks' models differ, loaded where this run's ``mode``
-    lets them differ too. A mode that keeps their parameters equal (``allreduce``; ``delayed``, whose BatchNorm
-    statistics alone are each rank's) goes on from the checkpoint's model (``saved``) on every rank: their own
-    parameters would never meet again."""
-    if mode is not None and mode.diverges:
-        module.load_state_dict(own)
+def load_mode_state(mode, mine: dict, where: str) -> None:
+    """``mode``'s state from a rank's part of a checkpoint; where it is another mode's (the run changed ``sync``),
+    that mode's state is left out, said, and this one's starts fresh, as ``thinwire train`` does."""
+    if same_mode(mode, mine):
+        mode.load_state_dict(mine["sync"])
         return
+    if "sync" in mine:
+        log.warning("thinwire: %s holds another sync mode's state (%s); %s's own starts fresh", where,
+                    mine.get("sync_name", "its keys are not this mode's"), mode.name)
+    mode.load_state_dict({})
+
+
+def load_own_model(mode, module, saved: dict, mine: dict, where: str) -> None:
+    """A rank's own model from a checkpoint of a mode whose ranks' models differ (``saved``: every rank's part,
+    :func:`gather_states`; ``mine``: this rank's), loaded where this run's ``mode`` is the same mode. Another mode
+    whose ranks differ (local SGD resumed as DiLoCo) starts every rank from the ranks' average, as ``thinwire
+    train`` does: a fresh mode's anchor would be each rank's own parameters, and they would never meet again. A
+    mode that keeps their parameters equal (``allreduce``; ``delayed``, whose BatchNorm statistics alone are each
+    rank's) goes on from the checkpoint's model (``where``) on every rank."""
+    if mode is not None and mode.diverges:
+        if same_mode(mode, mine):
+            module.load_state_dict(mine["model"])
+            return
+        from thinwire.train.loop import average_states
+
+        module.load_state_dict(average_states([r["model"] for r in saved["ranks"]]))
+        log.warning("thinwire: the checkpoint's ranks trained under another sync mode (%s); every rank starts "
+                    "from their average", mine.get("sync_name", "its state is not this mode's"))
+        return
+    own = mine["model"]
     if mode is not None and mode.buffers_diverge:
         params = {n for n, _ in module.named_parameters()}
         module.load_state_dict({k: v for k, v in own.items() if k not in params}, strict=False)
         return
     log.warning("thinwire: the checkpoint holds each rank's own model (saved by a sync mode whose ranks' models "
-                "differ); this run keeps the ranks equal, so every rank goes on from %s", saved)
+                "differ); this run keeps the ranks equal, so every rank goes on from %s", where)

@@ -25,7 +25,7 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
-from thinwire.integrations import gather_states, load_mode_state, load_own_model, log, need, rank_state
+from thinwire.integrations import gather_states, load_mode_state, load_own_model, log, mode_record, need, rank_state
 
 need("accelerate", "accelerate")
 
@@ -76,7 +76,7 @@ class SyncStates:
         self.mode, self.model, self.optimizer = mode, model, optimizer
 
     def state_dict(self) -> dict:
-        mine = {"sync": self.mode.state_dict()}  # first: it waits for averages in flight
+        mine = mode_record(self.mode)  # first: it waits for averages in flight
         mine["comm"] = self.mode.comm.state_dict()
         if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics: delayed) differ
             mine["model"] = self.model.module.state_dict()
@@ -89,10 +89,10 @@ class SyncStates:
         if mine is None:
             return
         if "model" in mine:
-            load_own_model(self.mode, self.model.module, mine["model"], "the model accelerate saved (rank 0's)")
+            load_own_model(self.mode, self.model.module, sd, mine, "the model accelerate saved (rank 0's)")
         if "optimizer" in mine and self.optimizer is not None and self.mode.diverges:
             self.optimizer.load_state_dict(mine["optimizer"])
-        load_mode_state(self.mode, mine["sync"], "the accelerate checkpoint")
+        load_mode_state(self.mode, mine, "the accelerate checkpoint")  # a checkpoint of attach() has none: fresh
         self.mode.comm.load_state_dict(mine["comm"])
 
 

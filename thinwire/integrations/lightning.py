@@ -28,7 +28,7 @@ from typing import Any
 from thinwire.api import attach, sync
 from thinwire.commspec import check_sync_pairing
 from thinwire.integrations import (check_hook_kwargs, gather_states, hook_codec, load_mode_state, load_own_model,
-                                   log, need, rank_state)
+                                   log, mode_record, need, rank_state)
 from thinwire.syncspec import parse_sync_spec
 
 pl = need("pytorch_lightning", "lightning")
@@ -115,7 +115,7 @@ class ThinwireStrategy(DDPStrategy):
             self.mode = sync(self.model, self.sync_spec, codec=self.codec, **self._kwargs, **self._hook_kwargs)
             self.comm = self.mode.comm
         if self._restored is not None:
-            self._apply(self._restored)
+            self._apply(*self._restored)
 
     # -- the step, for a sync mode ---------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -157,7 +157,7 @@ class ThinwireStrategy(DDPStrategy):
         if self.comm is not None:
             mine: dict[str, Any] = {}
             if self.mode is not None:
-                mine["sync"] = self.mode.state_dict()  # first: it waits for averages in flight
+                mine.update(mode_record(self.mode))  # first: it waits for averages in flight
                 if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics) differ between averages
                     own = self._own      # inside validation's consensus: the rank's own, not the average
                     mine["model"] = {k: own.get(id(v), v).detach().clone()
@@ -174,20 +174,20 @@ class ThinwireStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        mine = rank_state(checkpoint.get("thinwire"), "the checkpoint")
+        saved = checkpoint.get("thinwire")
+        mine = rank_state(saved, "the checkpoint")
         if mine is None:
             return
         if self.comm is not None:
-            self._apply(mine)
+            self._apply(saved, mine)
         else:  # restored before setup (Lightning's default order): applied once the hook is attached
-            self._restored = mine
+            self._restored = (saved, mine)
 
-    def _apply(self, mine: dict) -> None:
+    def _apply(self, saved: dict, mine: dict) -> None:
         if "model" in mine:  # after DDP's constructor broadcast rank 0's parameters
-            load_own_model(self.mode, self.lightning_module, mine["model"],
-                           "the checkpoint's model (the ranks' average)")
-        if self.mode is not None and "sync" in mine:
-            load_mode_state(self.mode, mine["sync"], "the checkpoint")
+            load_own_model(self.mode, self.lightning_module, saved, mine, "the checkpoint's model (the ranks' average)")
+        if self.mode is not None:
+            load_mode_state(self.mode, mine, "the checkpoint")
         self.comm.load_state_dict(mine["comm"])
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
