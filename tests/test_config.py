@@ -75,3 +75,12 @@ def test_a_run_folder_written_with_a_tilde_in_a_config_is_under_home(tmp_path, m
     monkeypatch.setenv("HOME", str(tmp_path))
     args = argparse.Namespace(**{**{k: None for k in FLAGS}, "config": None, "resume": None, "set": ["out=~/runs/x"]})
     assert resolve_config(args).out == str(tmp_path / "runs" / "x")
+
+
+def test_a_default_folder_named_by_the_second_is_never_shared(tmp_path):
+    """Two runs in the same second (a script's loop over codecs) each get a folder of their own, created."""
+    from thinwire.config import new_folder
+
+    base = tmp_path / "runs" / "simulate-x-20261206-120000"
+    got = [new_folder(base) for _ in range(3)]
+    assert [p.name for p in got] == [base.name, f"{base.name}-2", f"{base.name}-3"] and all(p.is_dir() for p in got)

@@ -531,7 +531,7 @@ def test_simulate_cli_smoke(tmp_path, capsys):
     (["--hosts", "2,3,...,60000"], r"--hosts: must be a sweep of at most 256 host counts"),
     (["--compression", "topk"], r"profile: has no measured cost for codec 'topk'.*--codecs topk"),
     (["--device", "pi9"], r"--device: must be one of .*raspberry-pi-4"),
-    (["--scaling", "strong", "--batch-size", "4", "--hosts", "8"], r"--batch-size: must be at least one sample per host"),
+    (["--scaling", "strong", "--batch-size", "4", "--hosts", "8"], r"--batch-size: must be at least one sample per host \(8 hosts with --scaling strong\), got 4\. 4 over 8 hosts is 0\.5 each"),
     (["--set", "model.width=64"], r"profile: measured workload 'charlm' with model options \{\}"),
     (["--recompute"], r"--recompute: must be used with --validate.*Add --validate"),
 ])
@@ -1446,8 +1446,12 @@ def test_simulate_and_plan_take_the_workload_from_the_profile_when_none_is_named
     prof = _profile_file(tmp_path, workload="tests.test_pipeline:wrong_order")
     cluster = ROOT / "examples/clusters/pair-100mbit.yaml"
     assert _cli("simulate", "--cluster", cluster, "--profile", prof, "--out", tmp_path / "sim", "--json") == 0
-    assert json.loads(capsys.readouterr().out)["workload"] == "tests.test_pipeline:wrong_order"
+    out = capsys.readouterr()
+    assert json.loads(out.out)["workload"] == "tests.test_pipeline:wrong_order"
+    # this profile's model is not the one the workload builds (its size says so): each command warns
+    assert "warning: the profile measured 'tests.test_pipeline:wrong_order' with " in out.err
     assert _cli("plan", "--cluster", cluster, "--profile", prof, "--out", tmp_path / "plan.yaml") == 0
+    assert "but it builds" in capsys.readouterr().err
     assert "tests.test_pipeline:wrong_order" in (tmp_path / "plan.yaml").read_text()
     assert _cli("simulate", "--cluster", cluster, "--profile", prof, "--workload", "charlm") == 2
     assert "measured workload 'tests.test_pipeline:wrong_order'" in capsys.readouterr().err

@@ -729,3 +729,22 @@ def test_plan_colocated_applies_the_profiles_co_run_speed_as_simulate_does():
     assert planned == pytest.approx(simulated)
     alone = [h.speed for h in host_models(spec, prof, PlanOptions(batch_size=32, codecs=CODECS))]
     assert all(a < b for a, b in zip(planned, alone)), (planned, alone)
+
+
+def test_the_slowest_ring_edge_is_named_by_what_limits_it():
+    """An edge across two groups is limited by both access links and its share of the link between: a 10 Mbit/s
+    access link behind a 50 Mbit/s group link is the access link (it was named the group link, at 10 Mbit/s)."""
+    from thinwire.plan.explain import ring_bottleneck
+    from thinwire.plan.search import HostModel, Problem
+
+    def hosts(slow_access: float):
+        return [HostModel("h0", "A", 1, 1, 100e6), HostModel("h1", "A", 1, 1, 100e6),
+                HostModel("h2", "B", 1, 1, slow_access), HostModel("h3", "B", 1, 1, 100e6)]
+
+    def words(slow_access: float, link: float) -> str:
+        pb = Problem(hosts=hosts(slow_access), buckets=[], compute=None, codecs={}, links={frozenset("AB"): link},
+                     alpha_s=0.0, efficiency=1.0, batch=4)
+        return ring_bottleneck(pb, (0, 1, 2, 3))
+
+    assert words(10e6, 50e6) == "the access link of h2 at 10 Mbit/s (h1 -> h2)"
+    assert words(100e6, 50e6).startswith("the A-B link at 50 Mbit/s")

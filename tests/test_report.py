@@ -183,10 +183,14 @@ def test_report_and_simulate_refuse_an_out_folder_holding_files_they_did_not_wri
     mine.mkdir()
     (mine / "loss.png").write_text("my plot")
     assert_refused(thinwire("report", str(tmp_path / "a"), "--out", str(mine)),
-                   r"holds loss.png, which `thinwire report` did not write")
+                   r"holds loss.png, which `thinwire report` would replace and cannot tell it wrote")
     assert (mine / "loss.png").read_text() == "my plot"
     for _ in range(2):
         assert thinwire("report", str(tmp_path / "a"), "--out", str(tmp_path / "plots")).returncode == 0
+    (tmp_path / "a" / "loss.png").write_text("my plot")  # a run's copy without its marker: refused too, named
+    assert_refused(thinwire("report", str(tmp_path / "a")), r"--out: .* holds loss.png, which `thinwire report` would "
+                   r"replace and cannot tell it wrote")
+    assert (tmp_path / "a" / "loss.png").read_text() == "my plot"
     (tmp_path / "a" / ".thinwire-run").touch()
     assert thinwire("report", str(tmp_path / "a")).returncode == 0 and (tmp_path / "a" / "loss.png").stat().st_size > 1000
 
@@ -195,7 +199,7 @@ def test_report_and_simulate_refuse_an_out_folder_holding_files_they_did_not_wri
     save_profile(_layered_profile(), prof)
     (mine / "simulate.json").write_text("my notes")
     args = ["simulate", "--profile", str(prof), "--cluster", str(spec), "--workload", "charlm"]
-    assert_refused(thinwire(*args, "--out", str(mine)), r"holds simulate.json, which `thinwire simulate` did not write")
+    assert_refused(thinwire(*args, "--out", str(mine)), r"holds simulate.json, which `thinwire simulate` would replace and cannot tell it wrote")
     assert (mine / "simulate.json").read_text() == "my notes"
     for _ in range(2):
         r = thinwire(*args, "--out", str(tmp_path / "sim"))

@@ -419,3 +419,19 @@ def test_a_run_whose_every_step_is_non_finite_stops_as_diverged(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "training diverged: the last 12 step(s) all had a non-finite gradient" in " ".join(r.stderr.split()), \
         r.stderr[-2000:]
+
+
+def test_a_short_fp16_run_whose_loss_scaler_is_still_searching_is_no_divergence(tmp_path):
+    """fp16's loss scaler starts at 2^16 and halves at each overflow, skipping that step: a short run (a smoke
+    test) may skip every step with a finite loss. That is the scaler finding its scale, not a diverged run."""
+    wl = tmp_path / "bigwl.py"
+    wl.write_text("import torch\nimport thinwire\n"
+                  "def build():\n"
+                  "    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64))\n"
+                  "    loss = lambda out, y: (out.float().squeeze(-1) - y).pow(2).mean() * 1e3\n"
+                  "    return thinwire.Workload(model=torch.nn.Linear(4, 1), train=data, val=data, loss=loss, batch_size=8)\n")
+    r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "bigwl:build", "--steps", "3",
+                        "--precision", "fp16", "--eval-every", "1000", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
+    assert "non-finite gradient" in r.stderr, r.stderr[-2000:]  # the scaler did search: every step skipped
+    assert r.returncode == 0 and "training diverged" not in r.stderr, r.stderr[-2000:]

@@ -10,6 +10,7 @@ Each component owns its config dataclass (``TrainConfig`` in train/, ``ClusterSp
 
 Example::
 
+    >>> from dataclasses import dataclass
     >>> @dataclass(kw_only=True)
     ... class Opt:
     ...     lr: float = 1e-3
@@ -429,13 +430,30 @@ def check_outputs(folder: str | Path, names: tuple[str, ...], command: str, fiel
     clash = [n for n in names if (folder / n).exists()]
     if clash:
         raise ConfigError(field, str(folder), f"a new folder, or one `thinwire {command}` wrote before",
-                          f"it holds {', '.join(clash)}, which `thinwire {command}` did not write and would replace. "
-                          "Name another folder; nothing was changed.")
+                          f"it holds {', '.join(clash)}, which `thinwire {command}` would replace and cannot tell it "
+                          f"wrote (the folder has no .thinwire-{command} marker{', nor is it a run' if theirs else ''}). "
+                          f"Name another folder with {field}, or move the file{'s' if len(clash) > 1 else ''} away "
+                          "if they are an older thinwire's; nothing was changed.")
 
 
 def mark_outputs(folder: str | Path, command: str) -> None:
     """Mark ``folder`` as written by ``command`` (a later run of it may replace its files: :func:`check_outputs`)."""
     (Path(folder) / f".thinwire-{command}").touch()
+
+
+def new_folder(base: str | Path) -> Path:
+    """A folder of its own at ``base``, or ``base-2``, ``base-3``, ... where that exists (a default folder named
+    by the second: a script's two runs in the same second would share it); created, so no other run takes it."""
+    base = Path(base)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 10_000):
+        path = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ThinwireError(f"out: {base} and 9,998 numbered folders beside it exist; name one with --out")
 
 
 def _is_kind(path: Path, keys: tuple[str, ...]) -> bool:

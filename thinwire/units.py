@@ -46,13 +46,19 @@ def _number(value: float | str, unit: str) -> tuple[float, str] | None:
     return parts if parts and math.isfinite(parts[0]) else None
 
 
+_PREFIXES = {"k": "kilo", "m": "mega", "g": "giga", "t": "tera"}
+
+
 def parse_rate(value: float | str, field_name: str) -> float:
     """``"100mbit"`` -> ``1e8`` bit/s; plain numbers are bit/s. Must be > 0."""
     allowed = "a rate > 0 such as 500kbit, 100mbit, 1gbit or a number of bit/s"
     parts = _number(value, "")
     if parts is None or parts[1] not in _RATE_UNITS:
-        fix = "tc reads 'mbps' as megaBYTES per second; write 8mbit for 1 MB/s." \
-            if parts and "bps" in parts[1] or "/s" in str(value)[:100].lower() else "Use the units bit, kbit, mbit, gbit."
+        n, prefix = (parts[0], parts[1][:-3]) if parts and parts[1][:-3] in _PREFIXES and parts[1].endswith("bps") \
+            else (1.0, "m")  # the value's own number and prefix where it has them
+        fix = (f"tc reads '{prefix}bps' as {_PREFIXES[prefix]}bytes per second; write {8 * n:g}{prefix}bit for "
+               f"{n:g} {prefix.upper()}B/s.") if parts and "bps" in parts[1] or "/s" in str(value)[:100].lower() \
+            else "Use the units bit, kbit, mbit, gbit."
         raise ConfigError(field_name, value, allowed, fix)
     rate = parts[0] * _RATE_UNITS[parts[1]]
     check(rate > 0, field_name, value, allowed, "A link needs a positive rate.")

@@ -129,7 +129,14 @@ def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...],
     from thinwire.measure.file import load_profile
 
     if args.profile:
-        return load_profile(args.profile)
+        from thinwire.sim.inputs import check_profile_matches
+        from thinwire.workloads.registry import build_workload
+
+        profile = load_profile(args.profile)
+        wl = build_workload(args.workload, model, args.data)  # the model it builds now, against the one measured
+        check_profile_matches(profile, args.workload, model, parameters=sum(p.numel() for p in wl.model.parameters()),
+                              what="the plan")
+        return profile
     from thinwire.measure.run import profile_workload
 
     per = max(1, math.ceil(batch / hosts))

@@ -17,13 +17,15 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.config import check_outputs, check_writable, mark_outputs
     from thinwire.report import PLOTS, report
 
-    folder = args.out or args.runs[0]  # without --out the plots go into the first run
-    if args.out or Path(folder).is_dir():
+    folder = Path(args.out or args.runs[0])  # without --out the plots go into the first run
+    if args.out or folder.is_dir():  # where the plots go: --out names another folder
         check_writable(folder, "--out", folder=True)
         check_outputs(folder, PLOTS, "report", theirs=(".thinwire-run",))
-    paths = report(args.runs, args.out)
-    if not (Path(folder) / ".thinwire-run").exists():
-        mark_outputs(folder, "report")
+    try:
+        paths = report(args.runs, args.out)
+    finally:  # a later report may replace what this one wrote, even if it stopped half-way
+        if folder.is_dir() and not (folder / ".thinwire-run").exists():
+            mark_outputs(folder, "report")
     for path in paths:
         print(path)
     return 0

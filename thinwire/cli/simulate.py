@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, workload_of
-from thinwire.config import check, check_outputs, check_writable, mark_outputs
+from thinwire.config import check, check_outputs, check_writable, mark_outputs, new_folder
 from thinwire.errors import ConfigError
 
 EPILOG = """examples:
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                       steps=args.steps or 1000, sync=sync, aggregation=args.aggregation,
                       **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
     profile, default_batch = _profile(args, model)
-    out = Path(args.out or Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out = Path(args.out) if args.out else new_folder(Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     if args.validate:
         return _validate(args, spec, profile, opts, model, default_batch, out)
     return _simulate(args, spec, profile, opts, default_batch, out)
@@ -148,10 +148,11 @@ def _profile(args, model: dict):
     from thinwire.sim.inputs import check_profile_matches
     from thinwire.workloads.registry import build_workload
 
-    default_batch = build_workload(args.workload, model, args.data).batch_size
+    wl = build_workload(args.workload, model, args.data)
+    default_batch = wl.batch_size
     if args.profile:
         profile = load_profile(args.profile)
-        check_profile_matches(profile, args.workload, model)
+        check_profile_matches(profile, args.workload, model, parameters=sum(p.numel() for p in wl.model.parameters()))
         return profile, default_batch
     from thinwire.cli.profile import batch_sizes
     from thinwire.measure.run import profile_workload

@@ -53,7 +53,8 @@ def ring_bottleneck(pb: Problem, idx: tuple[int, ...]) -> str:
     rates = coll.ring_edge_rates([h.bandwidth for h in hs], [h.group for h in hs], pb.links)
     k = min(range(len(rates)), key=rates.__getitem__)
     a, b = hs[k], hs[(k + 1) % len(hs)]
-    where = f"the {a.group}-{b.group} link" if a.group != b.group and frozenset((a.group, b.group)) in pb.links \
+    # the edge's rate is the lesser of its two access links and, across groups, its share of the link between
+    where = f"the {a.group}-{b.group} link" if rates[k] < min(a.bandwidth, b.bandwidth) \
         else f"the access link of {a.name if a.bandwidth <= b.bandwidth else b.name}"
     return f"{where} at {rates[k] / 1e6:g} Mbit/s ({a.name} -> {b.name})"
 

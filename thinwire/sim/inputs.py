@@ -207,13 +207,22 @@ def _measured_costs(name: str, codec: Codec, profile: Profile | None) -> dict[st
                 **{k: _cost(profile.kernels[k]) for k in ("add", "feedback") if k in profile.kernels})
 
 
-def check_profile_matches(profile: Profile, workload: str, model: dict) -> None:
+def check_profile_matches(profile: Profile, workload: str, model: dict, *, parameters: int | None = None,
+                          what: str = "the simulation") -> None:
     """The profile measured this workload's model: options compared with the workload's defaults filled in
-    (``layers=2`` given or left out is the same model)."""
+    (``layers=2`` given or left out is the same model). Given ``parameters`` (the model the workload builds now),
+    a profile of another size is warned about: a user's workload changed since it was profiled has the same name
+    and options, and every time and byte the profile holds is of the other model."""
     from thinwire.workloads.registry import model_defaults
 
     defaults = model_defaults(workload)  # the same filling as plan's (thinwire.plan.planfile.normalized_model)
     if profile.workload != workload or {**defaults, **profile.model} != {**defaults, **dict(model)}:
         raise ThinwireError(f"profile: measured workload {profile.workload!r} with model options {profile.model}, "
-                            f"but the simulation asks for {workload!r} with {dict(model)}. Profile this workload "
+                            f"but {what} asks for {workload!r} with {dict(model)}. Profile this workload "
                             "with `thinwire profile` or pass the matching --profile.")
+    if parameters is not None and parameters != profile.parameters:
+        import sys
+
+        print(f"warning: the profile measured {workload!r} with {profile.parameters:,} parameters, but it builds "
+              f"{parameters:,} now (its code or options changed since): every time and byte the profile holds is of "
+              "the other model. Profile it again with `thinwire profile`.", file=sys.stderr, flush=True)

@@ -117,7 +117,12 @@ class Point:
 
 def per_host_batch(opts: SimOptions, profile: Profile, k: int, p: int, default_batch: int) -> float:
     batch = opts.batch_size or default_batch
-    return batch / k if opts.scaling == "weak" else batch / p
+    hosts = k if opts.scaling == "weak" else p
+    check(batch >= hosts, "--batch-size", batch, f"at least one sample per host ({hosts} hosts"
+          + (" with --scaling strong)" if opts.scaling == "strong" else ", the spec's)"),
+          f"{batch} over {hosts} hosts is {batch / hosts:g} each. Use a larger --batch-size"
+          + (", fewer --hosts or --scaling weak." if opts.scaling == "strong" else "."))
+    return batch / hosts
 
 
 def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_batch: int) -> list[Point]:

@@ -309,8 +309,10 @@ class Trainer:
         if rec["skipped"]:
             bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
         # the same on every rank (the average is non-finite): many in a row, or every step this process trained
+        # (not where fp16's loss scaler is still finding its scale: a finite loss, its gradients overflowed)
+        searching = self.prec.runner.scaler is not None and math.isfinite(rec["loss"])
         if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW or (
-                self.step == self.steps and self.skipped_in_a_row >= self.step - self.first_step):
+                self.step == self.steps and self.skipped_in_a_row >= self.step - self.first_step and not searching):
             self.metrics.write({"step": self.step, "samples": self._samples(), "wall_s": self._wall(), **rec})
             last = ckpt.latest(self.out)
             raise ThinwireError(
