@@ -137,7 +137,7 @@ def load_mode_state(mode, mine: dict, where: str) -> None:
 def load_own_model(mode, module, saved: dict, mine: dict, where: str) -> None:
     """A rank's own model from a checkpoint of a mode whose ranks' models differ (``saved``: every rank's part,
     :func:`gather_states`; ``mine``: this rank's), loaded where this run's ``mode`` is the same mode. Another mode
-    whose ranks differ (local SGD resumed as DiLoCo) starts every rank from the ranks' average, as ``thinwire
+    whose ranks differ (DiLoCo resumed as local SGD) starts every rank from the ranks' average, as ``thinwire
     train`` does: a fresh mode's anchor would be each rank's own parameters, and they would never meet again. A
     mode that keeps their parameters equal (``allreduce``; ``delayed``, whose BatchNorm statistics alone are each
     rank's) goes on from the checkpoint's model (``where``) on every rank."""
