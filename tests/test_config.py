@@ -84,3 +84,36 @@ def test_a_default_folder_named_by_the_second_is_never_shared(tmp_path):
     base = tmp_path / "runs" / "simulate-x-20261206-120000"
     got = [new_folder(base) for _ in range(3)]
     assert [p.name for p in got] == [base.name, f"{base.name}-2", f"{base.name}-3"] and all(p.is_dir() for p in got)
+
+
+def test_a_user_workloads_option_at_its_default_is_the_same_model(tmp_path, monkeypatch):
+    """`--set model.hidden=32` where the user's build() defaults hidden to 32 names the model left out: simulate and
+    plan refused its own profile as "another model"; a module that cannot be imported has no defaults here."""
+    from thinwire.plan.planfile import normalized_model
+    from thinwire.workloads.registry import model_defaults
+
+    (tmp_path / "mywl.py").write_text("def build(hidden=32, act='relu', data=None, layers=[1], *, deep=False):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert model_defaults("mywl:build") == {"hidden": 32, "act": "relu", "deep": False}
+    assert normalized_model("mywl:build", {"hidden": 32}) == normalized_model("mywl:build", {})
+    assert normalized_model("mywl:build", {"hidden": 64}) != normalized_model("mywl:build", {})
+    assert model_defaults("no_such_module_here:build") == {}
+
+
+def test_a_file_of_another_kind_is_named_as_such(tmp_path):
+    """A cluster spec passed as --profile, a profile as --plan: 'is not a profile' (was: its first key is not a
+    profile's field, with the 26 that are)."""
+    from thinwire.measure.file import load_profile
+    from thinwire.plan.planfile import read_plan
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: edge\ndefaults: {bandwidth: 100mbit}\nhosts: [{name: h0}, {name: h1}]\n")
+    with pytest.raises(ThinwireError, match=r"^profile: .*spec.yaml' is not a profile: it lacks workload, .* and holds "
+                                            r"defaults, hosts, name, keys no profile has"):
+        load_profile(spec)
+    with pytest.raises(ThinwireError, match=r"^plan: .*spec.yaml' is not a plan"):
+        read_plan(spec)
+    prof = tmp_path / "p.yaml"  # a profile with one typo: the typo is named, as before
+    prof.write_text("workload: charlm\nparameters: 10\ncompute: []\nbuckets: []\nthreadz: 1\n")
+    with pytest.raises(ConfigError, match=r"^profile.threadz: must be one of the known fields"):
+        load_profile(prof)

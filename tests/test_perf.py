@@ -526,6 +526,8 @@ def test_simulate_cli_smoke(tmp_path, capsys):
     (["--hosts", "0,2"], r"--hosts: must be comma-separated host counts >= 1.*got '0,2'"),
     (["--hosts", "two"], r"--hosts: must be comma-separated host counts.*got 'two'"),
     (["--hosts", "8,4,...,2"], r"--hosts: .*The terms must grow"),
+    (["--hosts", "4,2"], r"--hosts: must be host counts in increasing order, each once, got '4,2'"),
+    (["--hosts", "2,2"], r"--hosts: must be host counts in increasing order, each once"),
     # refused at once, not after simulating each count (a range this long ran out of memory)
     (["--hosts", "2,3,...,100000000000"], r"--hosts: must be host counts in \[1, 65536\]"),
     (["--hosts", "2,3,...,60000"], r"--hosts: must be a sweep of at most 256 host counts"),

@@ -471,5 +471,13 @@ def load_dataclass(cls: type[T], path: str | Path, *, what: str, make: str) -> T
     """A ``cls`` read and checked from YAML file ``path``; a missing file says how to ``make`` one."""
     if not Path(path).is_file():
         raise ThinwireError(f"{what}: file {short(str(path))} does not exist. {make}")
-    return from_dict(cls, load_yaml(path, what=what), where=what)
+    data = load_yaml(path, what=what)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if isinstance(data, dict) and data:  # another kind of file (a cluster spec, a plan): mostly keys not of this kind
+        known, missing = set(data) & set(fields), [k for k in _required(fields) if k not in data]
+        if missing and len(known) < len(data) - len(known):
+            raise ThinwireError(f"{what}: {short(str(path))} is not a {what}: it lacks {', '.join(missing[:4])} and holds "
+                                f"{', '.join(sorted(str(k) for k in data if k not in fields)[:4])}, keys no {what} has. "
+                                f"Pass the file a {what} was written to.")
+    return from_dict(cls, data, where=what)
 

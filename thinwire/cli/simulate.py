@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
                    "allreduce's), or all: a table of the modes side by side")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="also price a pipeline over the spec's hosts, e.g. 1f1b, "
                    "gpipe:layers=2/1/1,activations=int8 (as `train --pipeline`), beside data parallelism")
-    p.add_argument("--hosts", help="host counts: 2,3,4 or 2,4,...,1024 (default: the spec's own)")
+    p.add_argument("--hosts", help="host counts, increasing: 2,3,4, or a series A,B,...,Z that multiplies by B/A where A "
+                   "divides B (2,4,...,1024) and else adds B-A (3,5,...,11) (default: the spec's own)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")
     p.add_argument("--scaling", default="weak", choices=["weak", "strong"],
                    help="weak: fixed batch per host (default); strong: fixed global batch")
@@ -75,6 +76,8 @@ def parse_hosts(text: str) -> list[int]:
 
     check(max(values) <= MAX_HOSTS, "--hosts", text, f"host counts in [1, {MAX_HOSTS}]")
     if "..." not in parts:
+        check(all(a < b for a, b in zip(values, values[1:])), "--hosts", text,
+              "host counts in increasing order, each once", "List them as 2,4,8.")
         return values
     check(len(parts) >= 4 and parts[-2] == "..." and parts.count("...") == 1, "--hosts", text, allowed)
     a, b, z = values[-3], values[-2], values[-1]

@@ -127,9 +127,19 @@ def _check_pairs(name: str, field: str, data) -> None:
 
 
 def model_defaults(name: str) -> dict:
-    """The resolved ``model:`` options of a built-in workload (for the run's saved config)."""
+    """The resolved ``model:`` options of a workload (for the run's saved config, and so that an option given at
+    its default is the same model as one left out): a built-in's config, a user's ``module:function``'s keyword
+    defaults of plain values (``data`` apart); ``{}`` where the module cannot be imported (its own error comes
+    where it is built)."""
     from thinwire.config import to_dict
 
     if name in {w.value for w in WorkloadName}:
         return to_dict(BUILTIN[WorkloadName(name)][0]())
-    return {}
+    module_name, _, func_name = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), func_name, None)
+        params = inspect.signature(fn).parameters.items() if callable(fn) else ()
+    except Exception:  # noqa: BLE001 - the user's module: building it says what is wrong
+        return {}
+    return {k: p.default for k, p in params if k != "data" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and isinstance(p.default, (bool, int, float, str))}
