@@ -24,7 +24,8 @@ validation loss is the run's own at the last step. After each seed's runs, ``thi
 probes each of the scenario's clusters (per-layer costs, host speeds with all hosts computing, latencies)
 and the model prices that seed's runs from it: this VM's speed drifts 10-30% within an hour, so a
 prediction is compared with the runs measured beside its probe. Writes ``benchmarks/results/pipeline.{json,md,png}``;
-``--merge`` keeps the other scenarios' rows. Needs root::
+``--merge`` keeps the other scenarios' rows; ``--extend`` adds more seeds to a scenario's stored runs, run with
+its stored plans (a benchmark split over sessions). Needs root::
 
     sudo .venv/bin/python benchmarks/pipeline.py --scenarios thin-links --seeds 0,1,2
 
@@ -146,7 +147,7 @@ def run_one(sc: dict, name: str, out: Path, seed: int, spec: Path, files: dict |
             "loss": [[r["step"], r["loss"]] for r in steps]}
 
 
-def bench(key: str, seeds: list[int], work: Path) -> dict:
+def bench(key: str, seeds: list[int], work: Path, plans: dict | None = None) -> dict:
     sc = SCENARIOS[key]
     hosts = scenario_hosts(sc)
     shaped = work / f"{key}.yaml"
@@ -156,7 +157,14 @@ def bench(key: str, seeds: list[int], work: Path) -> dict:
         floor = work / f"{key}-floor.yaml"
         floor.write_text(spec_text(f"pipe-{key}-floor", hosts, "100gbit", sc["cpu"], sc["floor_subnet"]))
         specs.append(floor)
-    files = make_plans(sc, shaped, work / key) if sc.get("plans") else {}
+    files = {}
+    if sc.get("plans") and plans:  # --extend: the stored runs' plans, so that the new seeds run what they ran
+        (work / key).mkdir(parents=True, exist_ok=True)
+        for k, text in plans.items():
+            (work / key / f"{k}.yaml").write_text(text)
+            files[k] = str(work / key / f"{k}.yaml")
+    elif sc.get("plans"):
+        files = make_plans(sc, shaped, work / key)
     runs: dict[str, list[dict]] = {name: [] for name in sc["contenders"]}
     profiles: dict[str, str] = {}
     clusters = {s: EmulatedCluster(load_cluster_spec(s)) for s in specs}
@@ -188,6 +196,23 @@ def bench(key: str, seeds: list[int], work: Path) -> dict:
     return {"scenario": key, "about": sc["about"], "seeds": seeds, "control": sc["control"], "runs": runs,
             "steps": sc["steps"], "batch": sc["batch"], "model": sc["model"], "profiles": profiles,
             "plans": {k: Path(v).read_text() for k, v in files.items() if k in ("plan", "even")}}
+
+
+def extended(stored: dict, new: dict) -> dict:
+    """A scenario's stored runs with ``new``'s seeds added (``--extend``): every contender's runs, the seeds and the
+    profiles measured beside them.
+
+    >>> a = {"seeds": [0], "runs": {"x": [{"seed": 0}]}, "profiles": {"1gbit, seed 0": "p0"}, "plans": {"plan": "P"}}
+    >>> b = {"seeds": [3], "runs": {"x": [{"seed": 3}]}, "profiles": {"1gbit, seed 3": "p3"}, "plans": {"plan": "P"}}
+    >>> e = extended(a, b)
+    >>> e["seeds"], [r["seed"] for r in e["runs"]["x"]], sorted(e["profiles"])
+    ([0, 3], [0, 3], ['1gbit, seed 0', '1gbit, seed 3'])
+    """
+    out = dict(stored)
+    out["seeds"] = [*stored["seeds"], *new["seeds"]]
+    out["runs"] = {name: [*stored["runs"].get(name, []), *new["runs"][name]] for name in new["runs"]}
+    out["profiles"] = {**stored.get("profiles", {}), **new.get("profiles", {})}
+    return out
 
 
 def make_plans(sc: dict, spec: Path, folder: Path) -> dict:
@@ -563,6 +588,8 @@ def main() -> int:
                     "runs (a profile measured now; a run measures and predicts anyway) and rewrite the report")
     ap.add_argument("--reprice", action="store_true", help="price the stored runs again from their stored profiles "
                     "(the model changed; nothing is measured, no root needed) and rewrite the report")
+    ap.add_argument("--extend", action="store_true", help="run --seeds (seeds not yet stored) of the scenarios and "
+                    "add them to the stored runs, with the stored plans: a benchmark split over sessions")
     ap.add_argument("--name", default="pipeline")
     a = ap.parse_args()
     if a.reprice:
@@ -585,7 +612,15 @@ def main() -> int:
         raise SystemExit(f"--scenarios: unknown {unknown}; known: {', '.join(SCENARIOS)}")
     seeds = [int(s) for s in a.seeds.split(",")]
     path = RESULTS / f"{a.name}.json"
-    results = json.loads(path.read_text()) if (a.merge or a.predict_only) and path.exists() else {}
+    results = json.loads(path.read_text()) if (a.merge or a.predict_only or a.extend) and path.exists() else {}
+    if a.extend:
+        for key in keys:
+            if key == "does-not-fit" or key not in results:
+                raise SystemExit(f"--extend: {key} " + ("is not extended (run it again with --merge)"
+                                                        if key == "does-not-fit" else f"has no stored runs in {path}"))
+            again = sorted(set(seeds) & set(results[key]["seeds"]))
+            if again:
+                raise SystemExit(f"--extend: {key} already holds seeds {again}; give other seeds")
     work = Path(tempfile.mkdtemp(prefix="thinwire-pipeline-"))
     if a.predict_only:
         for key in keys:
@@ -595,7 +630,10 @@ def main() -> int:
         print((RESULTS / f"{a.name}.md").read_text())
         return 0
     for key in keys:
-        results[key] = bench_fit(seeds, work) if key == "does-not-fit" else bench(key, seeds, work)
+        if a.extend:
+            results[key] = extended(results[key], bench(key, seeds, work, plans=results[key].get("plans")))
+        else:
+            results[key] = bench_fit(seeds, work) if key == "does-not-fit" else bench(key, seeds, work)
         path.write_text(json.dumps(results, indent=1))  # each scenario's rows as soon as they exist
         (RESULTS / f"{a.name}.md").write_text(markdown(results))
     plot(results, RESULTS / f"{a.name}.png")
