@@ -91,8 +91,10 @@ def test_parse_size_duration_loss():
     ([{"name": "a", "bandwidth": "0mbit"}], [], r"^hosts\[0\]\.bandwidth: must be a rate > 0 .*got '0mbit'"),
     ([{"name": "a", "bandwidth": -5}], [], r"^hosts\[0\]\.bandwidth: must be a rate > 0"),
     ([{"name": "a", "bandwidth": "100mbps"}], [], r"^hosts\[0\]\.bandwidth: .*got '100mbps'\. tc reads 'mbps' as megabytes per "
-     r"second; write 800mbit for 100 MB/s"),
+     r"second; write 800mbit for 100 MB/s \(100mbit for 100 Mbit/s\)"),
     ([{"name": "a", "bandwidth": "1gbps"}], [], r"got '1gbps'\. tc reads 'gbps' as gigabytes per second; write 8gbit for 1 GB/s"),
+    ([{"name": "a", "bandwidth": "100 Mbit/s"}], [], r"got '100 Mbit/s'\. Write 100mbit for 100 Mbit/s\.$"),
+    ([{"name": "a", "bandwidth": "12.5MB/s"}], [], r"got '12.5MB/s'\. Write 100mbit for 12.5 MB/s\.$"),
     ([{"name": "a", "bandwidth": "fast"}], [], r"^hosts\[0\]\.bandwidth: .*got 'fast'\. Use the units bit, kbit, mbit"),
     ([{"name": "a", "memory": "2 parsecs"}], [], r"^hosts\[0\]\.memory: must be a size > 0 .*Use the units KiB"),
     ([{"name": "a b"}], [], r"^hosts\[0\]\.name: must be 1-32 letters, digits"),

@@ -301,3 +301,31 @@ def test_accelerate_sync_on_one_process_runs_the_same_loop_and_averages_nothing(
     mode.step(opt)
     with mode.consensus():
         assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_resume_under_the_same_modes_name_with_other_settings_says_so(caplog):
+    """Classic and streaming DiLoCo are both ``diloco``: a checkpoint of one resumed as the other is refused by its
+    state's keys, and the warning says the settings differ (it named the mode it resumed into as 'another')."""
+    import logging
+
+    from thinwire.integrations import load_mode_state
+
+    class Mode:
+        name, loaded = "diloco", None
+
+        def check_state(self, state):
+            if set(state) != {"steps", "syncs", "anchors", "momenta", "inflight"}:
+                raise ValueError("keys")
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    m = Mode()
+    with caplog.at_level(logging.WARNING):
+        load_mode_state(m, {"sync": {"steps": 3, "anchor": [], "momentum": []}, "sync_name": "diloco"}, "the checkpoint")
+    assert m.loaded == {}
+    assert "another sync mode's state (diloco with other settings: its state's keys are not this run's)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_mode_state(m, {"sync": {"steps": 3}, "sync_name": "local"}, "the checkpoint")
+    assert "another sync mode's state (local); diloco's own starts fresh" in caplog.text

@@ -528,6 +528,8 @@ def test_simulate_cli_smoke(tmp_path, capsys):
     (["--hosts", "8,4,...,2"], r"--hosts: .*The terms must grow"),
     (["--hosts", "4,2"], r"--hosts: must be host counts in increasing order, each once, got '4,2'"),
     (["--hosts", "2,2"], r"--hosts: must be host counts in increasing order, each once"),
+    (["--hosts", "8,2,4,...,16"], r"--hosts: must be host counts in increasing order, each once, got '8,2,4,...,16'"),
+    (["--hosts", "4,2,3,...,9"], r"--hosts: must be host counts in increasing order, each once"),
     # refused at once, not after simulating each count (a range this long ran out of memory)
     (["--hosts", "2,3,...,100000000000"], r"--hosts: must be host counts in \[1, 65536\]"),
     (["--hosts", "2,3,...,60000"], r"--hosts: must be a sweep of at most 256 host counts"),
@@ -545,6 +547,24 @@ def test_simulate_bad_input_says_what_and_how(tmp_path, capsys, args, message):
               "--out", tmp_path / "sim", *args)
     err = capsys.readouterr().err
     assert rc == 2 and re.search(message, err), err
+
+
+def test_a_simulate_that_fails_leaves_no_default_folder_behind(tmp_path, capsys, monkeypatch):
+    """The default folder (``runs/simulate-...``) is made before the predictions; a run that stops before writing
+    takes it away again, and ``runs/`` where it made that too, but never a ``runs/`` of the user's own."""
+    prof = _profile_file(tmp_path)
+    work = tmp_path / "w"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    args = ["simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", prof]
+    bad = [*args, "--scaling", "strong", "--batch-size", "1", "--hosts", "2"]
+    assert _cli(*bad) == 2 and "--batch-size: must be at least one sample per host" in capsys.readouterr().err
+    assert not list(work.iterdir())
+    (work / "runs").mkdir()  # the user's own, empty
+    assert _cli(*bad) == 2
+    assert [p.name for p in work.iterdir()] == ["runs"] and not list((work / "runs").iterdir())
+    assert _cli(*args, "--json") == 0
+    assert [p.name for p in (work / "runs").iterdir()][0].startswith("simulate-pair-100mbit-")
 
 
 def test_missing_or_foreign_profile(tmp_path, capsys):

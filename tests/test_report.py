@@ -204,3 +204,19 @@ def test_report_and_simulate_refuse_an_out_folder_holding_files_they_did_not_wri
     for _ in range(2):
         r = thinwire(*args, "--out", str(tmp_path / "sim"))
         assert r.returncode == 0, r.stderr
+
+
+
+def test_a_report_that_fails_before_writing_leaves_no_mark(tmp_path, capsys):
+    """A failed report marks nothing: a later report would take the folder's own loss.png for its own."""
+    from thinwire.cli.main import main
+
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    assert main(["report", str(tmp_path / "no_such_run"), "--out", str(figs)]) != 0
+    assert not list(figs.iterdir())
+    (figs / "loss.png").write_text("my plot")
+    _run(tmp_path / "a", 1.0)
+    assert main(["report", str(tmp_path / "a"), "--out", str(figs)]) == 2
+    assert "cannot tell it wrote" in capsys.readouterr().err
+    assert (figs / "loss.png").read_text() == "my plot"

@@ -435,3 +435,17 @@ def test_a_short_fp16_run_whose_loss_scaler_is_still_searching_is_no_divergence(
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
     assert "non-finite gradient" in r.stderr, r.stderr[-2000:]  # the scaler did search: every step skipped
     assert r.returncode == 0 and "training diverged" not in r.stderr, r.stderr[-2000:]
+
+    # one rank's loss NaN, the other's finite: every step skipped everywhere (the average is NaN), and every rank
+    # calls it diverged (each decided from its own loss: one stopped, the other went on and lost it)
+    wl.write_text("import torch\nimport torch.distributed as dist\nimport thinwire\n"
+                  "def build():\n"
+                  "    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64))\n"
+                  "    bad = float('nan') if dist.is_initialized() and dist.get_rank() == 1 else 1.0\n"
+                  "    loss = lambda out, y: (out.float().squeeze(-1) - y).pow(2).mean() * bad\n"
+                  "    return thinwire.Workload(model=torch.nn.Linear(4, 1), train=data, val=data, loss=loss, batch_size=8)\n")
+    r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "bigwl:build", "--steps", "3",
+                        "--nproc", "2", "--precision", "fp16", "--eval-every", "1000", "--out", str(tmp_path / "two")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "lost another worker" not in r.stderr and r.stderr.count("training diverged") >= 2, r.stderr[-3000:]

@@ -54,16 +54,39 @@ def parse_rate(value: float | str, field_name: str) -> float:
     allowed = "a rate > 0 such as 500kbit, 100mbit, 1gbit or a number of bit/s"
     parts = _number(value, "")
     if parts is None or parts[1] not in _RATE_UNITS:
-        n, prefix = (parts[0], parts[1][:-3]) if parts and parts[1][:-3] in _PREFIXES and parts[1].endswith("bps") \
-            else (1.0, "m")  # the value's own number and prefix where it has them
-        fix = (f"tc reads '{prefix}bps' as {_PREFIXES[prefix]}bytes per second; write {8 * n:g}{prefix}bit for "
-               f"{n:g} {prefix.upper()}B/s.") if parts and "bps" in parts[1] or "/s" in str(value)[:100].lower() \
-            else "Use the units bit, kbit, mbit, gbit."
+        fix = _rate_hint(value) if parts else "Use the units bit, kbit, mbit, gbit."
         raise ConfigError(field_name, value, allowed, fix)
     rate = parts[0] * _RATE_UNITS[parts[1]]
     check(rate > 0, field_name, value, allowed, "A link needs a positive rate.")
     check(MIN_RATE_BPS <= rate <= MAX_RATE_BPS, field_name, value, "a rate in [1kbit, 10tbit]")
     return rate
+
+
+def _rate_hint(value: str) -> str:
+    """How to write a rate given in another unit, in the value's own number and prefix.
+
+    >>> _rate_hint("100mbps")
+    "tc reads 'mbps' as megabytes per second; write 800mbit for 100 MB/s (100mbit for 100 Mbit/s)."
+    >>> _rate_hint("100 Mbit/s"), _rate_hint("12.5MB/s"), _rate_hint("1gbits")
+    ('Write 100mbit for 100 Mbit/s.', 'Write 100mbit for 12.5 MB/s.', 'Write 1gbit for 1 Gbit/s.')
+    """
+    m = _NUMBER.fullmatch(value.strip()) if len(value) <= 100 else None
+    n, unit = float(m.group(1)), m.group(2)
+    for tail in ("bits/s", "bit/s", "bits", "bps", "b/s"):
+        p = unit[:-len(tail)].lower()
+        if unit.lower().endswith(tail) and p in ("", *_PREFIXES):
+            break
+    else:
+        return "Use the units bit, kbit, mbit, gbit."
+    bits = f"{n:g}{p}bit for {n:g} {p.upper()}bit/s"
+    if tail == "bps":
+        return (f"tc reads '{p}bps' as {_PREFIXES.get(p, '')}bytes per second; write {8 * n:g}{p}bit for {n:g} "
+                f"{p.upper()}B/s ({bits}).")
+    if tail == "b/s" and unit[-3] == "B":  # MB/s: bytes
+        rate = 8 * n * (_RATE_UNITS[p + "bit"] if p else 1)
+        q = next(q for q in ("t", "g", "m", "k", "") if rate >= _RATE_UNITS[q + "bit"] or not q)
+        return f"Write {rate / _RATE_UNITS[q + 'bit']:g}{q}bit for {n:g} {p.upper()}B/s."
+    return f"Write {bits}."
 
 
 def parse_size(value: int | str, field_name: str = "size") -> int:

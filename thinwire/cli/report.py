@@ -21,11 +21,24 @@ def run(args: argparse.Namespace) -> int:
     if args.out or folder.is_dir():  # where the plots go: --out names another folder
         check_writable(folder, "--out", folder=True)
         check_outputs(folder, PLOTS, "report", theirs=(".thinwire-run",))
+    before = _stamps(folder, PLOTS)
     try:
         paths = report(args.runs, args.out)
-    finally:  # a later report may replace what this one wrote, even if it stopped half-way
-        if folder.is_dir() and not (folder / ".thinwire-run").exists():
+    finally:  # a later report may replace what this one wrote, even if it stopped half-way (and only that)
+        if _stamps(folder, PLOTS) != before and not (folder / ".thinwire-run").exists():
             mark_outputs(folder, "report")
     for path in paths:
         print(path)
     return 0
+
+
+def _stamps(folder: Path, names: tuple[str, ...]) -> list:
+    """Each of ``names`` in ``folder``: its modification time and size, or None where it is not there."""
+    out = []
+    for name in names:
+        try:
+            st = (folder / name).stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return out

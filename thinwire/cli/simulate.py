@@ -80,6 +80,8 @@ def parse_hosts(text: str) -> list[int]:
               "host counts in increasing order, each once", "List them as 2,4,8.")
         return values
     check(len(parts) >= 4 and parts[-2] == "..." and parts.count("...") == 1, "--hosts", text, allowed)
+    check(all(a < b for a, b in zip(values[:-2], values[1:-2])), "--hosts", text,  # up to the series' first term
+          "host counts in increasing order, each once", "List them as 2,4,8 or 2,4,...,16.")
     a, b, z = values[-3], values[-2], values[-1]
     check(a < b <= z, "--hosts", text, allowed, "The terms must grow: 2,4,...,1024.")
     out, x = values[:-1], (b * b // a if b % a == 0 else 2 * b - a)
@@ -140,10 +142,23 @@ def run(args: argparse.Namespace) -> int:
                       steps=args.steps or 1000, sync=sync, aggregation=args.aggregation,
                       **({"j_per_bit": args.j_per_bit} if args.j_per_bit is not None else {}))
     profile, default_batch = _profile(args, model)
-    out = Path(args.out) if args.out else new_folder(Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    if args.validate:
-        return _validate(args, spec, profile, opts, model, default_batch, out)
-    return _simulate(args, spec, profile, opts, default_batch, out)
+    if args.out:
+        out = Path(args.out)
+    else:
+        made = [p for p in (Path("runs"),) if not p.exists()]
+        out = new_folder(Path("runs") / f"simulate-{spec.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        made.insert(0, out)
+    try:
+        if args.validate:
+            return _validate(args, spec, profile, opts, model, default_batch, out)
+        return _simulate(args, spec, profile, opts, default_batch, out)
+    except BaseException:
+        for folder in [] if args.out else made:  # the default folder this run made, if it stopped before any file
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def _profile(args, model: dict):

@@ -130,8 +130,17 @@ def load_mode_state(mode, mine: dict, where: str) -> None:
         return
     if "sync" in mine:
         log.warning("thinwire: %s holds another sync mode's state (%s); %s's own starts fresh", where,
-                    mine.get("sync_name", "its keys are not this mode's"), mode.name)
+                    _saved_mode(mode, mine), mode.name)
     mode.load_state_dict({})
+
+
+def _saved_mode(mode, mine: dict) -> str:
+    """The mode a checkpoint's rank part was saved by, as a warning names it: its name, and where that is this
+    mode's (classic and streaming DiLoCo are both ``diloco``) that its settings differ."""
+    name = mine.get("sync_name")
+    if name is None:
+        return "its state's keys are not this mode's"
+    return f"{name} with other settings: its state's keys are not this run's" if name == mode.name else name
 
 
 def load_own_model(mode, module, saved: dict, mine: dict, where: str) -> None:
@@ -149,7 +158,7 @@ def load_own_model(mode, module, saved: dict, mine: dict, where: str) -> None:
 
         module.load_state_dict(average_states([r["model"] for r in saved["ranks"]]))
         log.warning("thinwire: the checkpoint's ranks trained under another sync mode (%s); every rank starts "
-                    "from their average", mine.get("sync_name", "its state is not this mode's"))
+                    "from their average", _saved_mode(mode, mine))
         return
     own = mine["model"]
     if mode is not None and mode.buffers_diverge:

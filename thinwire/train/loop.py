@@ -310,9 +310,10 @@ class Trainer:
             bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
         # the same on every rank (the average is non-finite): many in a row, or every step this process trained
         # (not where fp16's loss scaler is still finding its scale: a finite loss, its gradients overflowed)
-        searching = self.prec.runner.scaler is not None and math.isfinite(rec["loss"])
-        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW or (
-                self.step == self.steps and self.skipped_in_a_row >= self.step - self.first_step and not searching):
+        every = self.step == self.steps and self.skipped_in_a_row >= self.step - self.first_step
+        if every and self.prec.runner.scaler is not None:  # searching: every rank's loss finite (each has its own)
+            every = not self._all_ranks(math.isfinite(rec["loss"]))
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW or every:
             self.metrics.write({"step": self.step, "samples": self._samples(), "wall_s": self._wall(), **rec})
             last = ckpt.latest(self.out)
             raise ThinwireError(
@@ -331,6 +332,15 @@ class Trainer:
     def _sets(self, step: int) -> tuple:
         """(train, val) at ``step``: a drifting workload's (:attr:`Workload.data_at`), else its own."""
         return self.wl.data_at(step) if self.wl.data_at is not None else (self.wl.train, self.wl.val)
+
+    def _all_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (where the ranks step together: a diverging mode's ranks skip
+        steps each on its own gradient, so each decides alone)."""
+        if self.sync.diverges or not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item() > 0)
 
     def _wall(self) -> float:
         return self.wall_before + time.perf_counter() - self.t_start
