@@ -448,7 +448,17 @@ def wrong_loss():
                              batch_size=8, task="classification")
 
 
+def per_item_loss():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(16, 8), torch.zeros(16, dtype=torch.long))
+    return thinwire.Workload(model=torch.nn.Linear(8, 3), train=data, val=data,
+                             loss=torch.nn.CrossEntropyLoss(reduction="none"), batch_size=8, task="classification")
+
+
 @pytest.mark.parametrize("name, says", [
+    ("per_item_loss", r"per_item_loss's loss returned a tensor of shape \(\d,\) \(float32\); it must return one "
+                      r"floating-point tensor for the batch, the mean over its items"),
     ("wrong_shape_model", r"wrong_shape_model's model's forward failed on the first batch \(inputs of shape \(\d, 8\), "
                           r"targets \(\d,\)\): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ("wrong_loss", r"wrong_loss's loss failed on the first batch \(the model's output of shape \(\d, 3\), targets \(\d,\)\): "

@@ -71,6 +71,13 @@ def test_one_hot_or_soft_targets_have_classes_for_the_skew_and_for_accuracy():
     with pytest.raises(ThinwireError, match=r"class indices \(shape \(4,\) for outputs of shape \(4, 3\)\).*"
                                             r"these targets are \(4, 2\). Give the Workload task='regression'"):
         correct(out, torch.zeros(4, 2))
+    # one output per item: a binary classifier's logit (or probability), not an argmax over one column (always 0)
+    logits, labels = torch.tensor([[3.0], [-2.0], [0.4], [-0.1]]), torch.tensor([[1.0], [1.0], [0.0], [0.0]])
+    assert correct(logits, labels) == correct(logits.squeeze(1), labels.squeeze(1).long()) == 2.0
+    assert correct(torch.sigmoid(logits), labels) == 2.0
+    with pytest.raises(ThinwireError, match=r"one output per item is a binary classifier, whose targets are 0 and 1; "
+                                            r"these lie in \[-1\.5, 2\]\. Give the Workload task='regression'"):
+        correct(logits, torch.tensor([[2.0], [-1.5], [0.0], [0.3]]))
     with pytest.raises(ThinwireError, match=r"partition: label_skew needs each item's class.*shape \(2, 2\)"):
         labels_of(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2, 2)))
 

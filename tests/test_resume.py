@@ -234,13 +234,14 @@ def test_resume_extending_steps_keeps_the_lr_horizon_unless_rescheduled(tmp_path
     proc = thinwire("train", "--resume", str(refit), "--steps", "40", "--reschedule")
     assert proc.returncode == 0, proc.stderr
     lr, lr_kept, lr_refit = _lrs(base), _lrs(kept), _lrs(refit)
-    peak = lr[30] / 0.1
-    assert lr[30] == pytest.approx(0.0002) and peak == pytest.approx(0.002)  # the numbers
+    peak = 0.002  # each step's record holds the rate it trained at: step s at the schedule's point s - 1
+    assert lr[1] == pytest.approx(peak / 20) and lr[20] == pytest.approx(peak)  # the warm-up's first and last
+    assert lr[30] == pytest.approx(peak * (0.1 + 0.45 * (1 + math.cos(math.pi * 9 / 10))))
     for s in range(31, 41):
-        assert lr_kept[s] == pytest.approx(lr[30], rel=1e-12), s
-        straight = peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 20) / 20)))
+        assert lr_kept[s] == pytest.approx(0.1 * peak, rel=1e-12), s  # the numbers: 0.0002 from step 31
+        straight = peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 21) / 20)))
         assert lr_refit[s] == pytest.approx(straight, rel=1e-9), s
-    assert lr_refit[31] == pytest.approx(0.00096, rel=1e-3)
+    assert lr_refit[31] == pytest.approx(0.0011, rel=1e-3)
     assert _final_model(kept)["lr_horizon"] == 30 and _final_model(refit)["lr_horizon"] == 40
     assert json.loads((refit / "summary.json").read_text())["lr_horizon"] == 40
 

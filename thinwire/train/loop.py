@@ -93,6 +93,19 @@ def average_states(states: list[dict]) -> dict:
     return out
 
 
+def scalar_loss(value, workload: str):
+    """``value``, a workload's loss of one batch, where it is one number to train on; otherwise what it is and
+    what it should be (a per-item loss failed in backward as torch's 'grad can be implicitly created only for
+    scalar outputs', every rank's traceback)."""
+    if torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point():
+        return value
+    got = (f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).replace('torch.', '')})" if torch.is_tensor(value)
+           else f"a {type(value).__name__}")
+    raise ThinwireError(f"workload: {workload}'s loss returned {got}; it must return one floating-point tensor for "
+                        "the batch, the mean over its items (e.g. nn.CrossEntropyLoss() with its default "
+                        "reduction='mean', or loss(out, y).mean()), with the graph back to the model's output.")
+
+
 def check_batch(batch: int, world: int) -> None:
     if batch % world:
         lo, hi = (batch // world) * world, (batch // world + 1) * world
@@ -293,13 +306,14 @@ class Trainer:
             self.sync.after_step()  # local, diloco: parameters averaged every H steps (blocking: a wait)
             wait += time.perf_counter() - t3
             self.opt.zero_grad(set_to_none=True)
+        lr = self.sched.get_last_lr()[0]  # the rate this step trained at (the next step's from here)
         self.sched.step()
         t4 = time.perf_counter()
         self.step_times.append(t4 - t0)
         self.waits.append(wait)
         return {"loss": loss.item() / self.loss_weight, "step_time_s": t4 - t0, "compute_s": (t4 - t1) - wait, "comm_wait_s": wait,
                 "data_s": t1 - t0, "bytes_sent": self.comm.wire.bytes_sent - bytes_before,
-                "lr": self.sched.get_last_lr()[0], "skipped": skipped}
+                "lr": lr, "skipped": skipped}
 
     def _autocast(self):
         return self.prec.runner.context()
@@ -586,7 +600,10 @@ class Trainer:
         try:
             out = self.ddp(x)
             what = "loss"
-            return self.wl.loss(out, y)
+            loss = scalar_loss(self.wl.loss(out, y), self.cfg.workload)
+            if self.step == self.first_step and self.wl.task == "classification":
+                correct(out.detach(), y)  # targets accuracy cannot be read from: said now, not at the first validation
+            return loss
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             if self.step != self.first_step or isinstance(e, (dist.DistError, torch.cuda.OutOfMemoryError)):
                 raise

@@ -38,7 +38,7 @@ from thinwire.pipeline.stages import check_chain, layer_list, load_stage_state, 
 from thinwire.precision import prepare_precision
 from thinwire.precision.memory import apply_checkpointing
 from thinwire.train import checkpoint as ckpt
-from thinwire.train.loop import Trainer, check_batch
+from thinwire.train.loop import Trainer, check_batch, scalar_loss
 from thinwire.train.progress import console
 from thinwire.workloads.base import collate, even_shares
 
@@ -111,7 +111,8 @@ class PipelineTrainer(Trainer):
         x, _ = collate(self.wl.train, [0])
         check_chain(self.layers, B.to(x, device), self.layout.runs, links, model=self.wl.model)
         self.pipe, stage, self.cut = build_rank(
-            self.wl.model, self.layers, self.layout.runs, place=self.place, device=device, loss_fn=self.wl.loss,
+            self.wl.model, self.layers, self.layout.runs, place=self.place, device=device,
+            loss_fn=lambda out, y: scalar_loss(self.wl.loss(out, y), cfg.workload),
             microbatches=self.layout.microbatches, schedule=cfg.pipeline_spec.schedule,
             links=links)
         self.cut.stages, self.layers = [], None  # keep only this rank's stage: the others' tensors are freed
@@ -162,6 +163,7 @@ class PipelineTrainer(Trainer):
         self.sync.after_step()   # local, diloco: parameters averaged every H steps
         wait += time.perf_counter() - t3
         self.opt.zero_grad(set_to_none=True)
+        lr = self.sched.get_last_lr()[0]  # the rate this step trained at (the next step's from here)
         self.sched.step()
         loss_value = self._mean_loss(loss)
         t4 = time.perf_counter()
@@ -169,7 +171,7 @@ class PipelineTrainer(Trainer):
         self.waits.append(wait)
         return {"loss": loss_value, "step_time_s": t4 - t0, "compute_s": (t4 - t1) - wait, "comm_wait_s": wait,
                 "data_s": t1 - t0, "bytes_sent": self.comm.wire.bytes_sent - sent + self.acts.total - acts,
-                "activation_bytes": self.acts.total - acts, "lr": self.sched.get_last_lr()[0], "skipped": skipped}
+                "activation_bytes": self.acts.total - acts, "lr": lr, "skipped": skipped}
 
     def _optimizer_step(self) -> bool:
         """Clip by the whole model's gradient norm and step; True if skipped (a non-finite gradient)."""

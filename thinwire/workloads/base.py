@@ -57,7 +57,18 @@ class Workload:
 def correct(out: Tensor, y: Tensor) -> float:
     """Items of a classification batch whose largest output is their class: targets are class indices
     (``out``'s shape less its last dimension) or one-hot / class probabilities (``out``'s shape: the class
-    is their largest entry, as with label smoothing or mixup)."""
+    is their largest entry, as with label smoothing or mixup). One output per item is a binary classifier's:
+    class 1 where it exceeds 0 (a logit, as ``BCEWithLogitsLoss`` takes it), or 0.5 where every output of the
+    batch lies in [0, 1] (a probability, after a sigmoid), against targets of 0 and 1 (or soft ones in [0, 1],
+    the class where > 0.5).
+
+    >>> correct(torch.tensor([[2.0], [-1.0], [0.5]]), torch.tensor([[1.0], [1.0], [0.0]]))  # logits
+    1.0
+    >>> correct(torch.tensor([0.9, 0.2, 0.6]), torch.tensor([1, 0, 0]))  # probabilities
+    2.0
+    """
+    if torch.is_tensor(y) and (out.ndim == 1 or out.shape[-1] == 1) and y.numel() == out.numel():
+        return _binary_correct(out.reshape(-1), y.reshape(-1))
     if torch.is_tensor(y) and y.is_floating_point() and y.shape == out.shape:
         y = y.argmax(-1)
     if not torch.is_tensor(y) or y.shape != out.shape[:-1]:
@@ -67,6 +78,17 @@ def correct(out: Tensor, y: Tensor) -> float:
                             f"probabilities (the outputs' shape); these targets are {shape}. Give the Workload "
                             "task='regression' to report the loss only.")
     return float((out.argmax(-1) == y).sum())
+
+
+def _binary_correct(out: Tensor, y: Tensor) -> float:
+    y = y.float()
+    if bool(((y < 0) | (y > 1)).any()):
+        raise ThinwireError(f"workload: task 'classification' with one output per item is a binary classifier, whose "
+                            f"targets are 0 and 1; these lie in [{float(y.min()):g}, {float(y.max()):g}]. Give the "
+                            "Workload task='regression' to report the loss only, or two outputs per item for two "
+                            "classes.")
+    threshold = 0.5 if bool(((out >= 0) & (out <= 1)).all()) else 0.0
+    return float(((out.float() > threshold) == (y > 0.5)).sum())
 
 
 def class_of(target) -> int:
