@@ -1098,6 +1098,9 @@ def test_sync_names_what_it_needs_for_a_module_outside_ddp_or_a_mode_that_is_no_
         thinwire.sync(torch.nn.Linear(2, 2), "local:period=4")
     with pytest.raises(TypeError, match=r"thinwire\.sync: mode must be a sync spec string .* got None"):
         thinwire.sync(DistributedDataParallel.__new__(DistributedDataParallel), None)
+    with pytest.raises(TypeError, match=r"thinwire\.sync\(\) got an unexpected keyword argument 'error_feedbak' \(did you "
+                                        r"mean 'error_feedback'\?\); it takes error_feedback, warmup_steps"):
+        thinwire.sync(DistributedDataParallel.__new__(DistributedDataParallel), "local:period=4", error_feedbak=False)
 
 
 def _delayed_bn_consensus(rank: int, world: int) -> dict:

@@ -27,6 +27,9 @@ def attach(model, codec="none", **kwargs) -> CommState:
     return _attach(model, codec, **kwargs)
 
 
+SYNC_OPTIONS = ("error_feedback", "warmup_steps", "min_compress_bytes", "nonfinite", "timeout_s")  # as attach()'s
+
+
 def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     """A sync mode on a DDP model: when gradients or parameters are averaged (the ``--sync`` forms:
     ``"allreduce"``, ``"delayed"``, ``"local:period=8"``, ``"diloco:period=100"``; see
@@ -67,6 +70,14 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     if not isinstance(codec, (str, CodecSpec, AutoSpec, TorchSpec)):
         raise TypeError(f"thinwire.sync: codec must be a spec string such as 'none', 'int8' or 'powersgd:rank=4' (see "
                         f"`thinwire codecs`), got {codec!r}")
+    unknown = sorted(set(kwargs) - set(SYNC_OPTIONS))
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], SYNC_OPTIONS, n=1)
+        raise TypeError(f"thinwire.sync() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "") + f"; it takes {', '.join(SYNC_OPTIONS)}, "
+                        "optimizer")
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)
