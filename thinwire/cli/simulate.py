@@ -75,13 +75,12 @@ def parse_hosts(text: str) -> list[int]:
     from thinwire.sim.inputs import MAX_HOSTS
 
     check(max(values) <= MAX_HOSTS, "--hosts", text, f"host counts in [1, {MAX_HOSTS}]")
+    listed = values if "..." not in parts else values[:-2]  # a series' own terms are checked below
+    check(all(a < b for a, b in zip(listed, listed[1:])), "--hosts", text,
+          "host counts in increasing order, each once", "List them as 2,4,8 or 2,4,...,16.")
     if "..." not in parts:
-        check(all(a < b for a, b in zip(values, values[1:])), "--hosts", text,
-              "host counts in increasing order, each once", "List them as 2,4,8.")
         return values
     check(len(parts) >= 4 and parts[-2] == "..." and parts.count("...") == 1, "--hosts", text, allowed)
-    check(all(a < b for a, b in zip(values[:-2], values[1:-2])), "--hosts", text,  # up to the series' first term
-          "host counts in increasing order, each once", "List them as 2,4,8 or 2,4,...,16.")
     a, b, z = values[-3], values[-2], values[-1]
     check(a < b <= z, "--hosts", text, allowed, "The terms must grow: 2,4,...,1024.")
     out, x = values[:-1], (b * b // a if b % a == 0 else 2 * b - a)
