@@ -38,6 +38,21 @@ ENGINE_THREAD = "tw-engine"  # this thread's OS name
 OFFLOADED_THREADS = (ENGINE_THREAD, "gloo_tcp_loop", "pt_gloo_runloop")
 
 
+class EngineFuture(torch.futures.Future):
+    """A job's future. A failed job stores its exception as the future's value (``Future.set_exception``),
+    which Python's ``wait()`` raises again but DDP's C++ reducer reads as a result ("Unable to cast ... to
+    Tensor"): hand DDP :func:`for_ddp` of it."""
+
+
+def for_ddp(fut: torch.futures.Future) -> torch.futures.Future:
+    """``fut`` as DDP's reducer should get it: a failed job as an error DDP raises with the job's message."""
+    return fut.then(_value) if isinstance(fut, EngineFuture) else fut
+
+
+def _value(fut: torch.futures.Future):
+    return fut.value()  # raises a failed job's exception, inside a callback: the chained future fails with it
+
+
 class CommThread:
     def __init__(self, name: str = "thinwire-comm") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,7 +65,7 @@ class CommThread:
     def submit(self, fn: Callable, *args) -> torch.futures.Future:
         """Run ``fn(*args)`` after every job submitted before it; its result completes the future."""
         self.check_open()  # else nothing would ever run it: the caller (DDP's reducer) would wait forever
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = EngineFuture()
         self._submitted += 1
         self._jobs.put((fut, fn, args))
         return fut

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress.codecs.base import Codec
 from thinwire.compress.wire import Wire
-from thinwire.compress.engine import CommThread
+from thinwire.compress.engine import CommThread, for_ddp
 from thinwire.compress.feedback import ErrorFeedback
 from thinwire.compress import schemes
 
@@ -162,11 +162,12 @@ class CommState:
             parts = self._resumed_parts(index, layout)
             if parts:
                 by_index = dict(zip((i for i, _ in layout), shapes))
-                return self._thread.submit(self._regrouped, bucket.buffer(), step, layout, parts, by_index)
+                return for_ddp(self._thread.submit(self._regrouped, bucket.buffer(), step, layout, parts,
+                                                    by_index))
         if step != self._layouts_step:  # DDP may have rebuilt its buckets: this step's layouts only
             self.layouts, self._layouts_step = {}, step
         self.layouts[index] = layout
-        return self._send(bucket.buffer(), index, step, shapes, layout)
+        return for_ddp(self._send(bucket.buffer(), index, step, shapes, layout))
 
     def _resumed_parts(self, index: int, layout: tuple) -> list[tuple[int, tuple]] | None:
         """The first step after a checkpoint was loaded: the buckets it was saved with, where DDP hands over
