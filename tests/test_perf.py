@@ -522,6 +522,25 @@ def test_simulate_cli_smoke(tmp_path, capsys):
         assert (tmp_path / "sim" / name).stat().st_size > 0
 
 
+@pytest.mark.parametrize("scaling, batch, hosts, says", [
+    ("strong", 32, "2,3,4", "32 samples over 3 hosts is 10.7 each (priced as such)"),
+    ("strong", 36, "2,3,4", "36 samples over 4 hosts is 9 each"),
+    ("weak", 30, "2,4", "--batch-size 30 over the spec's 3 hosts is 10 each"),  # two-sites: 3 hosts
+    ("weak", 32, "2,4", "--batch-size 32 over the spec's 3 hosts is 10.7 each (priced as such)"),
+    ("strong", 48, "2,3,4", None)])
+def test_simulate_says_where_train_would_refuse_the_batch(tmp_path, capsys, scaling, batch, hosts, says):
+    """A fractional batch per host is priced as such, but no run can have it: the output says so and how to fix it."""
+    rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/two-sites.yaml", "--profile", _profile_file(tmp_path),
+              "--hosts", hosts, "--batch-size", batch, "--scaling", scaling, "--out", tmp_path / "sim")
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0
+    if says is None or "10 each" in says or "9 each" in says:  # every host count shares the batch equally
+        assert "refuses a batch" not in out
+    else:
+        fix = "that every host count divides, e.g. 36" if scaling == "strong" else "that 3 divides, e.g. 33"
+        assert says in out and f"Give a --batch-size {fix}." in out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hosts", "0,2"], r"--hosts: must be comma-separated host counts >= 1.*got '0,2'"),
     (["--hosts", "two"], r"--hosts: must be comma-separated host counts.*got 'two'"),

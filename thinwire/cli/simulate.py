@@ -211,6 +211,18 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
         console.print(sync_table)
     if pipeline is not None:
         console.print(pipeline)
+    uneven = [pt for pt in points if pt.batch_per_host != int(pt.batch_per_host)]
+    if uneven:  # priced as a fractional batch per host, which no run can have
+        if opts.scaling == "strong":
+            what = "; ".join(f"{pt.batch_per_host * pt.p:g} samples over {pt.p} hosts is {pt.batch_per_host:.3g} each"
+                             for pt in uneven)
+            fix = f"a --batch-size that every host count divides, e.g. {_common_batch(points)}"
+        else:
+            k = len(spec.hosts)
+            what = f"--batch-size {own.batch_per_host * k:g} over the spec's {k} hosts is {own.batch_per_host:.3g} each"
+            fix = f"a --batch-size that {k} divides, e.g. {_common_batch([own], k)}"
+        console.print(f"[yellow]{what} (priced as such): `thinwire train` refuses a batch its workers cannot share "
+                      f"equally. Give {fix}.[/yellow]")
     short = [h for h in spec.hosts if h.memory is not None and h.memory < own.memory.total]
     if short:  # the model prices time only: a host that cannot hold a rank would refuse the run
         console.print(f"[yellow]{', '.join(f'{h.name} ({h.memory / 2**20:.0f} MiB)' for h in short)}: below the "
@@ -219,6 +231,16 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
                   "scaling.png, timeline.png")
     return 0
+
+
+def _common_batch(points, hosts: int | None = None) -> int:
+    """The smallest batch at least the points' largest global batch that each of their host counts divides
+    (``hosts``: a --batch-size that ``hosts`` divide, the weak-scaling batch of the spec's hosts)."""
+    import math
+
+    lcm = hosts or math.lcm(*(pt.p for pt in points))
+    batch = hosts * points[0].batch_per_host if hosts else max(pt.batch_per_host * pt.p for pt in points)
+    return lcm * math.ceil(batch / lcm - 1e-9)
 
 
 def _pipeline_table(args, spec, profile, opts, default_batch: int, own) -> tuple[Table, dict]:
