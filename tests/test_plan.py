@@ -459,6 +459,27 @@ def test_plan_prices_the_sync_modes_next_to_itself_and_says_their_loss_is_measur
     assert len(speedups) == len(SYNC_MODES) and all(x > 1 for x in speedups), line
 
 
+def test_plan_prices_the_sync_modes_as_simulate_does_on_a_noisy_profile():
+    """The modes' steps in plan's explanation are simulate's: the compute with the slowest host's noise (plan
+    once left the noise out of the modes but not out of the all-reduce step they are compared with)."""
+    import re
+
+    from thinwire.sim.sweep import SimOptions, simulate
+    from thinwire.syncspec import SHOWN as SYNC_MODES
+    from thinwire.syncspec import parse_sync_spec
+
+    prof = profile(params=2_000_000)
+    prof.compute = [dataclasses.replace(c, std_s=0.02) for c in prof.compute]  # 20 ms of noise per step
+    plan = plan_for(_slow(), prof=prof, codecs=("none", "bf16"))
+    line = next(l for l in plan.explanation if l.startswith("Sync modes on uniform DDP"))
+    codec = re.search(r"uniform DDP with (\S+) ", line).group(1)
+    for mode in SYNC_MODES:
+        planned = float(re.search(re.escape(mode) + r" ([0-9.]+) ms", line).group(1))
+        pt, = simulate(_slow(), prof, SimOptions(codec=codec, batch_size=32, sync=parse_sync_spec(mode)),
+                       default_batch=32)
+        assert planned == pytest.approx(pt.sync_step_s * 1e3, abs=0.051), (mode, line)
+
+
 # -- the planner prices what simulate prices: the quota wait and an offload engine -------------------
 def _uniform(spec: ClusterSpec, prof: Profile, codec: str):
     from thinwire.plan.planner import host_models, problem

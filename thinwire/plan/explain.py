@@ -220,7 +220,9 @@ def sync_lines(pb: Problem, base: dict[str, Scored | None], guarded: dict | None
         return []
     best = min(singles, key=lambda s: s.time_s)
     spans = best.timeline.buckets
-    parts = StepParts(allreduce_step_s=best.step_s, compute_s=best.compute_s, comm_s=sum(b.comm_s for b in spans),
+    # the compute with the slowest host's noise, as simulate and doctor price the modes
+    parts = StepParts(allreduce_step_s=best.step_s, compute_s=best.compute_s + best.noise_s,
+                      comm_s=sum(b.comm_s for b in spans),
                       codec_s=sum(b.encode_s + b.decode_s for b in spans), codec_steals_compute=best.steals,
                       hosts=len(best.layout.hosts))
     priced = []

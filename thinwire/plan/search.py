@@ -138,6 +138,7 @@ class Scored:
     steals: bool = False     # no spare core for the communication thread: codec work is taken from compute
     val_s: float = 0.0       # one validation's predicted seconds (0: not priced)
     val_per_step_s: float = 0.0  # val_s over the steps between validations
+    noise_s: float = 0.0     # the slowest host's expected noise, in step_s, not in compute_s (as predict_step's)
 
     @property
     def time_s(self) -> float:
@@ -195,14 +196,15 @@ def score(pb: Problem, lay: Layout) -> Scored:
     codec_speed, steals = _coder(pb, coders)
     costs = [_bucket(pb, lay, i, codec_speed) for i in range(len(pb.buckets))] if len(lay.hosts) > 1 else \
         [(0.0, 0.0, 0.0, 0, 0, 0.0, 0)] * len(pb.buckets)
+    noise = max(std) * blom_z(len(lay.hosts))
     tl = overlap_timeline(ready_s=ready, comm_s=[c[1] for c in costs], encode_s=[c[0] for c in costs],
-                          decode_s=[c[2] for c in costs], comm_cpu_s=[c[5] for c in costs], backward_s=end, pre_s=max(std) * blom_z(len(lay.hosts)),
+                          decode_s=[c[2] for c in costs], comm_cpu_s=[c[5] for c in costs], backward_s=end, pre_s=noise,
                           post_s=max(post), codec_steals_compute=steals, busy_wait_s=[c[6] * pb.busy_hop_s for c in costs])
     compute = max(p + b + q for p, b, q in zip(pre, bwd, post))
     factor = max((pb.factors.get(c, 1.0) for c in set(lay.codecs)), default=1.0) if len(lay.hosts) > 1 else 1.0
     val = validation_s(pb, lay)
     return Scored(lay, tl.step_s, compute, tl, sum(c[3] for c in costs), sum(c[4] for c in costs), factor, steals,
-                  val, val / max(1, pb.eval_every))
+                  val, val / max(1, pb.eval_every), noise)
 
 
 def validation_s(pb: Problem, lay: Layout) -> float:
