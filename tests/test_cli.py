@@ -226,3 +226,15 @@ def test_simulate_checks_the_validation_flags_without_validate_too(tmp_path, arg
     r = thinwire("simulate", "--cluster", str(ROOT / "examples" / "clusters" / "plan-a-slow-cpu.yaml"), *args,
                  "--out", str(tmp_path / "sim"))
     assert_refused(r, pattern)
+
+
+def test_a_default_profile_measures_every_codec_that_plan_auto_and_doctor_try_by_default():
+    """plan, auto and doctor try powersgd:rank=8; a default profile measured rank 4 only, so a default profile and
+    a default plan always left powersgd out ("the profile has no measured cost for it")."""
+    from thinwire.cli.profile import default_profile_codecs
+    from thinwire.compress.spec import REGISTRY, default_candidates, parse_codec_spec, spec_string
+
+    canon = lambda specs: [spec_string(parse_codec_spec(s)) for s in specs]  # noqa: E731
+    measured = canon(default_profile_codecs())
+    assert set(canon(default_candidates())) <= set(measured) and set(canon(REGISTRY.names())) <= set(measured)
+    assert len(measured) == len(set(measured))  # none twice

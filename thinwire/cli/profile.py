@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thinwire.cli.common import add_workload_args, model_options, split_codecs
+from thinwire.compress.spec import REGISTRY, default_candidates, parse_codec_spec, spec_string
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
 
@@ -28,7 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-sizes", help="per-rank batch sizes to measure, e.g. 12,8,6 (overrides --batch-size)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap, as `train --set bucket_mb=`")
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
-    p.add_argument("--codecs", help="comma-separated codec specs (default: every codec with default parameters)")
+    p.add_argument("--codecs", help="comma-separated codec specs (default: every codec with default parameters, and "
+                   "the specs plan, auto and doctor try: " + ", ".join(default_candidates()) + ")")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement")
     p.add_argument("--cluster", help="a running emulated cluster spec: also probe latency and bandwidth, and run the "
                    "step on every host at once for their speeds (root)")
@@ -64,9 +66,7 @@ def batch_sizes(args, default_batch: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from thinwire.compress.spec import parse_codec_spec
     from thinwire.measure.file import save_profile
-    from thinwire.compress.spec import REGISTRY
     from thinwire.measure.convergence import GUARD_STEPS
     from thinwire.measure.run import profile_workload
     from thinwire.workloads.registry import build_workload, check_workload_name
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     args.workload = args.workload or "charlm"
     check_workload_name(args.workload)
     model = model_options(args.set)
-    codecs = list(split_codecs(args.codecs)) if args.codecs else REGISTRY.names()
+    codecs = list(split_codecs(args.codecs)) if args.codecs else default_profile_codecs()
     for c in codecs:
         parse_codec_spec(c)
     network_spec = _cluster(args.cluster) if args.cluster else None
@@ -165,3 +165,11 @@ def _show(prof, path: Path) -> None:
                       + (f"; a ring hop issued while the hosts compute waits {n.busy_hop_s * 1e3:.2f} ms for their "
                          "CPU quotas" if n.busy_hop_s else ""))
     console.print(f"wrote {path}")
+
+
+def default_profile_codecs() -> list[str]:
+    """Every codec at its default parameters and every spec that plan, ``auto`` and doctor try by default
+    (``powersgd:rank=8``, not the default rank 4): a default profile prices each of their candidates."""
+    names = list(REGISTRY.names())
+    have = {spec_string(parse_codec_spec(n)) for n in names}
+    return names + [c for c in default_candidates() if spec_string(parse_codec_spec(c)) not in have]
