@@ -265,3 +265,20 @@ def test_cgroup_v2_controller_thinwire_enabled_is_turned_off_with_the_last_clust
 def test_a_bad_default_is_named_where_it_is_set_not_only_as_the_first_hosts(defaults, match):
     with pytest.raises(ConfigError, match=match):
         from_dict(ClusterSpec, {"name": "t", "defaults": defaults, "hosts": [{"name": "a"}, {"name": "b"}]}, where="")
+
+
+def test_another_kind_of_file_given_as_a_cluster_spec_is_named_as_such(tmp_path):
+    """A profile or a plan passed as --cluster said "achieved_flops: must be one of the known fields ... Remove or
+    rename the key", naming neither the file nor the mistake."""
+    from thinwire.errors import ThinwireError
+
+    profile = tmp_path / "prof.yaml"
+    profile.write_text("version: 1\nworkload: charlm\nachieved_flops: 1.0e9\nbuckets: []\ncompute: []\n")
+    with pytest.raises(ThinwireError, match=r"cluster spec: '.*prof\.yaml' is not a cluster spec: it lacks hosts and "
+                                            r"holds achieved_flops, buckets, compute, version, keys no cluster spec has\. "
+                                            r"Pass a cluster spec"):
+        load_cluster_spec(profile)
+    typo = tmp_path / "typo.yaml"  # a spec with a misspelt key is still told the key
+    typo.write_text("hosts:\n  - {name: a}\n  - {name: b}\nlinkz: []\n")
+    with pytest.raises(ConfigError, match=r"linkz: must be one of the known fields"):
+        load_cluster_spec(typo)

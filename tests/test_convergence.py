@@ -4,6 +4,8 @@ factor and the verdict "does not reach", one that does not gets factor 1 and "re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,8 @@ from thinwire.compress.spec import parse_codec_spec, spec_string
 from thinwire.measure.convergence import GUARD_ORDERS, _record, measure_convergence, sample_factor, tail_gap
 from thinwire.measure.file import ConvergenceRecord
 from thinwire.workloads.base import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _regression() -> Workload:
@@ -128,6 +132,8 @@ def test_profile_records_the_guard_and_plan_ranks_by_it(tmp_path):
                "none,int8,topk:ratio=0.01", "--reps", "3", "--no-corun", "--guard-steps", "20", "--out", str(prof))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "guard:" in proc.stdout
+    for part in ("step timed at batch 16 (3 repetitions) in", "convergence guard in", "3 codecs timed in"):
+        assert part in proc.stderr, proc.stderr  # a line as each part ends: minutes of measuring are never silent
     from thinwire.measure.file import load_profile
 
     loaded = load_profile(prof)
@@ -140,6 +146,30 @@ def test_profile_records_the_guard_and_plan_ranks_by_it(tmp_path):
     out = " ".join(proc.stdout.split())
     assert "Ranked by predicted time to DDP fp32's loss" in out and "samples" in out
     assert loaded.sync["delayed"].steps == 20 and "the samples by the guard" in out  # delayed, priced with its factor
+
+
+@pytest.mark.parametrize("cores, warned", [(1.5, True), (0.1, False)])
+def test_profile_warns_when_other_processes_ran_while_it_measured(tmp_path, monkeypatch, capsys, cores, warned):
+    import thinwire.cli.profile as cli_profile
+    import thinwire.measure.run as measure_run
+    from thinwire.cli.main import main
+    from thinwire.measure.file import load_profile
+
+    stored = load_profile(ROOT / "benchmarks/results/plan_target/profile-charlm.yaml")
+    monkeypatch.setattr(measure_run, "profile_workload", lambda **kw: stored)
+
+    class Busy:  # other processes used `cores` on average while the profile measured
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.cores = cores
+
+    monkeypatch.setattr(cli_profile, "ForeignCpu", Busy)
+    assert main(["profile", "--workload", "charlm", "--no-corun", "--out", str(tmp_path / "p.yaml")]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"Other processes used {cores:.1f} of this machine's" in err) == warned, err
+    assert (tmp_path / "p.yaml").exists()
 
 
 def test_profile_refuses_a_guard_too_short_to_measure(tmp_path):

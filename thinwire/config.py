@@ -472,12 +472,20 @@ def load_dataclass(cls: type[T], path: str | Path, *, what: str, make: str) -> T
     if not Path(path).is_file():
         raise ThinwireError(f"{what}: file {short(str(path))} does not exist. {make}")
     data = load_yaml(path, what=what)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if isinstance(data, dict) and data:  # another kind of file (a cluster spec, a plan): mostly keys not of this kind
-        known, missing = set(data) & set(fields), [k for k in _required(fields) if k not in data]
-        if missing and len(known) < len(data) - len(known):
-            raise ThinwireError(f"{what}: {short(str(path))} is not a {what}: it lacks {', '.join(missing[:4])} and holds "
-                                f"{', '.join(sorted(str(k) for k in data if k not in fields)[:4])}, keys no {what} has. "
-                                f"Pass the file a {what} was written to.")
+    check_kind(data, cls, path, what=what, fix=f"Pass the file a {what} was written to.")
     return from_dict(cls, data, where=what)
+
+
+def check_kind(data: Any, cls: type, path: str | Path, *, what: str, fix: str) -> None:
+    """Refuse ``data`` (read from ``path``) that is another kind of file than a ``cls`` (a profile given as a
+    cluster spec, a plan as a profile): a required field missing and mostly keys ``cls`` does not have. A file
+    of the right kind with a misspelt key goes on to the field-by-field check, which names the key."""
+    if not isinstance(data, dict) or not data:
+        return
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    known, missing = set(data) & set(fields), [k for k in _required(fields) if k not in data]
+    if missing and len(known) < len(data) - len(known):
+        raise ThinwireError(f"{what}: {short(str(path))} is not a {what}: it lacks {', '.join(missing[:4])} and holds "
+                            f"{', '.join(sorted(str(k) for k in data if k not in fields)[:4])}, keys no {what} has. "
+                            + fix)
 

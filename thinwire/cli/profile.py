@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from thinwire.cli.common import add_workload_args, model_options, split_codecs
 from thinwire.compress.spec import REGISTRY, default_candidates, parse_codec_spec, spec_string
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
+from thinwire.measure.foreign import ForeignCpu
+
+FOREIGN_WARN_CORES = 0.25  # other processes' average cores while profiling above which the profile warns
 
 EPILOG = """examples:
   thinwire profile --workload charlm --out charlm.profile.yaml
@@ -87,11 +91,12 @@ def run(args: argparse.Namespace) -> int:
         from thinwire.measure.network import probe_network
 
         network = probe_network(network_spec)
-    prof = profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
-                            bucket_mb=args.bucket_mb, threads=args.threads, codecs=codecs, reps=args.reps,
-                            network=network, corun=args.corun,
-                            guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps,
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    with ForeignCpu() as foreign:  # other processes' CPU while measuring: they slow what is measured
+        prof = profile_workload(workload=args.workload, model=model, data=args.data, batch_sizes=sizes,
+                                bucket_mb=args.bucket_mb, threads=args.threads, codecs=codecs, reps=args.reps,
+                                network=network, corun=args.corun,
+                                guard_steps=GUARD_STEPS if args.guard_steps is None else args.guard_steps,
+                                progress=lambda line: print(line, file=sys.stderr, flush=True))
     if network_spec is not None and args.host_speed:  # each host's step speed there, all at once (quota and co-running included)
         import dataclasses
 
@@ -115,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
             trainer_per_bucket_s=agg["trainer_per_bucket_s"], trainer_per_value_s=agg["trainer_per_value_s"]))
     path = save_profile(prof, args.out)
     _show(prof, path)
+    if foreign.cores > FOREIGN_WARN_CORES:
+        Console(stderr=True).print(
+            f"[yellow]Other processes used {foreign.cores:.1f} of this machine's {os.cpu_count()} cores on average "
+            "while the profile measured: its step and codec times are likely slower and noisier than this machine's "
+            "own, and so are the predictions made from it. Profile again when the machine is quiet.[/yellow]")
     return 0
 
 

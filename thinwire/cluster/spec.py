@@ -57,7 +57,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from thinwire.config import check, from_dict, load_yaml
+from thinwire.config import check, check_kind, from_dict, load_yaml
 from thinwire.units import parse_duration, parse_loss, parse_rate, parse_size  # noqa: F401  (parse_size: cli)
 from thinwire.errors import ConfigError, ThinwireError
 
@@ -294,6 +294,8 @@ def load_cluster_spec(path: str | Path) -> ClusterSpec:
     """Read and validate a cluster spec YAML file; ``name`` defaults to the file's stem."""
     data = load_yaml(path, what="cluster spec")
     data.setdefault("name", Path(path).stem)
+    check_kind(data, ClusterSpec, path, what="cluster spec",
+               fix="Pass a cluster spec: a YAML file of hosts (and links), as in examples/clusters/.")
     return from_dict(ClusterSpec, data, where="")
 
 

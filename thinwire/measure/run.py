@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -69,7 +70,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
     """Measure ``workload`` at each per-rank batch size (see the module docstring). ``codecs``: the
     specs to measure (default: every registered codec at its default parameters); ``guard_steps``:
     steps of each convergence-guard run at the largest batch as the global batch (0: no guard);
-    ``progress`` gets a line as each of the guard's data orders ends."""
+    ``progress`` gets a line as each part ends (each of the guard's data orders, each co-run count)."""
     from thinwire.compress.spec import REGISTRY
     from thinwire.workloads.registry import build_workload
 
@@ -83,6 +84,14 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
           f"0 (no guard) or at least {2 * GUARD_EVERY} (two evaluations)", f"The default is {GUARD_STEPS}.")
     torch.set_num_threads(threads)
     runtime = _resident_bytes()  # before any model: what every worker process holds anyway
+    clock = [time.perf_counter()]
+
+    def done(what: str) -> None:  # a line per part, so minutes of measuring are never silent
+        now = time.perf_counter()
+        if progress is not None:
+            progress(f"{what} in {now - clock[0]:.0f} s")
+        clock[0] = now
+
     with single_process_group():
         torch.manual_seed(seed)
         wl = build_workload(workload, dict(model or {}), data)
@@ -92,6 +101,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             point, layout = timer.measure(b, warmup=warmup, reps=reps)
             points.append(point)
             buckets = buckets or layout
+            done(f"step timed at batch {b} ({reps} repetitions)")
         b0 = points[0].batch
         grads = step_gradients(timer, b0, EF_STEPS) if codecs else []
         guard = {}
@@ -100,9 +110,12 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             fresh = build_workload(workload, dict(model or {}), data)
             guard = measure_convergence(fresh, list(codecs), world=min(GUARD_WORLD, b0), batch=b0, steps=guard_steps,
                                         seed=seed, delayed=True, progress=progress)
+            done("convergence guard")
         flops = count_flops(wl, b0) / b0
         acts = activation_bytes(wl, b0) / b0
         layer_costs = _layer_costs(wl, workload, b0, reps)
+        if layer_costs:
+            done(f"{len(layer_costs)} layers timed for pipelines")
     corun_speed = {}
     cores = os.cpu_count() or 1
     if corun and cores > 1:
@@ -115,23 +128,30 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
             speed = measure_corun(workload=workload, model=dict(model or {}), data=data, batch=b0,
                                   threads=threads, n=n)
             corun_speed[str(n)] = corun_over_fair(speed, cores, n)
+            done(f"{n} copies of the step run at once (the co-running hosts' speed)")
     collective_cpu = 0.0
     if corun and cores > 1:  # two ranks, each on a core of its own
         from thinwire.measure.collective import collective_cpu as measure_collective
 
         collective_cpu = measure_collective()["per_byte_s"]
+        done("a collective's CPU per byte measured")
     pipe_overhead, inter_overhead = 0.0, None
     if corun and cores > 1 and layer_costs:  # a pipeline stage's time per micro-batch beyond its layers
         from thinwire.measure.pipeline_overhead import pipeline_overhead
 
         got = pipeline_overhead()
         pipe_overhead, inter_overhead = got["per_microbatch_s"], got["interleaved_per_microbatch_s"]
+        done("a pipeline stage's overhead per micro-batch measured")
     numels = [bk.numel for bk in buckets]
     sizes = sizes_for(numels)
     kernels = measure_kernels(sizes, reps)
     if layer_costs:  # the pipeline links' formats, at a cut's size of this batch
         cut = max(l.output_bytes for l in layer_costs) / 4 * b0
         kernels.update(measure_wire(max(l.width for l in layer_costs), int(cut), max(3, reps // 2)))
+    done("kernels timed")
+    costs = measure_codecs(list(codecs), numels, reps=max(3, reps // 2))
+    if codecs:
+        done(f"{len(codecs)} codecs timed")
     return Profile(
         workload=workload, model=dict(model or {}), data=data, threads=threads, bucket_mb=bucket_mb,
         parameters=sum(p.numel() for p in wl.model.parameters()), machine=machine_info(threads),
@@ -139,7 +159,7 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         achieved_flops=flops * b0 / (points[0].forward_s + points[0].backward_s),
         activation_bytes_per_sample=acts, buckets=buckets, corun_speed=corun_speed,
         collective_cpu_s_per_byte=collective_cpu, kernels=kernels,
-        codecs=_with_errors(measure_codecs(list(codecs), numels, reps=max(3, reps // 2)), list(codecs), grads, guard),
+        codecs=_with_errors(costs, list(codecs), grads, guard),
         sync={"delayed": guard["delayed"]} if "delayed" in guard else {},
         network=network, layers=layer_costs, layers_batch=b0 if layer_costs else 0, runtime_bytes=runtime,
         pipeline_overhead_s=pipe_overhead, interleaved_overhead_s=inter_overhead,
