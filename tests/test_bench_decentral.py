@@ -46,9 +46,15 @@ def test_skew_verdict_needs_the_loss_or_the_accuracy_and_the_bytes(tmp_path):
     assert all("**not met**" in line for line in decentral.verdicts(data))
     for k in (0, 1, 2):
         runs[f"{decentral.DYNAMIC[0]}@{k}"] = _run([(300, 0.203)], mb=9, syncs=7)
+    data["seeds"] = [0, 1, 2, 3]  # periodic averaging extended by a seed dynamic did not run: paired seeds only
+    runs[f"{decentral.PERIODIC[0]}@3"] = runs[f"{decentral.POSTLOCAL4[0]}@3"] = _run([(300, 0.100)], mb=100)
+    assert all("(the 3 seeds both ran)" in line and "loss +1.5%" in line for line in decentral.verdicts(data))
+    data["scenarios"]["drift"] = {"runs": {f"{decentral.DYNAMIC[0]}@0": _run([(140, 0.3), (300, 0.2)])}, "targets": {}}
+    assert decentral.scenario_seeds(data, "skew") == [0, 1, 2, 3] and decentral.scenario_seeds(data, "drift") == [0]
     decentral.render(data, tmp_path)
     text = (tmp_path / "decentral.md").read_text()
-    assert "| dynamic (defaults) | 0.2030, 0.2030, 0.2030 |" in text and (tmp_path / "decentral.png").exists()
+    assert "| dynamic (defaults) | 0.2030, 0.2030, 0.2030, - |" in text and (tmp_path / "decentral.png").exists()
+    assert "Seeds skew 0, 1, 2, 3; drift 0," in text and "| dynamic (defaults) | 0.2000 |" in text  # drift: its seed
 
 
 def test_slowlink_verdict_compares_time_to_target():
