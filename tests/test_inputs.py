@@ -278,7 +278,7 @@ def unpaired_items():
     ("tests.test_inputs:unpaired_items", {}, r"unpaired_items's train set gives a Tensor at train\[0\], where thinwire "
      r"needs an \(input, target\) pair"),
     ("tests.test_inputs:iterable_training", {}, r"iterable_training's train set has no len\(\); thinwire samples map"),
-    ("tests.nowhere:f", {}, r"workload: cannot import module 'tests.nowhere'.*Check that it is on PYTHONPATH"),
+    ("tests.nowhere:f", {}, r"workload: cannot import module 'tests.nowhere'.*Check that it is on PYTHONPATH or in the current folder"),
     ("tests.test_inputs:nothing", {}, r"workload: module 'tests.test_inputs' has no function 'nothing'"),
     ("tests.test_inputs:failing_workload", {"size": 3}, r"model: options \['size'\] do not fit"),
     ("tests.test_inputs:not_a_workload", {}, r"must return a thinwire.Workload, got Linear"),
@@ -290,6 +290,27 @@ def test_a_user_workload_that_cannot_be_built_says_why_in_one_paragraph(name, op
 
     with pytest.raises(ThinwireError, match=match):
         build_workload(name, options, None)
+
+
+def test_a_user_workload_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    """`thinwire train --workload mywl:make` from the folder that holds mywl.py, as `python -m` would find it (it said
+    "cannot import module 'mywl' ... Check that it is on PYTHONPATH"); the folder goes last on the path."""
+    import sys
+
+    from thinwire.workloads.registry import build_workload
+
+    (tmp_path / "tw_cwd_workload.py").write_text(
+        "import torch, thinwire\n"
+        "def make():\n"
+        "    pairs = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))\n"
+        "    return thinwire.Workload(model=torch.nn.Linear(2, 1), train=pairs, val=pairs, "
+        "loss=torch.nn.functional.mse_loss)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored afterwards
+    monkeypatch.delitem(sys.modules, "tw_cwd_workload", raising=False)
+    assert isinstance(build_workload("tw_cwd_workload:make", {}, None).model, torch.nn.Linear)
+    assert sys.path[-1] == str(tmp_path) and sys.modules["tw_cwd_workload"].__file__.startswith(str(tmp_path))
+    del sys.modules["tw_cwd_workload"]
 
 
 @pytest.mark.parametrize("spec_text, match", [

@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import os
 import re
+import sys
 import traceback
 from typing import Callable
 
@@ -55,11 +57,14 @@ def build_workload(name: str, options: dict, data: str | None) -> Workload:
 
 def _build_user(name: str, options: dict, data: str | None) -> Workload:
     module_name, _, func_name = name.partition(":")
+    here = os.getcwd()
+    if here not in sys.path:  # `--workload mywl:build` run from the folder that holds mywl.py, as `python -m` finds it
+        sys.path.append(here)  # last: never in place of an installed module of the same name
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ThinwireError(f"workload: cannot import module {short(module_name)} ({short(str(e), 300)}). "
-                            "Check that it is on PYTHONPATH.") from None
+                            f"Check that it is on PYTHONPATH or in the current folder ({short(here, 200)}).") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
         what = (f"has no function {short(func_name)}" if fn is None else
