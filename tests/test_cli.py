@@ -184,6 +184,30 @@ def test_a_local_run_no_longer_than_its_warm_up_says_no_step_is_local(tmp_path):
     assert "all 3 steps are its synchronous warm-up (warmup=100)" in proc.stderr
     assert "warm-up" not in thinwire("train", "--workload", "digits", "--steps", "3", "--sync",
                                      "local:period=2,warmup=0", "--out", str(tmp_path / "two")).stderr
+    # diloco's default period (100) on a 3-step run: no average while training, and it said nothing
+    proc = thinwire("train", "--workload", "digits", "--steps", "3", "--sync", "diloco", "--out", str(tmp_path / "d"))
+    assert proc.returncode == 0 and "the run has 3 local step(s) and its first average comes after 100" in proc.stderr
+
+
+def test_a_lossy_codec_on_a_model_too_small_to_compress_says_so(capsys):
+    """A 676-parameter model with --compression int8 sent every average in fp32 (each bucket under the hook's 4096
+    bytes) while the summary said int8."""
+    import torch
+
+    from thinwire.cli.train import _first_average, _small_model_note
+    from thinwire.syncspec import parse_sync_spec
+    from thinwire.train.config import load_train_config
+
+    tiny, big = torch.nn.Linear(10, 60), torch.nn.Linear(100, 100)  # 660 and 10,100 parameters
+    for model, comp, sync, noted in [(tiny, "int8", "allreduce", True), (tiny, "none", "allreduce", False),
+                                     (big, "int8", "allreduce", False), (tiny, "int8", "gossip", False),
+                                     (tiny, "bf16", "local:period=4", True)]:
+        cfg = load_train_config(None, {"compression": comp, "sync": sync}, [])
+        _small_model_note(cfg, model, None)
+        err = " ".join(capsys.readouterr().err.split())
+        assert ("take 2,640 bytes, under the 4,096 below which a bucket travels uncompressed" in err) == noted, (comp, sync)
+    assert _first_average(parse_sync_spec("diloco:period=100,fragments=4")) == 25
+    assert _first_average(parse_sync_spec("local:period=8")) == 8
 
 
 def test_cluster_bench_refuses_a_message_smaller_than_one_value(tmp_path):

@@ -324,6 +324,11 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
         print(f"thinwire: note: --sync {sync.text}: all {steps} steps are its synchronous warm-up (warmup="
               f"{sync.warmup}), so every step averages gradients as allreduce does and no step is local; give "
               f"warmup={max(0, steps // 10)} or less to train locally", file=sys.stderr, flush=True)
+    elif sync.mode in ("local", "diloco") and steps - sync.warmup < _first_average(sync) and world is None:
+        print(f"thinwire: note: --sync {sync.text}: the run has {steps - sync.warmup} local step(s) and its first "
+              f"average comes after {_first_average(sync)}, so the ranks never average while training (only "
+              "validation evaluates their average); give a smaller period or more --steps", file=sys.stderr, flush=True)
+    _small_model_note(cfg, wl.model, world)
     _check_guards(cfg)
     # every world size the run may meet: hosts may leave down to min_hosts
     if cfg.plan:  # first: a plan for another workload or cluster says so, not what its layout does not fit
@@ -406,6 +411,29 @@ def _check_fragments(cfg: TrainConfig, model) -> None:
     if cfg.sync_spec.fragments > tensors:
         raise ConfigError("sync.fragments", cfg.sync_spec.fragments, f"at most {tensors}, the model's trainable "
                           "parameter tensors", "A fragment holds whole parameter tensors.")
+
+
+def _first_average(sync) -> int:
+    """Local steps before a periodic mode's first average (streaming DiLoCo: its first fragment's)."""
+    return sync.period // sync.fragments if sync.mode == "diloco" and sync.streaming else sync.period
+
+
+def _small_model_note(cfg: TrainConfig, model, world: int | None) -> None:
+    """A lossy codec on a model whose every bucket stays under the hook's ``min_compress_bytes``: nothing is ever
+    compressed (too small for it to pay), which the summary's ``compression`` alone would not tell."""
+    from thinwire.commspec import CodecSpec
+    from thinwire.compress.hook import MIN_COMPRESS_BYTES
+
+    if world is not None or not isinstance(cfg.comm, CodecSpec) or cfg.comm.codec.lossless:
+        return
+    if cfg.sync_spec.mode == "gossip":  # gossip sends every parameter through the codec, whatever its size
+        return
+    size = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    if size < MIN_COMPRESS_BYTES:
+        print(f"thinwire: note: --compression {cfg.comm.text}: the model's trainable parameters take {size:,} bytes, "
+              f"under the {MIN_COMPRESS_BYTES:,} below which a bucket travels uncompressed, so every average goes "
+              "in fp32 (`counts` in the summary's compression stats says so); a codec pays only on larger models",
+              file=sys.stderr, flush=True)
 
 
 def _check_compression(cfg: TrainConfig) -> None:

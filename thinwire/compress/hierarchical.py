@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress import schemes
 from thinwire.compress.wire import Wire
-from thinwire.compress.hook import CommState, _as_policy
+from thinwire.compress.hook import MIN_COMPRESS_BYTES, CommState, _as_policy
 
 
 class _Leg:
@@ -143,7 +143,7 @@ class HierarchicalState(CommState):
 
 
 def attach_hierarchical(model: DistributedDataParallel, codec="none", *, groups: list[list[int]],
-                        error_feedback: bool = True, warmup_steps: int = 0, min_compress_bytes: int = 4096,
+                        error_feedback: bool = True, warmup_steps: int = 0, min_compress_bytes: int = MIN_COMPRESS_BYTES,
                         nonfinite: str = "skip", timeout_s: float | None = None) -> HierarchicalState:
     """Register the hierarchical collective as ``model``'s DDP communication hook.
 

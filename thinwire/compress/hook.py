@@ -48,6 +48,7 @@ from thinwire.compress.feedback import ErrorFeedback
 from thinwire.compress import schemes
 
 log = logging.getLogger("thinwire.compress")
+MIN_COMPRESS_BYTES = 4096  # a bucket smaller than this goes uncompressed (fp32): too small for a codec to pay
 
 
 class Policy:
@@ -350,7 +351,7 @@ class CommState:
 
 
 def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none", *, error_feedback: bool = True,
-           warmup_steps: int = 0, min_compress_bytes: int = 4096, nonfinite: Literal["skip", "raise"] = "skip",
+           warmup_steps: int = 0, min_compress_bytes: int = MIN_COMPRESS_BYTES, nonfinite: Literal["skip", "raise"] = "skip",
            process_group=None, timeout_s: float | None = None) -> CommState:
     """Register thinwire's compressed all-reduce as ``model``'s DDP communication hook.
 

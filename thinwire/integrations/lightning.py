@@ -27,6 +27,7 @@ from typing import Any
 
 from thinwire.api import attach, sync
 from thinwire.commspec import check_sync_pairing
+from thinwire.compress.hook import MIN_COMPRESS_BYTES
 from thinwire.integrations import (check_hook_kwargs, gather_states, hook_codec, load_mode_state, load_own_model,
                                    log, mode_record, need, rank_state)
 from thinwire.syncspec import parse_sync_spec
@@ -63,7 +64,7 @@ class ThinwireStrategy(DDPStrategy):
     strategy_name = "thinwire"
 
     def __init__(self, codec: str = "int8", *, sync: str = "allreduce", error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_bytes: int = 4096, nonfinite: str = "skip",
+                 warmup_steps: int = 0, min_compress_bytes: int = MIN_COMPRESS_BYTES, nonfinite: str = "skip",
                  timeout_s: float | None = None, **ddp_kwargs: Any) -> None:
         from thinwire.syncspec import SyncSpec
 

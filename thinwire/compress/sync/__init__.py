@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.compress.hook import CommState, Policy, attach, refuse_sparse
+from thinwire.compress.hook import MIN_COMPRESS_BYTES, CommState, Policy, attach, refuse_sparse
 from thinwire.compress.sync.base import Averaged, StepParts, SyncMode, Unwrapped
 from thinwire.compress.sync.choose import ChooseSync
 from thinwire.compress.sync.delayed import Delayed
@@ -38,7 +38,7 @@ MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "
 
 
 def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_steps: int = 0,
-           min_compress_bytes: int = 4096, nonfinite: str = "skip", timeout_s: float | None = None,
+           min_compress_bytes: int = MIN_COMPRESS_BYTES, nonfinite: str = "skip", timeout_s: float | None = None,
            process_group=None, bucket_mb: float = 25.0) -> SyncMode:
     """The sync mode ``spec.mode`` (a parsed spec: mode, period, warmup, outer_lr, outer_momentum) on a
     DDP ``model``, averaging with ``policy``'s codec. ``allreduce`` attaches the DDP hook (on a module
