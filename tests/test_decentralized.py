@@ -183,10 +183,10 @@ def _consensus(rank: int, world: int, codec: str, spec: str, rounds: int) -> dic
         before = sync.comm.wire.bytes_sent
         sync.after_step()
         sent.append(sync.comm.wire.bytes_sent - before)
-    state = sync.state_dict()
+    state, stats = sync.state_dict(), sync.comm.stats()
     sync.close()
     return {"start": start, "end": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent,
-            "state": state}
+            "state": state, "stats": stats}
 
 
 @pytest.mark.parametrize("codec,spec", [("int8", "gossip:topology=ring"), ("topk:ratio=0.1", "gossip:topology=ring,gamma=0.3"),
@@ -206,6 +206,8 @@ def test_compressed_gossip_keeps_the_mean_and_reaches_consensus(codec, spec):
 
     payload = parse_codec_spec(codec).payload_bytes(numel)
     assert payload < numel * 4 / 3   # compressed
+    # the codec's runs and time counted as the hook counts them (gossip said {} and 0 s while it compressed)
+    assert out[0]["stats"]["counts"] == {parse_codec_spec(codec).name: 60} and out[0]["stats"]["compress_s"] > 0
     if "exp2" in spec:   # one peer per step; a public copy per edge: to and from ranks 2^0 and 2^1 away
         assert out[0]["sent"] == [payload] * 60
         assert set(out[0]["state"]["public"]) == {"to:1", "to:2", "from:3", "from:2"}

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -201,13 +202,18 @@ class Gossip(SyncMode):
         parts = []
         for b, (flat, codec) in enumerate(zip(self.buckets.flatten(list(self.buckets.params)), self.codecs)):
             self.comm.bytes_raw += flat.numel() * flat.element_size()
+            self.comm.counts[codec.name if self.choco else "fp32"] += 1  # as the hook counts its buckets
             if not self.choco:
                 parts.append([flat, self.comm.wire.start_exchange(flat, send_to, recv_from)])
                 continue
             meta = Meta(numel=flat.numel(), seed=self.steps * 1009 + b, rank=me)
+            t0 = time.perf_counter()
             payload = codec.compress(flat - self.public[own][b], meta)
+            self.comm.compress_s += time.perf_counter() - t0
             wait = self.comm.wire.start_exchange(pack(payload), send_to, recv_from)
+            t0 = time.perf_counter()
             self.public[own][b] += codec.decompress(payload, meta)
+            self.comm.compress_s += time.perf_counter() - t0
             parts.append([(payload, meta), wait])
         return Round(recv_from, own, heard, parts)
 
@@ -224,8 +230,10 @@ class Gossip(SyncMode):
             got = part[1]()
             if self.choco:
                 (payload, meta), codec = part[0], self.codecs[b]
+                t0 = time.perf_counter()
                 got = [codec.decompress(unpack(buf, payload), Meta(numel=meta.numel, seed=meta.seed, rank=src))
                        for src, buf in zip(r.recv_from, got)]
+                self.comm.compress_s += time.perf_counter() - t0
                 part[0] = None
             part[1] = got
 
