@@ -570,8 +570,19 @@ def test_a_host_left_out_for_its_share_of_validation_is_explained_by_it_not_by_i
     assert "costs more in its share of each validation" in line and "would otherwise wait" not in line, line
     assert " -" not in line  # no negative saving
     slow = plan_for(four(h3={"cpu": 0.1}), eval_every=1, eval_batches=20)  # this one does slow every step
-    assert "every step would otherwise wait for it" in next(line for line in slow.explanation
-                                                             if line.startswith("Leaving out h3"))
+    assert "slower (h3: its compute)" in next(line for line in slow.explanation if line.startswith("Leaving out h3"))
+
+
+def test_hosts_left_out_are_each_given_their_own_reason():
+    """Leaving out several hosts said "every step would otherwise wait for it (its compute or its link)" of all of
+    them, a fast host on a fast link included."""
+    spec = ClusterSpec(name="lab", defaults=DefaultsSpec(bandwidth="1gbit", cpu=0.5),
+                       hosts=[HostSpec(name="ws0"), HostSpec(name="ws1"), HostSpec(name="old", cpu=0.1),
+                              HostSpec(name="laptop", bandwidth="20mbit")])
+    plan = plan_for(spec, prof=profile(params=2_000_000))
+    assert plan.chosen.hosts == ["ws0", "ws1"]
+    line = next(line for line in plan.explanation if line.startswith("Leaving out old"))
+    assert "keeping them (balanced shares" in line and line.endswith("slower (old: its compute; laptop: its link).")
 
 
 def test_validation_items_follow_the_trainers_subset():

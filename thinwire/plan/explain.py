@@ -113,10 +113,21 @@ def _left_out_line(pb: Problem, c: Scored) -> str | None:
         return f"Leaving out {reasons}: the global batch is smaller than the number of hosts."
     codecs = lay.codecs if ok else ("none",) * len(lay.codecs)
     alt = score(pb, Layout(everyone, got[0], tuple(micro_for(k, s) for k, s in zip(caps, got[0])), None, codecs))
-    keeping = "keeping it (balanced shares, a flat ring, the same codecs)"
+    them = "it" if len(out) == 1 else "them"
+    keeping = f"keeping {them} (balanced shares, a flat ring, the same codecs)"
     if alt.step_s > c.step_s:
-        return (f"Leaving out {reasons}: every step would otherwise wait for it (its compute or its link); {keeping} "
-                f"is predicted at {_ms(alt.step_s)} per step, {_ms(alt.step_s - c.step_s)} slower.")
+        kept = [pb.hosts[i] for i in lay.hosts]
+        why = []  # each one's own cost, against the hosts kept: its compute, its link, or only more hosts in the ring
+        for i in out:
+            h, slow = pb.hosts[i], []
+            if h.speed < min(k.speed for k in kept):
+                slow.append("its compute")
+            if h.bandwidth < min(k.bandwidth for k in kept):
+                slow.append("its link")
+            why.append(f"{h.name}: {' and '.join(slow)}" if slow else f"{h.name}: one more host in the ring, as fast "
+                       "as those kept")
+        return (f"Leaving out {reasons}: {keeping} is predicted at {_ms(alt.step_s)} per step, "
+                f"{_ms(alt.step_s - c.step_s)} slower ({'; '.join(why)}).")
     # its steps are not slower: what it costs is elsewhere (its share of each validation, a codec's samples)
     where = ("its share of each validation, split evenly over the hosts" if alt.val_per_step_s > c.val_per_step_s
              else "the samples its codecs need")
