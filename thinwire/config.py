@@ -488,4 +488,3 @@ def check_kind(data: Any, cls: type, path: str | Path, *, what: str, fix: str) -
         raise ThinwireError(f"{what}: {short(str(path))} is not a {what}: it lacks {', '.join(missing[:4])} and holds "
                             f"{', '.join(sorted(str(k) for k in data if k not in fields)[:4])}, keys no {what} has. "
                             + fix)
-

@@ -124,8 +124,8 @@ def _left_out_line(pb: Problem, c: Scored) -> str | None:
                 slow.append("its compute")
             if h.bandwidth < min(k.bandwidth for k in kept):
                 slow.append("its link")
-            why.append(f"{h.name}: {' and '.join(slow)}" if slow else f"{h.name}: one more host in the ring, as fast "
-                       "as those kept")
+            why.append(f"{h.name}: {' and '.join(slow)}" if slow else f"{h.name}: one more host in the ring, no "
+                       "slower than those kept")
         return (f"Leaving out {reasons}: {keeping} is predicted at {_ms(alt.step_s)} per step, "
                 f"{_ms(alt.step_s - c.step_s)} slower ({'; '.join(why)}).")
     # its steps are not slower: what it costs is elsewhere (its share of each validation, a codec's samples)
