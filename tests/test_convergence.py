@@ -207,3 +207,15 @@ def test_the_guards_stale_run_on_one_shard_is_fp32_one_step_behind():
     for (_, f), (_, s) in zip(fresh[:-1], stale[1:]):
         assert s == pytest.approx(f, rel=1e-6, abs=1e-7)
     assert stale[1][1] != fresh[1][1]  # one step behind, not equal
+
+
+def test_losses_near_zero_are_compared_to_a_floor_not_to_each_other():
+    """A workload fit to a loss of 4.5e-8: int8 at 4.6e-8 was "+2.5%: does not reach fp32's loss" and dropped by plan,
+    doctor and auto. Losses are relative to at least 1e-4 of fp32's first held-out loss."""
+    ref = [(5, 1.2), (10, 0.01), (15, 4.4e-8), (20, 4.5e-8)]
+    near = [(5, 1.2), (10, 0.01), (15, 4.5e-8), (20, 4.6e-8)]
+    assert abs(tail_gap(ref, near)) < 1e-4 and sample_factor(ref, 4.6e-8) == 1.0  # were +2.2% and 1.3x
+    far = [(5, 1.2), (10, 0.05), (15, 0.02), (20, 0.01)]  # 0.01 where fp32 is at 0: not reached, and priced
+    assert tail_gap(ref, far) > 10 and sample_factor(ref, 0.01) == pytest.approx(2.0)
+    # an ordinary loss is compared as before
+    assert tail_gap([(5, 4.0), (10, 2.0)], [(5, 4.0), (10, 2.1)]) == pytest.approx(0.05)

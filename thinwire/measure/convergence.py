@@ -83,6 +83,7 @@ from thinwire.measure.file import ConvergenceRecord
 from thinwire.workloads.base import GlobalSampler, Workload, collate, eval_subset
 
 GUARD_STEPS = 60    # training steps of each short run
+LOSS_FLOOR = 1e-4   # of fp32's first held-out loss: losses closer than this are equal (see floor)
 GUARD_EVERY = 5     # held-out evaluations every this many steps
 GUARD_WORLD = 4     # shards (ranks) the global batch is split into
 GUARD_ORDERS = 3    # data orders every comparison is made on (the verdict takes the median)
@@ -148,7 +149,21 @@ def tail_gap(reference: list[tuple[int, float]], curve: list[tuple[int, float]])
     half = (len(curve) + 1) // 2
     ref = sum(loss for _, loss in reference[-half:])
     run = sum(loss for _, loss in curve[-half:])
-    return run / ref - 1 if math.isfinite(run) else math.inf
+    if not math.isfinite(run):
+        return math.inf
+    # relative to fp32's, but never to less than a loss that is (near) zero: a run that fit its data to 1e-8
+    # made a difference of 1e-9 a gap of 2% (``floor``)
+    return (run - ref) / max(ref, half * floor(reference))
+
+
+def floor(reference: list[tuple[int, float]]) -> float:
+    """The smallest loss a comparison is relative to: ``LOSS_FLOOR`` of fp32's first held-out loss. Below it two
+    losses differ by nothing that matters (a model that fits its data exactly, trained to a loss of 1e-8).
+
+    >>> floor([(5, 2.0), (10, 1e-9)])
+    0.0002
+    """
+    return LOSS_FLOOR * abs(reference[0][1])
 
 
 def sample_factor(reference: list[tuple[int, float]], loss: float) -> float | None:
@@ -161,7 +176,7 @@ def sample_factor(reference: list[tuple[int, float]], loss: float) -> float | No
     (1.0, None)
     """
     steps = reference[-1][0]
-    if loss <= reference[-1][1]:
+    if loss <= reference[-1][1] + floor(reference):
         return 1.0
     if loss > reference[0][1]:
         return None
