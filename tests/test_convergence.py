@@ -22,7 +22,8 @@ def _regression() -> Workload:
     """A two-layer MLP fitting a fixed random teacher (continuous targets, MSE)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2048, 16, generator=g)
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    torch.manual_seed(1)  # the teacher too: it was drawn from whatever the global generator held (run alone,
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))  # two calls fit two teachers)
     with torch.no_grad():
         y = teacher(x)
     torch.manual_seed(0)
