@@ -194,7 +194,7 @@ def test_a_lossy_codec_on_a_model_too_small_to_compress_says_so(capsys):
     bytes) while the summary said int8."""
     import torch
 
-    from thinwire.cli.train import _first_average, _small_model_note
+    from thinwire.cli.train import _small_model_note
     from thinwire.syncspec import parse_sync_spec
     from thinwire.train.config import load_train_config
 
@@ -206,8 +206,8 @@ def test_a_lossy_codec_on_a_model_too_small_to_compress_says_so(capsys):
         _small_model_note(cfg, model, None)
         err = " ".join(capsys.readouterr().err.split())
         assert ("take 2,640 bytes, under the 4,096 below which a bucket travels uncompressed" in err) == noted, (comp, sync)
-    assert _first_average(parse_sync_spec("diloco:period=100,fragments=4")) == 25
-    assert _first_average(parse_sync_spec("local:period=8")) == 8
+    assert parse_sync_spec("diloco:period=100,fragments=4").sync_every == 25  # the first average's step
+    assert parse_sync_spec("local:period=8").sync_every == 8
 
 
 def test_cluster_bench_refuses_a_message_smaller_than_one_value(tmp_path):

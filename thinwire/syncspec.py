@@ -158,6 +158,11 @@ class SyncSpec:
                "0 keeps the global parameters, 1 the local ones; Streaming DiLoCo mixes 0.5.")
 
     @property
+    def sync_every(self) -> int:
+        """Local steps between a periodic mode's syncs: its period, or a fragment's turn (period / fragments)."""
+        return self.period // self.fragments
+
+    @property
     def streaming(self) -> bool:
         """Fragments synced on a staggered schedule, or the outer step overlapped with inner steps."""
         return self.fragments > 1 or self.delay > 0

@@ -324,9 +324,9 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
         print(f"thinwire: note: --sync {sync.text}: all {steps} steps are its synchronous warm-up (warmup="
               f"{sync.warmup}), so every step averages gradients as allreduce does and no step is local; give "
               f"warmup={max(0, steps // 10)} or less to train locally", file=sys.stderr, flush=True)
-    elif sync.mode in ("local", "diloco") and steps - sync.warmup < _first_average(sync) and world is None:
+    elif sync.mode in ("local", "diloco") and steps - sync.warmup < sync.sync_every and world is None:
         print(f"thinwire: note: --sync {sync.text}: the run has {steps - sync.warmup} local step(s) and its first "
-              f"average comes after {_first_average(sync)}, so the ranks never average while training (only "
+              f"average comes after {sync.sync_every}, so the ranks never average while training (only "
               "validation evaluates their average); give a smaller period or more --steps", file=sys.stderr, flush=True)
     _small_model_note(cfg, wl.model, world)
     _check_guards(cfg)
@@ -411,11 +411,6 @@ def _check_fragments(cfg: TrainConfig, model) -> None:
     if cfg.sync_spec.fragments > tensors:
         raise ConfigError("sync.fragments", cfg.sync_spec.fragments, f"at most {tensors}, the model's trainable "
                           "parameter tensors", "A fragment holds whole parameter tensors.")
-
-
-def _first_average(sync) -> int:
-    """Local steps before a periodic mode's first average (streaming DiLoCo: its first fragment's)."""
-    return sync.period // sync.fragments if sync.mode == "diloco" and sync.streaming else sync.period
 
 
 def _small_model_note(cfg: TrainConfig, model, world: int | None) -> None:

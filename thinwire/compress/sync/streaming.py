@@ -59,7 +59,7 @@ class StreamingDiLoCo(LocalSGD):
             raise ConfigError("sync.fragments", spec.fragments, f"at most {len(params)}, the model's trainable "
                               "parameter tensors", "A fragment holds whole parameter tensors.")
         self.lr, self.mu, self.delay, self.alpha = spec.outer_lr, spec.outer_momentum, spec.delay, spec.alpha
-        self.every = spec.period // spec.fragments
+        self.every = spec.sync_every
         cap = int(bucket_mb * 2**20)
         self.fragments = [Buckets([params[i] for i in g], cap, [self.buckets.indices[i] for i in g])
                           for g in split_even([p.numel() for p in params], spec.fragments)]
