@@ -11,6 +11,9 @@
   (``model.drift_step=150``): the step at which each contender is back at its own pre-drift validation
   loss (the last evaluation before the drift, 0.5% tolerance). Asked: dynamic no later than periodic.
   (v2 drifted at 150 of 300: under the cosine schedule no contender got back within the run.)
+* ``drift_fine``: drift's final run against PyTorch's post-local SGD, decided before it ran (session 51):
+  validation every 5 steps, seeds 0-9, judged on the median over seeds of the paired difference (dynamic's
+  recovery step less PyTorch's): met if at most 0.
 * ``slowlink``: 4 hosts at 100 Mbit/s, one of them behind 5 Mbit/s (``examples/clusters/edge-one-slow.yaml``),
   a small digits model (8 channels, 32 hidden: 10k parameters, an edge device's model), iid data: gossip
   over the one-peer exponential graph (``gossip:topology=exp2``), compressed gossip (CHOCO-SGD with int8 on
@@ -75,6 +78,8 @@ SCENARIOS = {  # name: cluster spec, model options, partition, steps, global bat
                  contenders=[DYNAMIC, *DYNAMIC_SWEEP, PERIODIC, POSTLOCAL4, PERIODIC40]),
     "drift": dict(cluster="edge-8x20mbit", model={"drift_step": 150}, partition=SKEW, steps=600, batch=64,
                   eval_every=10, contenders=[DYNAMIC, PERIODIC, POSTLOCAL4]),
+    "drift_fine": dict(cluster="edge-8x20mbit", model={"drift_step": 150}, partition=SKEW, steps=600, batch=64,
+                       eval_every=5, contenders=[DYNAMIC, POSTLOCAL4]),
 }
 
 
@@ -207,6 +212,18 @@ def recovery_step(r: dict, drift_step: int) -> float:
     return next((s for _, loss, s in r["val_curve"] if s >= drift_step and loss <= pre * (1 + TOLERANCE)), math.inf)
 
 
+def paired_difference(pairs: list[tuple[float, float]]) -> float:
+    """The median over seeds of one contender's recovery step less the other's (a seed where only one got back
+    counts as -inf or +inf; where neither did, as 0).
+
+    >>> paired_difference([(260, 250), (240, 250), (250, 250)])
+    0
+    >>> paired_difference([(260, 250), (math.inf, 250), (240, 250)])
+    10
+    """
+    return med([0 if a == b else a - b for a, b in pairs])
+
+
 def slug(label: str) -> str:
     """A contender's folder name: its label's letters and digits, one per label.
 
@@ -241,8 +258,8 @@ def table(data: dict, name: str, seeds: list[int] | None = None) -> dict[str, di
                "consensus_mb": med([r["consensus_bytes_all_ranks"] / 1e6 for r in ok if "consensus_bytes_all_ranks" in r]),
                "step_ms": med([1e3 * r["mean_step_s"] for r in ok]),
                "n": len(ok)}
-        if name == "drift":
-            row["recovery"] = med([recovery_step(r, SCENARIOS["drift"]["model"]["drift_step"]) for r in ok])
+        if "drift_step" in SCENARIOS[name]["model"]:
+            row["recovery"] = med([recovery_step(r, SCENARIOS[name]["model"]["drift_step"]) for r in ok])
         if name == "slowlink":
             tt = [time_to_target(r, s["targets"][str(k)]) for k, r in zip(seeds, rs)
                   if r and "error" not in r and str(k) in s.get("targets", {})]
@@ -291,6 +308,19 @@ def verdicts(data: dict) -> list[str]:
                              f"{SCENARIOS['drift']['steps']}): dynamic back at its pre-drift loss at step "
                              f"{fmt(d['recovery'])}, {label} at step {fmt(p['recovery'])} (medians): "
                              f"**{verdict}** (asked: dynamic no later).")
+    if "drift_fine" in data["scenarios"]:
+        runs, ds = data["scenarios"]["drift_fine"]["runs"], SCENARIOS["drift_fine"]["model"]["drift_step"]
+        pairs = [(recovery_step(runs[f"{DYNAMIC[0]}@{k}"], ds), recovery_step(runs[f"{POSTLOCAL4[0]}@{k}"], ds))
+                 for k in scenario_seeds(data, "drift_fine")
+                 if all("error" not in runs.get(f"{lb}@{k}", {"error": ""}) for lb in (DYNAMIC[0], POSTLOCAL4[0]))]
+        if pairs:
+            diff = paired_difference(pairs)
+            lines.append(f"- **drift, final run** (validation every {SCENARIOS['drift_fine']['eval_every']} steps, "
+                         f"decided before it ran): dynamic back at its pre-drift loss at step "
+                         f"{fmt(med([d for d, _ in pairs]))}, {POSTLOCAL4[0]} at step {fmt(med([p for _, p in pairs]))} "
+                         f"(medians); dynamic's step less PyTorch's, median over the {len(pairs)} seeds both ran: "
+                         f"{fmt(diff) if math.isfinite(diff) else ('+' if diff > 0 else '-') + 'never'}: "
+                         f"**{'met' if diff <= 0 else 'not met'}** (asked: dynamic no later).")
     if "slowlink" in data["scenarios"]:
         t = table(data, "slowlink")
         others = {k: v for k, v in t.items() if not k.startswith("gossip") and v["n"]}  # not those skipped
@@ -336,7 +366,8 @@ def render(data: dict, out: Path) -> None:
                       "through; its payload is not counted (only the wire is).", ""]
             lines += ["Targets (DDP fp32 on 4 local workers, 300 steps, by seed): "
                       + ", ".join(f"seed {k}: {v:.4g}" for k, v in sorted(s.get("targets", {}).items())) + ".", ""]
-        extra = {"drift": " | back at pre-drift loss, step (per seed) | median step", "slowlink": " | time to target s (per seed) | median s"}.get(name, "")
+        back = " | back at pre-drift loss, step (per seed) | median step"
+        extra = {"drift": back, "drift_fine": back, "slowlink": " | time to target s (per seed) | median s"}.get(name, "")
         lines += ["| contender | final val loss (per seed) | median | val accuracy | MB payload, all ranks (per seed) | median"
                   " | MB validation's averages (median) | MB on the wire (median) | averages / checks | mean step ms" + extra + " |",
                   "|---|---|---:|---:|---|---:|---:|---:|---|---:|" + ("---|---:|" if extra else "")]
@@ -348,7 +379,7 @@ def render(data: dict, out: Path) -> None:
             cells = [label, per(lambda r: f"{r['final_val_loss']:.4f}"), f(row["loss"]), f(row["acc"], 3),
                      per(lambda r: f"{r['bytes_all_ranks'] / 1e6:.1f}" if "bytes_all_ranks" in r else "-"), f(row["mb"], 3),
                      f(row["consensus_mb"], 3), f(row["wire_mb"], 3), syncs, f(row["step_ms"], 3)]
-            if name == "drift":
+            if "drift_step" in sc["model"]:
                 ds = sc["model"]["drift_step"]
                 cells += [per(lambda r: f(float(recovery_step(r, ds)))), f(row["recovery"])]
             if name == "slowlink":
@@ -395,8 +426,8 @@ def plot(data: dict, path: Path) -> None:
             ax.set_xscale("log")
             ax.set_xlabel("MB sent, all ranks, whole run")
             ax.set_ylabel("final validation loss")
-        elif name == "drift":
-            ax.axvline(SCENARIOS["drift"]["model"]["drift_step"], color="grey", ls=":", label="drift")
+        elif "drift_step" in SCENARIOS[name]["model"]:
+            ax.axvline(SCENARIOS[name]["model"]["drift_step"], color="grey", ls=":", label="drift")
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss (log)")
             ax.set_yscale("log")

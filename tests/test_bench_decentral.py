@@ -69,3 +69,19 @@ def test_slowlink_verdict_compares_time_to_target():
     assert len(lines) == 4 and "gossip exp2 10 s" in lines[0] and all("**met**" in line for line in lines)
     runs[f"{labels[0]}@0"]["val_curve"] = [(5.0, 0.9, 5), (50.0, 0.6, 10)]   # never reaches the target
     assert "gossip exp2 never" in decentral.verdicts(data)[0] and "**not met**" in decentral.verdicts(data)[0]
+
+
+def test_drift_final_run_is_judged_on_paired_per_seed_differences(tmp_path):
+    data = {"seeds": [0, 1, 2], "commands": ["x"], "commits": ["abc"], "scenarios": {"drift_fine": {"runs": {}, "targets": {}}}}
+    runs = data["scenarios"]["drift_fine"]["runs"]
+    back = {0: (260, 255), 1: (240, 250), 2: (250, 250)}   # dynamic's recovery step, PyTorch's
+    for k, (d, p) in back.items():
+        runs[f"{decentral.DYNAMIC[0]}@{k}"] = _run([(145, 0.3), (150, 2.0), (d, 0.3)])
+        runs[f"{decentral.POSTLOCAL4[0]}@{k}"] = _run([(145, 0.3), (150, 2.0), (p, 0.3)])
+    (line,) = decentral.verdicts(data)
+    assert "median over the 3 seeds both ran: 0: **met**" in line and "at step 250, periodic" in line
+    runs[f"{decentral.DYNAMIC[0]}@2"] = _run([(145, 0.3), (150, 2.0), (600, 0.4)])   # never back: +inf
+    (line,) = decentral.verdicts(data)
+    assert "median over the 3 seeds both ran: 5: **not met**" in line
+    decentral.render(data, tmp_path)
+    assert "| dynamic (defaults) | 0.3000, 0.3000, 0.4000 |" in (tmp_path / "decentral.md").read_text()
