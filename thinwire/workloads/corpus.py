@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sysconfig
 from pathlib import Path
 
@@ -24,8 +25,13 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".yaml", ".y
 
 
 def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files (not what is installed into its site-packages), in an order fixed by
+    their paths' hashes. ``os.walk`` that skips the package folders: ``rglob`` walked them too (0.5 s per start)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
 
 

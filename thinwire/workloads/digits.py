@@ -13,7 +13,10 @@ differently). The validation curve then shows how fast training recovers its pre
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -67,16 +70,30 @@ class TensorPairs:
         return self.x[idx], self.y[idx]
 
 
+def load() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's ``load_digits()`` data and target, read from the file it ships (``digits.csv.gz``: 64 pixel
+    columns, then the label) without importing scikit-learn, which takes 1-2 s of every worker's start (it
+    imports SciPy); ``load_digits`` itself where the file is not where scikit-learn keeps it."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1], table[:, -1].astype(int)
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.data, bunch.target
+
+
 def build(cfg: DigitsConfig, data: str | None = None) -> Workload:
     if data is not None:
         from thinwire.errors import ThinwireError
 
         raise ThinwireError(f"data: the digits workload uses scikit-learn's bundled set and takes no data path, got {data!r}. Remove --data.")
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.long)
+    images, labels = load()
+    x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
     n_val = len(x) // 5
     val, train = perm[:n_val], perm[n_val:]
