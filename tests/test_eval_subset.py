@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from thinwire.workloads.base import eval_subset
+from thinwire.workloads.base import eval_part, eval_subset
 
 
 @pytest.mark.parametrize("n, batches, batch", [(10, 1, 4), (250_000, 20, 48), (359, 20, 64), (7, 0, 2), (5, 3, 1)])
@@ -18,6 +18,16 @@ def test_the_subset_is_the_same_at_every_world_size(n, batches, batch):
     for world in (1, 2, 3):
         parts = [subset[rank::world] for rank in range(world)]
         assert sorted(i for part in parts for i in part) == sorted(subset)
+
+
+@pytest.mark.parametrize("shares", [[4, 4], [3, 1], [10, 9, 9, 4], [1, 31], [2, 1, 1]])
+def test_ranks_validate_disjoint_parts_of_the_subset_in_proportion_to_their_shares(shares):
+    for n in (0, 1, 7, 64, 359):
+        parts = [eval_part(n, shares, rank) for rank in range(len(shares))]
+        assert sorted(i for part in parts for i in part) == list(range(n))   # each item once
+        for part, share in zip(parts, shares):   # equal shares: every p-th item; a plan's: by its share
+            assert abs(len(part) - n * share / sum(shares)) <= 1
+    assert eval_part(64, [1, 31], 0) == range(0, 2)   # a host given 1 of 32 validates 2 items, not 32 one by one
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ Every candidate is priced with the performance model (:mod:`thinwire.perf`), no 
 run's validation spread over the steps between validations (:func:`validation_s`), times the sample
 factor of the codecs the candidate sends with (``Problem.factors``, from the convergence guard; the
 largest over its buckets' codecs). With no factors (``--rank step``, or a profile without the guard)
-every factor is 1. Validation counts because the trainer splits it evenly over the plan's hosts: a plan
-on fewer hosts validates more items on each (denoise on two groups of two half-core hosts, 50 global
+every factor is 1. Validation counts because the trainer splits it over the plan's hosts (by their shares of
+the batch where those differ): a plan on fewer hosts validates more items on each (denoise on two groups of two half-core hosts, 50 global
 batches: 0.71 s per validation on 2 hosts, 0.34 s on 4; benchmarks/results/validation_cost.md).
 
 Scoring (:func:`score`) follows :func:`thinwire.perf.model.predict_step` but with per-host compute: bucket
@@ -208,15 +208,18 @@ def score(pb: Problem, lay: Layout) -> Scored:
 
 
 def validation_s(pb: Problem, lay: Layout) -> float:
-    """One validation's predicted seconds: as the trainer runs it (``train.loop._validate``), rank ``r`` of
-    ``p`` takes every p-th of ``pb.val_items`` items and forwards them its share at a time; the slowest
-    rank decides (the result is all-reduced). A forward is priced at the profile's data + forward phase
-    (``pre_s``, measured with autograd on: a slight over-estimate of a no-grad forward)."""
+    """One validation's predicted seconds: as the trainer runs it (``train.loop._validate``), each rank takes
+    its part of ``pb.val_items`` items (:func:`~thinwire.workloads.base.eval_part`: equal parts for equal
+    shares, else parts proportional to the shares) and forwards them its share at a time; the slowest rank
+    decides (the result is all-reduced). A forward is priced at the profile's data + forward phase (``pre_s``,
+    measured with autograd on: a slight over-estimate of a no-grad forward)."""
     if pb.val_items <= 0:
         return 0.0
-    p, worst = len(lay.hosts), 0.0
-    for r, (h, share) in enumerate(zip(lay.hosts, lay.shares)):
-        items = len(range(r, pb.val_items, p))
+    from thinwire.workloads.base import eval_part  # torch: only where validation is priced
+
+    worst, shares = 0.0, [max(1, s) for s in lay.shares]
+    for r, (h, share) in enumerate(zip(lay.hosts, shares)):
+        items = len(eval_part(pb.val_items, shares, r))
         if items == 0:
             continue
         full, last = divmod(items, share)

@@ -39,7 +39,7 @@ from thinwire.train.peers import PeerComm, PeerLocalSGD
 from thinwire.train.planned import PlannedRun
 from thinwire.train.progress import ProgressBar, console, summary_table
 from thinwire.train.timing import GradReadyClock
-from thinwire.workloads.base import GlobalSampler, collate, correct, eval_subset, even_shares
+from thinwire.workloads.base import GlobalSampler, collate, correct, eval_part, eval_subset, even_shares
 from thinwire.workloads.partition import ShardSampler, shards
 from thinwire.workloads.registry import build_workload, model_defaults
 
@@ -387,8 +387,9 @@ class Trainer:
         ``eval_s`` is the run's validation time so far, this one included (``wall_s`` minus it: training's)."""
         model, val = self._module(), self._sets(self.step)[1]
         model.eval()
-        slot, slots, per = self._eval_slot()
-        mine = eval_subset(len(val), self.cfg.eval_batches, self.batch)[slot::slots]
+        slot, shares = self._eval_slot()
+        subset, per = eval_subset(len(val), self.cfg.eval_batches, self.batch), shares[slot]
+        mine = [subset[i] for i in eval_part(len(subset), shares, slot)]
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         said = time.perf_counter()
         for i in range(0, len(mine), per):
@@ -414,9 +415,10 @@ class Trainer:
         """This rank's model (a pipeline rank's: its stage)."""
         return self.ddp.module
 
-    def _eval_slot(self) -> tuple[int, int, int]:
-        """(this rank's slot, the slots, items per forward): rank ``r`` of ``world`` validates every world-th item."""
-        return self.env.rank, self.env.world, max(1, self.shares[self.env.rank])
+    def _eval_slot(self) -> tuple[int, list[int]]:
+        """(this rank's slot, every slot's items per forward: its training share); which items each validates:
+        :func:`~thinwire.workloads.base.eval_part`."""
+        return self.env.rank, [max(1, s) for s in self.shares]
 
     def _eval_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         with self._autocast():

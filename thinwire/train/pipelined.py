@@ -194,8 +194,8 @@ class PipelineTrainer(Trainer):
     def _module(self) -> torch.nn.Module:
         return self.stage
 
-    def _eval_slot(self) -> tuple[int, int, int]:
-        return self.place.replica, self.layout.replicas, self.layout.replica_batch
+    def _eval_slot(self) -> tuple[int, list[int]]:
+        return self.place.replica, [self.layout.replica_batch] * self.layout.replicas
 
     def _eval_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         k, per = B.batch_len(x), self.layout.replica_batch

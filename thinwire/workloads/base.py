@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, Callable, Literal, Protocol
 
 import torch
@@ -123,6 +124,22 @@ def eval_subset(n: int, batches: int, global_batch: int) -> list[int]:
     if want >= n:
         return list(range(n))
     return [round(i * (n - 1) / (want - 1)) for i in range(want)] if want > 1 else [0]
+
+
+def eval_part(n: int, shares: Sequence[int], rank: int) -> range:
+    """Positions in a validation subset of ``n`` items that ``rank`` forwards, ``shares`` the items per forward
+    of every rank (their training shares). Equal shares: every p-th item from ``rank`` on. Unequal ones (a plan's
+    balanced shares): a contiguous run proportional to the rank's share, so every rank forwards about as many
+    chunks and a slow host given a small share validates few items (an equal split had a host with share 1
+    forward its 1/p of the items one at a time while the others waited).
+
+    >>> eval_part(10, [2, 2], 1), eval_part(10, [3, 1], 0), eval_part(10, [3, 1], 1)
+    (range(1, 10, 2), range(0, 8), range(8, 10))
+    """
+    if len(set(shares)) <= 1:
+        return range(rank, n, len(shares))
+    total, before = sum(shares), sum(shares[:rank])
+    return range(round(n * before / total), round(n * (before + shares[rank]) / total))
 
 
 class GlobalSampler:
