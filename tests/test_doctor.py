@@ -113,8 +113,14 @@ def test_with_the_guard_doctor_recommends_by_time_to_fp32s_loss(digits_profile):
 
     trials = {c: 1.0 for c in default_candidates()} | {"topk:ratio=0.01": 0.2, "int8": 0.5, "bf16": 0.45}
     records = {"topk:ratio=0.01": rec(0.20, 3.0), "int8": rec(0.004, 1.02), "bf16": rec(0.009, 1.3)}
+    unguarded = _report(5.0, digits_profile, trials)
+    assert {m["codec"] for m in unguarded["sync_modes"] if not m["sync"].startswith("gossip")} == {"topk:ratio=0.01"}
     r = apply_guard(_report(5.0, digits_profile, trials), records, "p.yaml")
     rows = {c["codec"]: c for c in r["codecs"]}
+    # the sync modes are priced with the codec the guard puts first, not with topk, which it left out
+    synced = [m for m in r["sync_modes"] if not m["sync"].startswith("gossip")]
+    assert {m["codec"] for m in synced} == {"int8"} and len(synced) == len(unguarded["sync_modes"]) - 2
+    assert [m["speedup"] for m in synced] != [m["speedup"] for m in unguarded["sync_modes"][:len(synced)]]
     assert rows["topk:ratio=0.01"]["speedup"] == pytest.approx(5.0) and rows["topk:ratio=0.01"]["time_speedup"] is None
     # bf16 steps faster than int8 (2.22x vs 2x) but needs 1.3x the samples: int8 is sooner to the target
     assert rows["int8"]["time_speedup"] == pytest.approx(2.0 / 1.02)
@@ -126,6 +132,7 @@ def test_with_the_guard_doctor_recommends_by_time_to_fp32s_loss(digits_profile):
     assert {c["codec"]: c["guard"] for c in canon["codecs"]} == {c["codec"]: c["guard"] for c in r["codecs"]}
     none_left = apply_guard(_report(5.0, digits_profile, trials), {"topk:ratio=0.01": rec(0.2, 3.0)}, "p.yaml")
     assert none_left["recommendation"]["action"] == "keep"  # no record is no promise
+    assert {m["codec"] for m in none_left["sync_modes"]} == {"none"}
 
 
 def test_doctor_refuses_a_guard_profile_of_another_workload(tmp_path):

@@ -34,6 +34,7 @@ performance model, the model checked against the DDP fp32 step it can be compare
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from thinwire.compress.schemes.switched import VIA, base_spec
@@ -86,24 +87,20 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
         model_speedup = base / calibrated(pr)
         measured = tried.get(c) if "none" in tried else None
         speedup = tried["none"] / measured if measured else model_speedup
+        # the sync modes price their steps from these (with this codec): kept, so the guard can price them again
+        parts = StepParts(allreduce_step_s=calibrated(pr), compute_s=pr.compute_s + pr.noise_s,
+                          comm_s=max(0.0, pr.comm_s + per_byte * pr.bytes_per_rank), codec_s=pr.codec_s,
+                          codec_steals_compute=steals, hosts=p)
         rows.append({"codec": c, "predicted_step_s": measured or ddp / speedup, "speedup": speedup,
                      "source": "trial" if measured else "model", "model_speedup": model_speedup,
                      "model_step_s": pr.step_s, "uncalibrated_speedup": pn.step_s / pr.step_s,
-                     "bytes_per_rank": pr.bytes_per_rank, "exposed_comm_s": pr.exposed_comm_s})
+                     "bytes_per_rank": pr.bytes_per_rank, "exposed_comm_s": pr.exposed_comm_s,
+                     "step_parts": dataclasses.asdict(parts)})
     rows.sort(key=lambda r: -r["speedup"])
     best = rows[0]
-    pb = preds[best["codec"]]
-    parts = StepParts(allreduce_step_s=calibrated(pb), compute_s=pb.compute_s + pb.noise_s,
-                      comm_s=max(0.0, pb.comm_s + per_byte * pb.bytes_per_rank), codec_s=pb.codec_s,
-                      codec_steals_compute=steals, hosts=p)
     # gossip sends fp32 parameters: priced from fp32's all-reduce
     fp32_parts = StepParts(allreduce_step_s=base, compute_s=pn.compute_s + pn.noise_s,
                            comm_s=max(0.0, pn.comm_s + unexplained), codec_s=0.0, codec_steals_compute=steals, hosts=p)
-    sync_rows = []
-    for text, codec, at in [*((t, best["codec"], parts) for t in SHOWN), *((t, "none", fp32_parts) for t in GOSSIP)]:
-        spec = parse_sync_spec(text)
-        step = kind(spec).step_s(spec, at)
-        sync_rows.append({"sync": text, "codec": codec, "speedup": base / step, "predicted_step_s": ddp * step / base})
     median_floor = statistics.median(floors)
     slow_hosts = [{"rank": i, "floor_s": f, "x_median": f / median_floor} for i, f in enumerate(floors)
                   if f > SLOW_HOST * median_floor]
@@ -115,11 +112,26 @@ def advise(*, ranks: list[dict], network: dict, pairs: list[dict], profile, per_
         "measured": {"ddp_fp32_step_s": ddp, "no_comm_step_s": max(floors), "comm_share": comm_share,
                      "per_rank": ranks, "allreduce": network, "pairs": pairs},
         "model": {"ddp_fp32_step_s": pn.step_s, "error_vs_measured": pn.step_s / ddp - 1, "speeds": speeds,
-                  "unexplained_comm_s": unexplained, "charged_per_byte_s": per_byte},
-        "codecs": rows, "sync_modes": sync_rows, "slow_hosts": slow_hosts, "slow_links": slow_links,
-        "recommendation": _recommend(worth, best, comm_share, job, cluster, sync_rows),
+                  "unexplained_comm_s": unexplained, "charged_per_byte_s": per_byte, "calibrated_fp32_step_s": base,
+                  "fp32_step_parts": dataclasses.asdict(fp32_parts)},
+        "codecs": rows, "sync_modes": [], "slow_hosts": slow_hosts, "slow_links": slow_links,
     }
+    report["sync_modes"] = sync_rows = _sync_rows(report, best)
+    report["recommendation"] = _recommend(worth, best, comm_share, job, cluster, sync_rows)
     return report
+
+
+def _sync_rows(report: dict, best: dict) -> list[dict]:
+    """Every shown sync mode priced with ``best``'s codec (the modes that average parameters through a codec),
+    gossip with fp32's parameters, from the parts the codec rows keep; speed-ups against calibrated DDP fp32."""
+    base, ddp = report["model"]["calibrated_fp32_step_s"], report["measured"]["ddp_fp32_step_s"]
+    parts, fp32_parts = StepParts(**best["step_parts"]), StepParts(**report["model"]["fp32_step_parts"])
+    rows = []
+    for text, codec, at in [*((t, best["codec"], parts) for t in SHOWN), *((t, "none", fp32_parts) for t in GOSSIP)]:
+        spec = parse_sync_spec(text)
+        step = kind(spec).step_s(spec, at)
+        rows.append({"sync": text, "codec": codec, "speedup": base / step, "predicted_step_s": ddp * step / base})
+    return rows
 
 
 def _commands(c: str, job: str, cluster: str | None) -> dict:
@@ -207,6 +219,10 @@ def apply_guard(report: dict, records: dict, source: str) -> dict:
     kept = sorted((row for row in report["codecs"] if row["time_speedup"] is not None), key=lambda r: -r["time_speedup"])
     out = [row["codec"] for row in report["codecs"] if row["time_speedup"] is None]
     best = kept[0]
+    # the sync modes priced again with the codec the guard puts first (a report written before the rows kept
+    # their parts keeps its sync rows as they were)
+    if "step_parts" in best:
+        report["sync_modes"] = _sync_rows(report, best)
     worth = best["codec"] != "none" and best["time_speedup"] >= WORTH
     comm_share = report["measured"]["comm_share"]
     left = (f" Left out by the guard: {', '.join(out)} (it says they do not reach fp32's loss within 1% at equal "
