@@ -268,6 +268,11 @@ def test_dynamic_never_averages_below_its_threshold_and_always_above_it():
     assert always[0]["sent"] == [0, 1 + 4 * numel] * 3
 
 
+def test_dynamic_on_one_worker_checks_nothing_and_reports_no_averages():
+    (one,) = run_ranks(_train, 1, "dynamic:threshold=1e-9,check_every=2", "none")
+    assert one["sent"] == [0] * STEPS and one["stats"] == {"checks": 0, "syncs": 0, "sync_rate": None}
+
+
 def _spread(rank: int, world: int, same: bool) -> dict:
     """Ranks move from a common anchor, each its own way (or all the same way): rule=spread's value
     against the exact spread around the ranks' mean, and rule=drift's own drift."""

@@ -58,7 +58,7 @@ def _train(rank: int, world: int, mode: str, codec: str, opt_name: str = "sgd") 
         opt.zero_grad(set_to_none=True)
         sent.append(sync.comm.wire.bytes_sent - before)
     sync.close()
-    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent}
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent, "stats": sync.stats()}
 
 
 def _sgd(w: dict, g: dict, lr: float = LR) -> dict:
