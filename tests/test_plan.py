@@ -206,6 +206,11 @@ def test_plan_from_another_cluster_is_refused(tmp_path):
     with pytest.raises(ThinwireError, match=r"was made for cluster 'plan-a-slow-cpu', not for this cluster "
                                             r"'plan-c-slow-link': a0: group default.* absent now"):
         load_plan(path, load_cluster_spec(EXAMPLES / "plan-c-slow-link.yaml"), "charlm", {})
+    # the fix makes a plan in a new file: a.yaml is a good plan for its own cluster
+    new = tmp_path / "a-plan-c-slow-link.yaml"
+    with pytest.raises(ThinwireError, match=f"in a new file \\(leaving {path} as it is\\): thinwire plan --cluster SPEC "
+                                            f"--workload charlm --out {new}, and train with --plan {new}\\.$"):
+        load_plan(path, load_cluster_spec(EXAMPLES / "plan-c-slow-link.yaml"), "charlm", {})
     changed = load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml")
     changed.hosts[3].cpu = 0.25
     with pytest.raises(ThinwireError, match=r"slow: group default, cpu 0.125.* in the plan, group default, cpu 0.25"):
@@ -219,6 +224,8 @@ def test_plan_from_another_workload_is_refused(tmp_path):
         load_plan(path, spec, "charlm", {"width": 256})
     with pytest.raises(ThinwireError, match=r"made for another workload: workload 'charlm', not 'digits'"):
         load_plan(path, spec, "digits", {})
+    with pytest.raises(ThinwireError, match=r"--out \S+/a-my-wl-make\.yaml, and train with --plan \S+/a-my-wl-make\.yaml"):
+        load_plan(path, spec, "my.wl:make", {})
     with pytest.raises(ConfigError, match=r"batch_size: must be the plan's global batch \(32\), got 64"):
         load_plan(path, spec, "charlm", {}, batch_size=64)
 

@@ -373,10 +373,16 @@ def load_plan(path: str | Path, spec, workload_name: str, model_options: dict, *
     """Read a plan and refuse it unless it was made for ``spec`` and this workload (and, if given,
     this global batch); the error names what differs."""
     plan = read_plan(path)
-    fix = f"Make a plan for this run: thinwire plan --cluster SPEC --workload {workload_name} --out {path}"
+
+    def fix(tag: str) -> str:  # into a file of its own: the plan refused is a good plan for its own cluster or model
+        p = Path(path)
+        new = p.with_name(f"{p.stem}-{''.join(c if c.isalnum() else '-' for c in tag)}{p.suffix or '.yaml'}")
+        return (f"Make a plan for this run in a new file (leaving {path} as it is): thinwire plan --cluster SPEC "
+                f"--workload {workload_name} --out {new}, and train with --plan {new}")
+
     if plan.cluster_fingerprint != cluster_fingerprint(spec):
         raise ThinwireError(f"plan: {path} was made for cluster {plan.cluster!r}, not for this cluster "
-                            f"{spec.name!r}: {_diff(plan.cluster_hosts, host_summary(spec))}. {fix}.")
+                            f"{spec.name!r}: {_diff(plan.cluster_hosts, host_summary(spec))}. {fix(spec.name)}.")
     if plan.workload_fingerprint != workload_fingerprint(workload_name, model_options) and \
             not same_model(plan, workload_name, model_options):
         mine = normalized_model(workload_name, model_options)
@@ -386,7 +392,7 @@ def load_plan(path: str | Path, spec, workload_name: str, model_options: dict, *
         theirs = {**{k: v for k, v in model_defaults(workload_name).items() if k in mine}, **plan.model}
         what = f"workload {plan.workload!r}, not {workload_name!r}" if plan.workload != workload_name else \
             "model options " + _diff(theirs, mine)
-        raise ThinwireError(f"plan: {path} was made for another workload: {what}. {fix}.")
+        raise ThinwireError(f"plan: {path} was made for another workload: {what}. {fix(workload_name)}.")
     if batch_size is not None and batch_size != plan.global_batch:
         raise ConfigError("batch_size", batch_size, f"the plan's global batch ({plan.global_batch})",
                           "Leave --batch-size out with --plan, or plan again with --batch-size.")
