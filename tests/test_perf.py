@@ -541,6 +541,23 @@ def test_simulate_says_where_train_would_refuse_the_batch(tmp_path, capsys, scal
         assert says in out and f"Give a --batch-size {fix}." in out
 
 
+def test_simulate_says_where_a_one_point_profile_prices_other_batches_in_proportion(tmp_path, capsys):
+    from thinwire.measure.file import load_profile
+    from thinwire.sim.inputs import one_point_note
+
+    one = [{"batch": 32, "pre_s": 0.05, "backward_s": 0.1, "post_s": 0.003, "std_s": 0.002}]
+    args = ["--cluster", ROOT / "examples/clusters/two-sites.yaml", "--hosts", "2,4", "--batch-size", 64,
+            "--scaling", "strong"]
+    assert _cli("simulate", "--profile", _profile_file(tmp_path, compute=one), *args, "--out", tmp_path / "a") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "one batch size (32 per host); 16 per host are priced in proportion to it" in out
+    assert "--batch-sizes 16,32" in out
+    assert _cli("simulate", "--profile", _profile_file(tmp_path), *args, "--out", tmp_path / "b") == 0
+    assert "one batch size" not in capsys.readouterr().out   # two points: a line
+    prof = load_profile(_profile_file(tmp_path, compute=one))
+    assert one_point_note(prof, [32, 32]) is None and "8, 16 per host" in one_point_note(prof, [8, 16, 32])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hosts", "0,2"], r"--hosts: must be comma-separated host counts >= 1.*got '0,2'"),
     (["--hosts", "two"], r"--hosts: must be comma-separated host counts.*got 'two'"),

@@ -101,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
     path = save_plan(plan, args.out)
     show(plan)
+    from thinwire.sim.inputs import one_point_note
+
+    shares = [x for d in (plan.chosen, *plan.alternatives) if d is not None for x in d.shares]
+    if note := one_point_note(profile, shares):
+        Console().print(f"[yellow]{note}[/yellow]")
     Console().print(f"wrote {path} (planned in {plan.planning['seconds'] * 1e3:.0f} ms, "
                     f"{plan.planning['candidates_scored']} candidates priced)")
     Console().print(f"run it: {run_command(args, model, path)}", highlight=False, soft_wrap=True)

@@ -120,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
             trainer_per_bucket_s=agg["trainer_per_bucket_s"], trainer_per_value_s=agg["trainer_per_value_s"]))
     path = save_profile(prof, args.out)
     _show(prof, path)
+    if len(set(sizes)) == 1:
+        Console(stderr=True).print(f"[yellow]one batch size measured ({sizes[0]} per rank): `plan` and `simulate` will "
+                                   "price every other one in proportion to it. Give two or more with --batch-sizes "
+                                   "for a line that holds a cost per step.[/yellow]")
     if foreign.cores > FOREIGN_WARN_CORES:
         Console(stderr=True).print(
             f"[yellow]Other processes used {foreign.cores:.1f} of this machine's {os.cpu_count()} cores on average "

@@ -182,6 +182,7 @@ def _profile(args, model: dict):
 
 def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     from thinwire.sim import output
+    from thinwire.sim.inputs import one_point_note
     from thinwire.sim.sweep import simulate
 
     t0 = time.perf_counter()
@@ -223,6 +224,8 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
             fix = f"a --batch-size that {k} divides, e.g. {_common_batch([own], k)}"
         console.print(f"[yellow]{what} (priced as such): `thinwire train` refuses a batch its workers cannot share "
                       f"equally. Give {fix}.[/yellow]")
+    if note := one_point_note(profile, [pt.batch_per_host for pt in points]):
+        console.print(f"[yellow]{note}[/yellow]")
     short = [h for h in spec.hosts if h.memory is not None and h.memory < own.memory.total]
     if short:  # the model prices time only: a host that cannot hold a rank would refuse the run
         console.print(f"[yellow]{', '.join(f'{h.name} ({h.memory / 2**20:.0f} MiB)' for h in short)}: below the "

@@ -154,6 +154,21 @@ def compute_at(profile: Profile, batch: float) -> Compute:
     return compute_line(profile, batch)
 
 
+def one_point_note(profile: Profile, batches) -> str | None:
+    """Where the profile measured compute at one batch size and ``batches`` (per host) holds others: a note that
+    they are priced in proportion to it (:func:`compute_line` through one point: no cost per step that does not
+    grow with the batch, so a smaller share looks that much faster), and how to measure a line; else None."""
+    sizes = {c.batch for c in profile.compute}
+    others = sorted({b for b in batches if b not in sizes})
+    if len(sizes) != 1 or not others:
+        return None
+    (b,) = sizes
+    more = sorted({b, *(max(1, round(x)) for x in (others[0], others[-1]))})
+    return (f"the profile measured compute at one batch size ({b:g} per host); {', '.join(f'{x:g}' for x in others)} "
+            "per host are priced in proportion to it, leaving out any cost per step that does not grow with the batch. "
+            f"Profile with --batch-sizes {','.join(f'{x:g}' for x in more)} to price them from a line.")
+
+
 def compute_line(profile: Profile, batch: float) -> Compute:
     """Phases at ``batch`` on the line through every measured point (:func:`thinwire.perf.fit.monotone_line`:
     a host never looks faster with more samples); clip + optimizer and the noise do not depend on the
