@@ -308,6 +308,20 @@ def test_cli_writes_and_prints_a_plan(tmp_path, capsys):
             "--batch-size 32") in " ".join(text.split())
 
 
+def test_cli_builds_the_workload_once(tmp_path, monkeypatch):
+    """For the default batch and to check the profile against the model: one build (a user's workload may load its
+    data there)."""
+    from thinwire.cli.main import main
+    from thinwire.workloads import registry
+
+    calls, real = [], registry.build_workload
+    monkeypatch.setattr(registry, "build_workload", lambda *a, **k: calls.append(a) or real(*a, **k))
+    prof = save_profile(profile(), tmp_path / "p.yaml")
+    rc = main(["plan", "--cluster", str(EXAMPLES / "plan-a-slow-cpu.yaml"), "--workload", "charlm", "--profile",
+               str(prof), "--codecs", "bf16", "--out", str(tmp_path / "plan.yaml")])
+    assert rc == 0 and len(calls) == 1
+
+
 def test_cli_refusals_exit_non_zero(tmp_path, capsys):
     from thinwire.cli.main import main
 

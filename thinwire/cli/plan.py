@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 from rich.console import Console
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.cluster.spec import load_cluster_spec
     from thinwire.plan.planfile import save_plan
     from thinwire.plan.planner import PlanOptions, make_plan
-    from thinwire.workloads.registry import check_workload_name
+    from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_writable(args.out, "--out", folder=False, inputs={"--cluster": args.cluster, "--profile": args.profile},
                    kind=("plan", ("version", "cluster", "workload", "executable")))
@@ -86,18 +87,18 @@ def run(args: argparse.Namespace) -> int:
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)
     codecs = codec_list(args.codecs)
+    built = functools.cache(lambda: build_workload(args.workload, model, args.data))  # built once, if at all
     if args.pipeline and not args.profile:  # before minutes of profiling: a model without a layer list is refused
         from thinwire.pipeline.stages import layer_list
-        from thinwire.workloads.registry import build_workload
 
-        wl = build_workload(args.workload, model, args.data)
-        layer_list(wl.model, wl.layers, args.workload)
+        layer_list(built().model, built().layers, args.workload)
     check(args.batch_size is None or args.batch_size >= 1, "--batch-size", args.batch_size, "an integer >= 1")
-    batch = args.batch_size or _default_batch(args, model)
+    batch = args.batch_size or built().batch_size
     opts = PlanOptions(batch_size=batch, codecs=codecs, threads=args.threads, colocated_cores=args.colocated,
                        device=args.device, mfu=args.mfu, keep=args.keep, max_error=args.max_error, rank=args.rank,
                        pipeline=args.pipeline, eval_every=args.eval_every, eval_batches=args.eval_batches)
-    profile = _profile(args, model, batch, len(spec.hosts), codecs, guard=args.rank == "time" and not args.pipeline)
+    profile = _profile(args, model, batch, len(spec.hosts), codecs, guard=args.rank == "time" and not args.pipeline,
+                       built=built)
     plan = make_plan(spec, profile, workload=args.workload, model=model, options=opts)
     path = save_plan(plan, args.out)
     show(plan)
@@ -124,21 +125,15 @@ def run_command(args: argparse.Namespace, model: dict, path) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _default_batch(args, model: dict) -> int:
-    from thinwire.workloads.registry import build_workload
-
-    return build_workload(args.workload, model, args.data).batch_size
-
-
-def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...], guard: bool):
+def _profile(args, model: dict, batch: int, hosts: int, codecs: tuple[str, ...], guard: bool, built):
+    """``built()``: the workload (built once)."""
     from thinwire.measure.file import load_profile
 
     if args.profile:
         from thinwire.sim.inputs import check_profile_matches
-        from thinwire.workloads.registry import build_workload
 
         profile = load_profile(args.profile)
-        wl = build_workload(args.workload, model, args.data)  # the model it builds now, against the one measured
+        wl = built()  # the model it builds now, against the one measured
         check_profile_matches(profile, args.workload, model, parameters=sum(p.numel() for p in wl.model.parameters()),
                               what="the plan")
         return profile
