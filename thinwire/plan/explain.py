@@ -129,8 +129,8 @@ def _left_out_line(pb: Problem, c: Scored) -> str | None:
         return (f"Leaving out {reasons}: {keeping} is predicted at {_ms(alt.step_s)} per step, "
                 f"{_ms(alt.step_s - c.step_s)} slower ({'; '.join(why)}).")
     # its steps are not slower: what it costs is elsewhere (its share of each validation, a codec's samples)
-    where = ("its share of each validation, split over the hosts by their shares of the batch" if alt.val_per_step_s > c.val_per_step_s
-             else "the samples its codecs need")
+    where = ("its share of each validation, split over the hosts by their shares of the batch"
+             if alt.val_per_step_s > c.val_per_step_s else "the samples its codecs need")
     return (f"Leaving out {reasons}: {keeping} steps in {_ms(alt.step_s)}, {_ms(c.step_s - alt.step_s)} faster, but "
             f"costs more in {where}: {_ms(alt.time_s)} against {_ms(c.time_s)} per fp32-equivalent step, "
             "validation included.")
@@ -203,8 +203,9 @@ def _validation_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str | 
     than = (f" (uniform DDP over {len(fp32.layout.hosts)} hosts: {_ms(fp32.val_s)})"
             if fp32 is not None and fp32.layout.hosts != chosen.layout.hosts else "")
     return (f"Validation: {pb.val_items} items every {pb.eval_every} steps, split over the {len(chosen.layout.hosts)} "
-            f"hosts by their shares of the batch, predicted at {_ms(chosen.val_s)} each{than}, {_ms(chosen.val_per_step_s)} per step spread over "
-            "the steps between validations; counted in the time to target (--eval-every 0 leaves it out).")
+            f"hosts by their shares of the batch, predicted at {_ms(chosen.val_s)} each{than}, "
+            f"{_ms(chosen.val_per_step_s)} per step spread over the steps between validations; counted in the time to "
+            "target (--eval-every 0 leaves it out).")
 
 
 def _ranking_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str:

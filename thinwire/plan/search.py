@@ -26,8 +26,9 @@ run's validation spread over the steps between validations (:func:`validation_s`
 factor of the codecs the candidate sends with (``Problem.factors``, from the convergence guard; the
 largest over its buckets' codecs). With no factors (``--rank step``, or a profile without the guard)
 every factor is 1. Validation counts because the trainer splits it over the plan's hosts (by their shares of
-the batch where those differ): a plan on fewer hosts validates more items on each (denoise on two groups of two half-core hosts, 50 global
-batches: 0.71 s per validation on 2 hosts, 0.34 s on 4; benchmarks/results/validation_cost.md).
+the batch where those differ): a plan on fewer hosts validates more items on each (denoise on two groups of
+two half-core hosts, 50 global batches: 0.71 s per validation on 2 hosts, 0.34 s on 4;
+benchmarks/results/validation_cost.md).
 
 Scoring (:func:`score`) follows :func:`thinwire.perf.model.predict_step` but with per-host compute: bucket
 ``i`` is ready when its gradient is ready on the *last* host, ``max_h(pre_h + f_i * backward_h)``;
