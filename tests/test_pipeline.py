@@ -324,6 +324,8 @@ SMALL = ["--set", "model.layers=2", "--set", "model.width=32", "--set", "model.h
      r"pipeline: tests.test_pipeline:layers_raise's layers\(model\) raised RuntimeError: my layers function broke"),
     (["--nproc", "2", "--workload", "tests.test_pipeline:layers_not_module", "--pipeline", "gpipe"],
      r"layers\(model\)\[1\] must be a \(name, nn.Module\) pair, got int"),
+    (["--nproc", "2", "--workload", "tests.test_pipeline:dict_between", "--pipeline", "gpipe"],
+     r"pipeline: layer 0 \(0\) ends a stage and outputs dict; what goes from one stage to the next must be a tensor"),
 ])
 def test_train_refuses_a_bad_pipeline_before_anything_starts(tmp_path, args, match):
     out = tmp_path / "run"
@@ -346,6 +348,21 @@ def _toy(model):
 def odd_width():
     """A user workload whose first stage outputs 15 values per row: no int8 link for it."""
     return _toy(nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 2)))
+
+
+class _ToDict(nn.Module):
+    def forward(self, x):
+        return {"h": x}
+
+
+class _FromDict(nn.Linear):
+    def forward(self, d):
+        return super().forward(d["h"])
+
+
+def dict_between():
+    """A user workload whose first stage outputs a dict, which torch's pipeline runtime cannot send."""
+    return _toy(nn.Sequential(_ToDict(), _FromDict(16, 2)))
 
 
 def parameter_free_tail():
@@ -391,6 +408,66 @@ def _val_losses(out) -> list[float]:
 
 
 @pytest.mark.slow
+class _Front(nn.Module):
+    """A first stage that hands on a hidden layer and an integer mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)), (x > 0).long()
+
+
+class _Back(nn.Module):
+    """A last stage with a BatchNorm, an embedding of the mask, and the first stage's weight (tied: its bias, also
+    held here, gets no gradient on this stage)."""
+
+    def __init__(self, front: _Front) -> None:
+        super().__init__()
+        self.front, self.bn, self.emb = front, nn.BatchNorm1d(16), nn.Embedding(2, 16)
+
+    def forward(self, h, mask):
+        z = self.bn(h) + self.emb(mask).mean(1)
+        return (z @ self.front.lin.weight)[:, :2]
+
+
+def probed_stages():
+    """A user workload whose second stage torch's shape inference ran on torch.empty tensors: its BatchNorm's
+    running statistics took in that memory, its embedding indexed out of range."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.front = _Front()
+            self.back = _Back(self.front)
+
+        def forward(self, x):
+            return self.back(*self.front(x))
+
+    torch.manual_seed(0)
+    wl = _toy(Net())
+    return dataclasses.replace(wl, batch_size=16, steps=6, lr=1e-2,
+                               layers=lambda m: [("front", m.front), ("back", m.back)])
+
+
+def test_a_stage_trains_as_in_one_process_whatever_shape_inference_fed_it(tmp_path):
+    """One micro-batch per step: a BatchNorm sees the batch one process does, so the runs must agree. torch's
+    shape inference fed the second stage torch.empty tensors: its BatchNorm's running statistics went to 1e34 (the
+    validation stuck at chance), its integer input indexed out of range (IndexError), and the tied weight's bias,
+    unused there, had no gradient to all-reduce (TypeError)."""
+    common = ["--workload", "tests.test_pipeline:probed_stages", "--eval-every", "3"]
+    one = thinwire("train", *common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    piped = thinwire("train", *common, "--nproc", "2", "--pipeline", "gpipe:microbatches=1", "--out", str(tmp_path / "p"))
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    losses = [json.loads((tmp_path / o / "summary.json").read_text())["val_loss"] for o in ("one", "p")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4), losses
+    # a BatchNorm given one sample per micro-batch: one line that says what to change, no traceback
+    r = thinwire("train", *common, "--nproc", "2", "--pipeline", "gpipe:microbatches=16", "--out", str(tmp_path / "m"))
+    assert r.returncode == 2 and "a BatchNorm got a micro-batch of one sample" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_a_stage_without_parameters_trains_and_resumes(tmp_path):
     """The planner may give a slow host a stage of one activation layer: its optimizer had nothing to step
     ("optimizer got an empty parameter list") and the job died."""

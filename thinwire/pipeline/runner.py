@@ -50,13 +50,52 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 
 @contextlib.contextmanager
 def _our_errors():
-    """A thinwire error raised inside a stage (the schedule wraps it in a RuntimeError) comes out as itself."""
+    """A thinwire error raised inside a stage (the schedule wraps it in a RuntimeError) comes out as itself; a
+    BatchNorm given one sample per micro-batch says what to change."""
     try:
         yield
     except RuntimeError as e:
         if isinstance(e.__cause__, ThinwireError):
             raise e.__cause__ from None
         raise
+    except ValueError as e:
+        if "Expected more than 1 value per channel when training" in str(e):
+            raise ThinwireError("pipeline: a BatchNorm got a micro-batch of one sample, from which it cannot take "
+                                "statistics in training. Use fewer micro-batches (pipeline microbatches=M) or a larger "
+                                "--batch-size.") from None
+        raise
+
+
+class Stage(PipelineStage):
+    """torch's :class:`PipelineStage`, whose shape inference leaves no trace. Without example tensors the runtime
+    infers each stage's output shapes by running the stage (at its first step, and again at each switch between
+    training and evaluation) on tensors made from the previous stage's metadata with ``torch.empty``, in the
+    stage's training mode: a BatchNorm's running statistics then took in whatever that memory held (seen: 3e37,
+    and infinite running variances), and an integer input indexed out of range. Here those tensors are zeros, and
+    the stage's buffers are put back once the probe is over (its backward too, which reads them); the runtime
+    already keeps the random state apart."""
+
+    _probed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _to_tensor(self, arg):
+        t = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):  # made from metadata: torch.empty
+            with torch.no_grad():
+                t.zero_()
+        return t
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        if self._probed is None:
+            self._probed = [(b, b.detach().clone()) for b in self.submod.buffers()]
+        return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        if self._probed is not None:
+            with torch.no_grad():
+                for b, value in self._probed:
+                    b.copy_(value)
+            self._probed = None
 
 
 @dataclasses.dataclass
@@ -134,10 +173,10 @@ class PipelineRank:
         ``stage + stages``, ...)."""
         self.stage_index, self.stages, self.ties = stage, stages, ties
         if virtual > 1:
-            self.pipeline_stages = [PipelineStage(m, stage + v * stages, stages * virtual, device, group=group)
+            self.pipeline_stages = [Stage(m, stage + v * stages, stages * virtual, device, group=group)
                                     for v, m in enumerate(submod.stages)]
         else:
-            self.pipeline_stages = [PipelineStage(submod, stage, stages, device, group=group)]
+            self.pipeline_stages = [Stage(submod, stage, stages, device, group=group)]
         # gradients divided by M here, once per tensor: torch's multi-stage runtime divides each stage's at its
         # last backward, so a tensor two of this rank's stages share (a tied weight) was divided twice, and
         # what the second stage added after the first one's division not as often
@@ -165,6 +204,8 @@ class PipelineRank:
             if p.grad is not None:
                 p.grad.div_(self.microbatches)
         for tie in self.ties:
+            if tie.param.grad is None:  # a stage holds the shared tensor, but nothing it computed used it
+                tie.param.grad = torch.zeros_like(tie.param)
             dist.all_reduce(tie.param.grad, group=tie.group)
         return torch.stack(losses).mean().detach() if self.last else None
 

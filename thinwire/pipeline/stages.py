@@ -157,6 +157,11 @@ def _check_chain(layers: list[Layer], x, runs: list[list[int]], links: list[str]
                                 f"({type(e).__name__}: {str(e)[:200]}). A workload's layers(model) lists modules in "
                                 "forward order, the first taking the batch's x, each next one the previous one's "
                                 "output.") from None
+        if i in ends and not (torch.is_tensor(x) or (isinstance(x, tuple) and x and all(map(torch.is_tensor, x)))):
+            raise ThinwireError(f"pipeline: layer {i} ({layer.name}) ends a stage and outputs {type(x).__name__}; what "
+                                "goes from one stage to the next must be a tensor or a tuple of tensors (the next "
+                                "layer takes a tuple's tensors as its arguments). Return those, or cut elsewhere "
+                                "(pipeline layers=A/B/..).")
         fmt = links[ends[i]] if i in ends else "fp32"
         if fmt != "fp32" and (not torch.is_tensor(x) or not x.is_floating_point()):
             raise ThinwireError(f"pipeline.activations: {fmt} on the link after layer {layer.name} needs one "
