@@ -126,6 +126,8 @@ def test_digits_two_workers_reach_95_percent(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 300
     assert summary["val_accuracy"] >= 0.95
+    # the values the run used, the workload's defaults where the command left them out (lr was null)
+    assert (summary["config"]["steps"], summary["config"]["batch_size"], summary["config"]["lr"]) == (300, 64, 2e-3)
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_time_s" in r]
     assert len(steps) == 300

@@ -57,6 +57,7 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     from thinwire.commspec import check_sync_pairing
     from thinwire.syncspec import parse_sync_spec
 
+    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     from thinwire.syncspec import SyncSpec
@@ -70,6 +71,9 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     if not isinstance(codec, (str, CodecSpec, AutoSpec, TorchSpec)):
         raise TypeError(f"thinwire.sync: codec must be a spec string such as 'none', 'int8' or 'powersgd:rank=4' (see "
                         f"`thinwire codecs`), got {codec!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"thinwire.sync: optimizer must be the torch.optim.Optimizer the loop steps (or None), got "
+                        f"{type(optimizer).__name__} {optimizer!r:.60}")
     unknown = sorted(set(kwargs) - set(SYNC_OPTIONS))
     if unknown:
         import difflib

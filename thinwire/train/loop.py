@@ -758,7 +758,8 @@ class Trainer:
             "precision": self.cfg.precision, "restarts": self.restarts, "lr_horizon": self.horizon,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
-            "workload_info": self.wl.info, "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch},
+            "workload_info": self.wl.info,
+            "config": {**to_dict(self.cfg), "steps": self.steps, "batch_size": self.batch, "lr": self.lr},
             **({"offload": self.offload} if self.offload else {}),
             **self._summary_extra(),
         }
