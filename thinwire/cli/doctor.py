@@ -162,9 +162,10 @@ def show(r: dict, *, as_json: bool = False) -> None:
         con.print(f"link rank {q['a']} <-> rank {q['b']}: {q['bps'] / 1e6:.0f} Mbit/s, under half the median pair's")
     guarded = bool(r.get("guard"))
     tried = any(c["source"] == "trial" for c in r["codecs"])  # none's trial is fp32 through thinwire's hook, not DDP's
-    t = Table(title="codecs" + (", tried for a few steps each through thinwire's hook (none: fp32 through it, the "
-                                "speed-ups' base)" if tried else ", priced by the model") + (f"; loss by the convergence guard of {r['guard']}" if guarded
-                                                            else " (loss at equal samples not measured here)"))
+    how = (", tried for a few steps each through thinwire's hook (none: fp32 through it, the speed-ups' base)"
+           if tried else ", priced by the model")
+    loss = f"; loss by the convergence guard of {r['guard']}" if guarded else " (loss at equal samples not measured here)"
+    t = Table(title="codecs" + how + loss)
     for col in ("codec", "step", "speed-up", "model's", "MB per rank", *(("guard", "to fp32's loss") if guarded else ())):
         t.add_column(col, justify="right" if col != "codec" else "left")
     for c in r["codecs"]:
