@@ -403,6 +403,37 @@ def test_a_closed_state_refuses_to_average_instead_of_hanging(how):
         assert "thinwire state was closed" in r
 
 
+def _saved_at_another_world(rank, world):
+    import logging
+
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("thinwire.compress").addHandler(handler)
+    model = DDP(nn.Linear(8, 8))
+    state = thinwire.attach(model, "int8", min_compress_bytes=0)
+    model(torch.randn(2, 8)).sum().backward()
+    sd = state.state_dict()
+    state.load_state_dict(sd)                        # this job's own: its residuals
+    kept = {k: v.clone() for k, v in state.feedback.state_dict()["params"].items()}
+    state.load_state_dict({**sd, "world": 3})        # saved by 3 ranks: not this rank's residuals
+    out = {"world": sd["world"], "kept": len(kept), "after": len(state.feedback.state_dict()["params"]),
+           "said": [r.getMessage() for r in records]}
+    state.close()
+    return out
+
+
+def test_a_state_saved_at_another_world_size_leaves_its_residuals_out_and_says_so():
+    """Each residual is what one rank's own sends left behind: a 2-rank job's loaded into a 3-rank one without a
+    word (a user's loop that saves and loads state_dict() per rank)."""
+    (r,) = run_ranks(_saved_at_another_world, 1)
+    assert r["world"] == 1 and r["kept"] > 0 and r["after"] == 0
+    assert any("saved by a job of 3 ranks, this one has 1: error-feedback residuals start empty" in m for m in r["said"])
+
+
 @pytest.mark.parametrize("bad, match", [(None, "got NoneType"), ({"foo": 1}, r"got a dict with keys \['foo'\]")])
 def test_loading_something_else_than_a_hook_state_says_what_it_takes(bad, match):
     from thinwire.compress.hook import CommState, StaticPolicy

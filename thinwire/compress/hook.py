@@ -317,6 +317,7 @@ class CommState:
             "layouts": {str(i): [list(pair) for pair in layout] for i, layout in self.layouts.items()},
             "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls,
                          "counts": dict(self.counts)},
+            "world": self.wire.world,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -325,8 +326,12 @@ class CommState:
             raise ValueError(f"CommState.load_state_dict takes what CommState.state_dict() returned (a dict with "
                              f"step, residuals, counters, ...), got {what}; save state.state_dict() with the model's")
         self.step = int(sd["step"])
+        world = sd.get("world", self.wire.world)  # states from before it was kept: as this job's
+        if world != self.wire.world:
+            log.warning("this state was saved by a job of %d ranks, this one has %d: error-feedback residuals start "
+                        "empty (each is what one rank's own sends left behind)", world, self.wire.world)
         if self.feedback is not None:
-            self.feedback.load_state_dict(sd.get("residuals", {}))
+            self.feedback.load_state_dict(sd.get("residuals", {}) if world == self.wire.world else {})
         self.extra = {k: v.clone() for k, v in sd.get("extra", {}).items()}
         self.policy.load_state_dict(sd.get("policy_state") or {})  # older checkpoints have none
         self.resumed = {int(i): tuple((int(a), int(b)) for a, b in layout) for i, layout in sd.get("layouts", {}).items()}
