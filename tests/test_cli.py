@@ -264,3 +264,11 @@ def test_a_default_profile_measures_every_codec_that_plan_auto_and_doctor_try_by
     measured = canon(default_profile_codecs())
     assert set(canon(default_candidates())) <= set(measured) and set(canon(REGISTRY.names())) <= set(measured)
     assert len(measured) == len(set(measured))  # none twice
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["train", "--steps", "many"], ["nonsense"]])
+def test_help_and_a_mistyped_command_line_answer_before_torch_is_loaded(argv):
+    code = ("import sys\nfrom thinwire.cli.main import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stdout + done.stderr

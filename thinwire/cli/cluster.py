@@ -13,6 +13,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from thinwire.cli.common import COMMANDS
 from thinwire.cluster.bench import bench, busy_latency, switch_bench
 from thinwire.cluster.emulator import AGGREGATOR_GROUP, EmulatedCluster
 from thinwire.cluster.spec import load_cluster_spec, parse_size
@@ -21,7 +22,7 @@ from thinwire.errors import ThinwireError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``cluster`` and its subcommands; each sets ``func(args) -> int``."""
-    p = subparsers.add_parser("cluster", help="emulate a cluster on this machine (namespaces, tc, cgroups; root)",
+    p = subparsers.add_parser("cluster", help=COMMANDS["cluster"],
                               description="Emulate a cluster spec on this machine: a network namespace, "
                               "shaped links and a cgroup per host. Needs root.")
     sub = p.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")

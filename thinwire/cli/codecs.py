@@ -3,9 +3,11 @@ allowed ranges, ``auto`` and PyTorch's own hooks."""
 
 from __future__ import annotations
 
+from thinwire.cli.common import COMMANDS
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("codecs", help="list every form of --compression: codecs and their parameters, auto, torch:*")
+    p = sub.add_parser("codecs", help=COMMANDS["codecs"])
     p.set_defaults(func=run)
 
 

@@ -5,6 +5,19 @@ from __future__ import annotations
 
 from thinwire.config import check
 
+# every subcommand and its line in `thinwire --help`: main builds the chosen one's parser only (its module may
+# import torch), the others from this table
+COMMANDS = {
+    "train": "train a workload: data-parallel with a codec and a sync mode, or pipelined",
+    "report": "plot loss vs step and wall-clock, and the step-time breakdown",
+    "codecs": "list every form of --compression: codecs and their parameters, auto, torch:*",
+    "cluster": "emulate a cluster on this machine (namespaces, tc, cgroups; root)",
+    "profile": "measure compute, codec and network costs for the simulator",
+    "simulate": "predict step time, scaling and energy before running",
+    "plan": "plan batch shares, hosts, grouping and codecs for a cluster, and explain why",
+    "doctor": "what the network costs this job and what would help, in about a minute",
+}
+
 
 def add_workload_args(p, *, from_profile: bool = False) -> None:
     p.add_argument("--workload", help="charlm, digits, or package.module:function (default: "

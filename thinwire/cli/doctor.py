@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args
+from thinwire.cli.common import COMMANDS, add_workload_args
 from thinwire.config import check_writable
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import gap_text
@@ -26,7 +26,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="what the network costs this job and what would help, in about a minute",
+    p = sub.add_parser("doctor", help=COMMANDS["doctor"],
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
     p.add_argument("--batch-size", type=int, help="global batch (default: the workload's)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import logging
 import sys
 
@@ -12,17 +11,21 @@ from thinwire.errors import ThinwireError
 from thinwire.signals import Stopped, deferred, signum_of, stop_signals_raise
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from thinwire.cli import report, train
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; only the subcommand ``argv`` names gets its full parser (its module may import torch),
+    every other one its line of ``thinwire --help``, so help and mistyped flags answer at once."""
+    from thinwire.cli.common import COMMANDS
 
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    chosen = words[0] if words else None
     parser = argparse.ArgumentParser(prog="thinwire", description="thinwire: data-parallel "
                                      "PyTorch training over slow, uneven links and on small devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train.add_parser(sub)
-    report.add_parser(sub)
-    for name in ("codecs", "cluster", "profile", "simulate", "plan", "doctor", "bench"):
-        if importlib.util.find_spec(f"thinwire.cli.{name}") is not None:  # subcommands still being built
+    for name, help_ in COMMANDS.items():
+        if name == chosen:
             importlib.import_module(f"thinwire.cli.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_)
     return parser
 
 
@@ -36,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop_signals_raise():  # SIGTERM and SIGHUP unwind through every cleanup, as Ctrl-C does
             with deferred():  # a stop signal during torch's import is raised once it is done, see below
+                parser = build_parser(argv)
+            args = parser.parse_args(argv)  # --help and a mistyped flag answer here, before torch is loaded
+            with deferred():
                 import torch  # noqa: F401
-            args = build_parser().parse_args(argv)
             return int(args.func(args) or 0)
     except ThinwireError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)

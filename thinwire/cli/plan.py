@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, split_codecs, workload_of
+from thinwire.cli.common import COMMANDS, add_workload_args, split_codecs, workload_of
 from thinwire.compress.spec import default_candidates
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
@@ -28,7 +28,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="plan batch shares, hosts, grouping and codecs for a cluster, and explain why",
+    p = sub.add_parser("plan", help=COMMANDS["plan"],
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML (the one the emulator and simulator read)")
     add_workload_args(p, from_profile=True)

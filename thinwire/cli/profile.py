@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, model_options, split_codecs
+from thinwire.cli.common import COMMANDS, add_workload_args, model_options, split_codecs
 from thinwire.compress.spec import REGISTRY, default_candidates, parse_codec_spec, spec_string
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
@@ -26,7 +26,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="measure compute, codec and network costs for the simulator",
+    p = sub.add_parser("profile", help=COMMANDS["profile"],
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
     p.add_argument("--batch-size", type=int, help="global batch: measures per-rank batches B, B/2, B/4")

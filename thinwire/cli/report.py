@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from thinwire.cli.common import COMMANDS
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="plot loss vs step and wall-clock, and the step-time breakdown")
+    p = sub.add_parser("report", help=COMMANDS["report"])
     p.add_argument("runs", nargs="+", help="run folders (each with metrics.jsonl)")
     p.add_argument("--out", help="folder for the PNGs (default: the first run's folder)")
     p.set_defaults(func=run)

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.common import add_workload_args, workload_of
+from thinwire.cli.common import COMMANDS, add_workload_args, workload_of
 from thinwire.config import check, check_outputs, check_writable, mark_outputs, new_folder
 from thinwire.errors import ConfigError
 
@@ -23,7 +23,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="predict step time, scaling and energy before running",
+    p = sub.add_parser("simulate", help=COMMANDS["simulate"],
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", required=True, help="cluster spec YAML")
     add_workload_args(p, from_profile=True)

@@ -12,9 +12,9 @@ import re
 import sys
 from pathlib import Path
 
+from thinwire.cli.common import COMMANDS
 from thinwire.config import check_writable
 from thinwire.errors import ConfigError, ThinwireError
-from thinwire.train import checkpoint as ckpt
 from thinwire.train import runfolder
 from thinwire.train.config import TrainConfig, load_train_config, save_config
 
@@ -35,7 +35,7 @@ multi-node (run on every node; rank 0 writes the run folder):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a workload: data-parallel with a codec and a sync mode, or pipelined",
+    p = sub.add_parser("train", help=COMMANDS["train"],
                        epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of TrainConfig fields (flags override it)")
@@ -94,6 +94,7 @@ FLAGS = ("workload", "data", "steps", "batch_size", "lr", "reschedule", "nproc",
 
 
 def run(args: argparse.Namespace) -> int:
+    from thinwire.train import checkpoint as ckpt
     from thinwire.train.distenv import read_env
 
     cfg = resolve_config(args)
@@ -179,6 +180,8 @@ def _train_as_worker(cfg: TrainConfig, env) -> int:
 def _config_of_checkpoint(folder: Path) -> dict | None:
     """The config a run's latest checkpoint was written with: for a folder whose config.yaml is gone (only its
     checkpoints copied to another machine)."""
+    from thinwire.train import checkpoint as ckpt
+
     last = ckpt.latest(folder)
     if last is None:
         return None
@@ -506,6 +509,8 @@ def _absolute_guard(spec: str) -> str:
 
 
 def _check_resume(cfg: TrainConfig, wl) -> None:
+    from thinwire.train import checkpoint as ckpt
+
     if not Path(cfg.resume).exists():
         raise ThinwireError(f"resume: {cfg.resume!r} does not exist. Pass the --out folder of an earlier run.")
     found = ckpt.latest(Path(cfg.resume))
