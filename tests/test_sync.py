@@ -389,11 +389,14 @@ def _streaming_reference(period: int, fragments: list[list[str]], delay: int, al
 
 
 @pytest.mark.parametrize("mode, delay, alpha", [("diloco:period=4,fragments=2,delay=0,alpha=0", 0, 0.0),
-                                                ("diloco:period=4,fragments=2", 1, 0.5)])
+                                                ("diloco:period=4,fragments=2", 1, 0.5),
+                                                ("local:period=4,fragments=2,warmup=0", 1, 0.5)])
 def test_streaming_diloco_equals_its_reference(mode, delay, alpha):
-    """Linear(5, 3): the weight and the bias are the two fragments, synced at steps 2 (weight), 4, 6."""
+    """Linear(5, 3): the weight and the bias are the two fragments, synced at steps 2 (weight), 4, 6; local
+    SGD streamed is the same with the average itself as the outer step (lr 1, no momentum)."""
     out = run_ranks(_train, 2, mode, "none")
-    ref = _streaming_reference(4, [["weight"], ["bias"]], delay, alpha)
+    outer = {"lr": 1.0, "mu": 0.0} if mode.startswith("local") else {}
+    ref = _streaming_reference(4, [["weight"], ["bias"]], delay, alpha, **outer)
     for r in range(2):
         for k in ref[r]:
             torch.testing.assert_close(out[r]["params"][k], ref[r][k], rtol=1e-5, atol=1e-6)
@@ -525,6 +528,9 @@ def test_spec_defaults_and_text():
     assert (s.fragments, s.delay, s.alpha, s.streaming) == (4, 1, 0.5, True)  # the paper's overlap and mixing
     assert parse_sync_spec(s.text) == s
     assert (parse_sync_spec("diloco:fragments=2,delay=0").alpha, parse_sync_spec("diloco:delay=1").alpha) == (0.0, 0.5)
+    s = parse_sync_spec("local:period=4,fragments=2")
+    assert (s.fragments, s.delay, s.alpha, s.outer_lr, s.outer_momentum, s.warmup) == (2, 1, 0.5, 1.0, 0.0, 100)
+    assert s.text == "local:period=4,warmup=100,fragments=2,delay=1,alpha=0.5" and parse_sync_spec(s.text) == s
 
 
 @pytest.mark.parametrize("text, match", [
@@ -534,7 +540,9 @@ def test_spec_defaults_and_text():
     ("diloco:outer_lr=nan", r"sync\.outer_lr: must be a number in \(0, 10\]"),
     ("diloco:outer_momentum=1", r"sync\.outer_momentum: must be a number in \[0, 1\), got 1\.0"),
     ("diloco:outer_momentum=-0.1", r"sync\.outer_momentum: must be a number in \[0, 1\)"),
-    ("local:period=4,fragments=2", r"sync: must be local with keys period, warmup"),
+    ("local:period=4,outer_lr=0.5", r"sync: must be local with keys period, warmup, fragments, delay, alpha"),
+    ("local:period=8,alpha=0.5", r"sync\.alpha: must be given only with fragments > 1 or delay > 0, got 0\.5\. .* "
+                                 r"E\.g\. local:period=H,fragments=F,alpha=0\.5"),
     ("diloco:period=16,fragments=3", r"sync\.fragments: must be a whole number that divides the period \(16\), got 3"),
     ("diloco:period=16,fragments=32", r"sync\.fragments: must be a whole number that divides the period"),
     ("diloco:period=16,fragments=4,delay=4", r"sync\.delay: must be a whole number in \[0, 3\] \(fewer than "
@@ -583,6 +591,7 @@ def test_cli_refuses_bad_sync_before_starting(tmp_path):
     ("local:period=5,warmup=2", "int8", {1, 2, 7}),   # 2 synchronous steps, then an average after 5 local ones
     ("diloco:period=4", "topk:ratio=0.05", {4, 8}),
     ("diloco:period=4,fragments=2,warmup=1", "int8", None),  # in flight across the resume at step 6
+    ("local:period=4,fragments=2,warmup=1", "int8", None),
 ])
 def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", mode, "--eval-every", "5"]

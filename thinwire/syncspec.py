@@ -17,6 +17,10 @@ form                                           what runs (:mod:`thinwire.compres
                                                ``PostLocalSGDState`` + ``PeriodicModelAverager``):
                                                W synchronous steps, then local steps and parameters
                                                averaged every H steps
+``local:period=H,fragments=F[,delay=,alpha=]``   the same average streamed: F fragments, one every H/F
+                                               steps, in flight during ``delay`` inner steps, then
+                                               mixed as Streaming DiLoCo's (its outer step of lr 1
+                                               without momentum: the average itself)
 ``diloco:period=H[,outer_lr=,outer_momentum=   DiLoCo (Douillard et al. 2023): the training optimizer
 ,warmup=]``                                    inside, every H steps the averaged pseudo-gradient
                                                (anchor - params) takes an outer Nesterov SGD step
@@ -54,7 +58,7 @@ the paper chose H=500 for runs of ~88k inner steps starting from a pre-trained m
 sweep of H (50 ... 2000) shows quality improving as H falls; a default must still average dozens of
 times in a run of a few thousand steps from scratch. Every average goes through the codec of
 ``--compression`` with error feedback. The streaming variant's keys are torchft's
-(``fragment_sync_delay``, ``fragment_update_alpha``); with ``fragments`` > 1 ``delay`` defaults to 1
+(``fragment_sync_delay``, ``fragment_update_alpha``), and ``local`` takes them too; with ``fragments`` > 1 ``delay`` defaults to 1
 (the paper's overlap of one inner step) and ``alpha`` to 0.5 (its mixing of local and global
 parameters when the sync overlaps inner steps); with one fragment both are 0: classic DiLoCo.
 
@@ -85,7 +89,8 @@ _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
 # per mode: key -> (kind, default); None: required
 _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "allreduce": {}, "delayed": {"predict": (str, "own")},
-    "local": {"period": (int, None), "warmup": (int, 100)},
+    "local": {"period": (int, None), "warmup": (int, 100), "fragments": (int, 1), "delay": (int, "auto"),
+              "alpha": (float, "auto")},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
                "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto"), "overlap": (int, 0)},
@@ -223,10 +228,10 @@ def parse_sync_spec(text: str) -> SyncSpec:
         values["gamma"] = 0.0
     if values.get("alpha") == "auto":
         values["alpha"] = 0.5 if values["delay"] > 0 else 0.0
-    elif mode == "diloco" and not (values["fragments"] > 1 or values["delay"] > 0):  # given: it would be dropped
+    elif mode in ("local", "diloco") and not (values["fragments"] > 1 or values["delay"] > 0):  # it would be dropped
         raise ConfigError("sync.alpha", values["alpha"], "given only with fragments > 1 or delay > 0",
-                          "alpha mixes local and global parameters after an overlapped outer step (Streaming "
-                          "DiLoCo); classic DiLoCo replaces the local ones. E.g. diloco:period=H,fragments=F,alpha=0.5")
+                          "alpha mixes local and global parameters after an overlapped average (Streaming "
+                          f"DiLoCo); a blocking one replaces the local ones. E.g. {mode}:period=H,fragments=F,alpha=0.5")
     return SyncSpec(mode=mode, **values)
 
 

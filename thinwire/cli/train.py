@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
     p.add_argument("--sync", metavar="MODE", help="when averaging happens: allreduce (default), "
                    "auto[:trial=N,guard=PROFILE] (allreduce or delayed, by this run's clock; never delayed where the profile's guard says it costs loss), "
                    "delayed[:predict=own|last|off], local:period=H[,warmup=W], diloco:period=H[,outer_lr=0.7,outer_momentum=0.9] "
-                   "(streaming: fragments=F[,delay=1,alpha=0.5]), gossip[:topology=exp2|ring|torus|random,gamma=G,"
+                   "(either streamed: fragments=F[,delay=1,alpha=0.5]), gossip[:topology=exp2|ring|torus|random,gamma=G,"
                    "overlap=1], dynamic[:threshold=D,check_every=B,rule=drift|spread,by_lr=1]; see README, Sync modes")
     p.add_argument("--pipeline", metavar="SCHEDULE", help="cut the model into stages on different workers: "
                    "gpipe, 1f1b or interleaved[:stages=S,microbatches=M,layers=A/B/..,activations=F,virtual=V,"
@@ -395,7 +395,7 @@ def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
     layers = layer_list(wl.model, wl.layers, cfg.workload)
     lay = layout_of(cfg.pipeline_spec, layers, world, batch)
     check_chain(layers, collate(wl.train, [0])[0], lay.runs, lay.links, model=wl.model)
-    if cfg.sync_spec.mode == "diloco" and cfg.sync_spec.fragments > 1:  # each rank fragments its own stage(s)
+    if cfg.sync_spec.periodic and cfg.sync_spec.fragments > 1:  # each rank fragments its own stage(s)
         for rank in range(lay.stages):
             params = {id(p): p for k, run in enumerate(lay.runs) if k % lay.stages == rank
                       for i in run for p in layers[i].module.parameters()}
@@ -409,7 +409,7 @@ def _check_pipeline(cfg: TrainConfig, wl, batch: int, world: int) -> None:
 
 
 def _check_fragments(cfg: TrainConfig, model) -> None:
-    """Streaming DiLoCo splits whole parameter tensors: no more fragments than the model has."""
+    """A streamed average (local or DiLoCo) splits whole parameter tensors: no more fragments than the model has."""
     tensors = sum(p.requires_grad for p in model.parameters())
     if cfg.sync_spec.fragments > tensors:
         raise ConfigError("sync.fragments", cfg.sync_spec.fragments, f"at most {tensors}, the model's trainable "

@@ -31,7 +31,7 @@ from thinwire.compress.sync.diloco import DiLoCo
 from thinwire.compress.sync.dynamic import Dynamic
 from thinwire.compress.sync.gossip import Gossip
 from thinwire.compress.sync.local import LocalSGD
-from thinwire.compress.sync.streaming import StreamingDiLoCo
+from thinwire.compress.sync.streaming import StreamingDiLoCo, StreamingLocal
 
 MODES: dict[str, type[SyncMode]] = {"allreduce": SyncMode, "delayed": Delayed, "local": LocalSGD, "diloco": DiLoCo,
                                     "gossip": Gossip, "dynamic": Dynamic, "auto": ChooseSync}
@@ -100,8 +100,10 @@ def _keep_own_gradients(model: DistributedDataParallel, spec) -> None:
 
 def kind(spec) -> type[SyncMode]:
     """The class that runs (and prices) a parsed sync spec."""
-    return StreamingDiLoCo if spec.mode == "diloco" and spec.streaming else MODES[spec.mode]
+    if spec.periodic and spec.streaming:
+        return StreamingLocal if spec.mode == "local" else StreamingDiLoCo
+    return MODES[spec.mode]
 
 
-__all__ = ["MODES", "StepParts", "SyncMode", "Averaged", "Unwrapped", "kind", "ChooseSync", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "Gossip",
+__all__ = ["MODES", "StepParts", "SyncMode", "Averaged", "Unwrapped", "kind", "ChooseSync", "Delayed", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "StreamingLocal", "Gossip",
            "Dynamic", "create"]

@@ -45,7 +45,12 @@ class DiLoCo(LocalSGD):
 
 def nesterov_step(anchor: list[Tensor], pseudo_grads: list[Tensor], momentum: list[Tensor] | None, *, lr: float,
                   mu: float) -> list[Tensor]:
-    """The outer step (module docstring) on ``anchor`` in place; returns the momentum (new at the first call)."""
+    """The outer step (module docstring) on ``anchor`` in place; returns the momentum (new at the first call;
+    None without momentum: no copy of the parameters kept)."""
+    if mu == 0:
+        for a, g in zip(anchor, pseudo_grads):
+            a.sub_(g, alpha=lr)
+        return None
     if momentum is None:
         momentum = [g.clone() for g in pseudo_grads]
     else:

@@ -1,5 +1,6 @@
 """``diloco:period=H,fragments=F,delay=T,alpha=A``: Streaming DiLoCo, fragments synced on a staggered
-schedule with their averages in flight during inner steps.
+schedule with their averages in flight during inner steps; ``local:period=H,fragments=F`` streams local SGD's
+average the same way (:class:`StreamingLocal`: the outer step of lr 1 without momentum).
 
 Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed Free Lunch"
 (2025, https://arxiv.org/abs/2501.18512), with the schedule and keys of torchft's ``DiLoCo``
@@ -140,3 +141,11 @@ class StreamingDiLoCo(LocalSGD):
             inflight = on_device(inflight, flats[k])
         self.inflight = inflight
         self._own_buffers_on_resume()
+
+
+class StreamingLocal(StreamingDiLoCo):
+    """Local SGD's average streamed (``local:period=H,fragments=F``): a fragment's average travels during
+    ``delay`` inner steps, then its parameters become ``lerp(average, local, alpha)``; the outer step is the
+    average itself (lr 1, no momentum, so no copy of the parameters for a momentum)."""
+
+    name = "local"
