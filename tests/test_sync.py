@@ -765,11 +765,11 @@ def test_simulate_prices_each_mode(tmp_path, capsys):
     from tests.test_perf import _cli, _profile_file
 
     prof, pts = _profile_file(tmp_path), {}
-    for mode in ("allreduce", "delayed", "local:period=4", "diloco:period=16"):
+    for mode in ("allreduce", "delayed", "local:period=4", "diloco:period=16", "local:period=4,fragments=2"):
         rc = _cli("simulate", "--cluster", ROOT / "examples/clusters/pair-100mbit.yaml", "--profile", prof,
                   "--compression", "bf16", "--sync", mode, "--out", tmp_path / "sim", "--json")
         assert rc == 0
-        pts[mode.partition(":")[0]] = json.loads(capsys.readouterr().out)["points"][0]
+        pts["streamed" if "fragments" in mode else mode.partition(":")[0]] = json.loads(capsys.readouterr().out)["points"][0]
     a = pts["allreduce"]
     assert a["sync_step_s"] == a["step_s"]
     compute = a["compute_s"] + a["noise_s"]
@@ -778,6 +778,13 @@ def test_simulate_prices_each_mode(tmp_path, capsys):
     assert pts["local"]["sync_step_s"] == pytest.approx(compute + (a["comm_s"] + a["codec_s"]) / 4)
     assert pts["diloco"]["sync_bytes_per_step"] == pytest.approx(a["bytes_per_rank"] / 16)
     assert pts["diloco"]["sync_step_s"] < pts["local"]["sync_step_s"] < a["step_s"]
+    # streamed: half the model every 2 steps, its wire hidden behind one step's compute (the codec's CPU not)
+    half = (a["comm_s"] + a["codec_s"]) / 2
+    hidden = compute - a["codec_s"] / 2
+    exposed = max(0.0, half - hidden) + a["codec_s"] / 2
+    assert pts["streamed"]["sync_step_s"] == pytest.approx(compute + exposed / 2)
+    assert pts["streamed"]["sync_step_s"] < pts["local"]["sync_step_s"]
+    assert pts["streamed"]["sync_bytes_per_step"] == pytest.approx(pts["local"]["sync_bytes_per_step"])
 
 
 def test_simulate_shows_every_mode_side_by_side(tmp_path, capsys):
