@@ -272,3 +272,19 @@ def test_help_and_a_mistyped_command_line_answer_before_torch_is_loaded(argv):
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_ends_the_output_not_the_run(tmp_path):
+    """``thinwire train ... | head -1``: rank 0's next line found the pipe closed and rich exited with status 1;
+    the steps since the last checkpoint were lost and the other worker reported a lost connection."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--workload", "digits", "--nproc", "2",
+                             "--steps", "40", "--eval-every", "10", "--checkpoint-every", "20", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "step 10: val_loss" in proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 40 and "Traceback" not in err, err

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(stderr=False)
+
+
+class _Console(Console):
+    """rich's console, but a closed stdout (``thinwire train ... | head``) ends the output, not the run: rich's
+    own exits with status 1, which killed rank 0 at its next line, lost every step since the last checkpoint
+    and, on several workers, read as a lost connection (each restart died the same way)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # prints after this one go nowhere too
+        os.close(devnull)
+
+
+console = _Console(stderr=False)
 
 
 class ProgressBar:
