@@ -292,9 +292,13 @@ def test_a_resume_with_nothing_to_train_keeps_the_summary_and_one_given_out_by_s
     assert thinwire("train", "--workload", "digits", "--steps", "10", "--checkpoint-every", "5", "--eval-every", "5",
                     "--out", str(run)).returncode == 0
     before = (run / "summary.json").read_bytes()
+    files = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
     again = thinwire("train", "--resume", str(run))
     assert again.returncode == 0, again.stderr
     assert (run / "summary.json").read_bytes() == before and json.loads(before)["val_loss"] is not None
+    # nor does one with fewer --steps: its config.yaml said steps: 5 after it, and a plain --resume then trained nothing
+    assert thinwire("train", "--resume", str(run), "--steps", "5").returncode == 0
+    assert {name: (run / name).read_bytes() for name in files} == files  # no resume event either
     other = tmp_path / "other"
     r = thinwire("train", "--resume", str(run), "--set", f"out={other}", "--steps", "15")
     assert r.returncode == 0, r.stderr

@@ -111,26 +111,33 @@ def run(args: argparse.Namespace) -> int:
     kept = config.read_bytes() if config.is_file() else None  # a resume in place: its config until a step lands
     last = ckpt.latest(Path(cfg.out))
     _prepare(cfg, folder)
+    def keep_config() -> bool:
+        """Before a checkpoint of the new configuration (refused by the workers, stopped, or a resume with nothing
+        to train) the run's folder stays as it was, its config.yaml included: a plain --resume goes on as before."""
+        if kept is None or ckpt.latest(Path(cfg.out)) != last:
+            return False
+        tmp = config.with_name(config.name + ".tmp")
+        tmp.write_bytes(kept)
+        os.replace(tmp, config)
+        return True
+
     try:
         if cfg.cluster:
             from thinwire.train.cluster_launch import launch_cluster
 
             launch_cluster(cfg, config)
-            return 0
-        if cfg.nproc == 1 and cfg.max_restarts == 0:
-            return _train_here(cfg)
-        from thinwire.train.launch import launch_local
+        elif cfg.nproc == 1 and cfg.max_restarts == 0:
+            code = _train_here(cfg)
+            keep_config()
+            return code
+        else:
+            from thinwire.train.launch import launch_local
 
-        launch_local(cfg, config)  # this process keeps the folder's lock while they run
+            launch_local(cfg, config)  # this process keeps the folder's lock while they run
+        keep_config()
         return 0
     except BaseException:
-        # refused by the workers (or stopped) before a checkpoint of the new configuration: the run's folder
-        # stays as it was, its config.yaml included, so that a plain --resume goes on as before
-        if kept is not None and ckpt.latest(Path(cfg.out)) == last:
-            tmp = config.with_name(config.name + ".tmp")
-            tmp.write_bytes(kept)
-            os.replace(tmp, config)
-        elif fresh:
+        if not keep_config() and fresh:
             _unclaim(Path(cfg.out), remove=not existed)
         raise
 

@@ -502,8 +502,9 @@ class Trainer:
         self._load(box[0])
         self.metrics.resumed_at(self.step)
         event = "restart" if self.env.restart_count else "resume"
-        self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source),
-                            "world_size": self.env.world, "checkpoint_world_size": len(box[0]["ranks"])})
+        if self.step < self.steps:  # with nothing to train the run's folder stays as it was
+            self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source),
+                                "world_size": self.env.world, "checkpoint_world_size": len(box[0]["ranks"])})
         if self.env.is_main:
             console.print(f"[bold]{event}[/bold] from {source} at step {self.step}")
             if self.step >= self.steps:
