@@ -288,3 +288,32 @@ def test_a_closed_stdout_ends_the_output_not_the_run(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0, err
     assert json.loads((out / "summary.json").read_text())["steps"] == 40 and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_the_progress_bars_last_frame_shows_the_last_validation(tmp_path):
+    """On a terminal the bar kept step 10's validation loss at 20/20 (the bar moved before step 20 validated)."""
+    import pty
+    import re
+
+    leader, follower = pty.openpty()
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--workload", "digits", "--steps", "20",
+                             "--eval-every", "10", "--out", str(out)], stdout=follower, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    os.close(follower)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))  # colours and cursor moves
+    frames = re.findall(r"20/20 loss [\d.]+ val ([\d.]+)", text)
+    final = json.loads((out / "summary.json").read_text())["val_loss"]
+    assert frames and float(frames[-1]) == pytest.approx(final, abs=6e-4), (frames, final)

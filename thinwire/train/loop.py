@@ -149,6 +149,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.waits: list[float] = []
         self.last_val: dict = {}
+        self.bar_rec: dict | None = None  # the last step's record, for the progress bar
 
     def _offload(self) -> dict | None:
         """Where the communication work runs (``offload``): on a host with an offload engine (``nic:``; the
@@ -340,8 +341,14 @@ class Trainer:
             if not rec["skipped"]:
                 rec.pop("skipped")
             self.metrics.write(rec)
+        self.bar_rec = rec
+        bar.update(self.step, self._bar_info())
+
+    def _bar_info(self) -> str:
+        """The progress bar's text: the last step's loss and time and the last validation's loss."""
+        rec = self.bar_rec
         val = f" val {self.last_val['val_loss']:.3f}" if self.last_val else ""
-        bar.update(self.step, f"loss {rec['loss']:.3f}{val} {rec['step_time_s'] * 1e3:.0f} ms/step")
+        return f"loss {rec['loss']:.3f}{val} {rec['step_time_s'] * 1e3:.0f} ms/step"
 
     def _sets(self, step: int) -> tuple:
         """(train, val) at ``step``: a drifting workload's (:attr:`Workload.data_at`), else its own."""
@@ -410,6 +417,8 @@ class Trainer:
         self.metrics.write({"step": self.step, "samples": self._samples(), "wall_s": self._wall(),
                             "eval_s": self.eval_s + time.perf_counter() - t0, **self.last_val})
         bar.log(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_val.items()))
+        if self.bar_rec is not None:  # the bar's last frame shows this validation, not the one before
+            bar.update(self.step, self._bar_info())
 
     def _module(self) -> torch.nn.Module:
         """This rank's model (a pipeline rank's: its stage)."""
