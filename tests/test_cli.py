@@ -31,6 +31,7 @@ def assert_refused(proc: subprocess.CompletedProcess, pattern: str) -> None:
 @pytest.mark.parametrize("args, pattern", [
     (["--nproc", "0"], r"nproc: must be an integer in \[1, 4096\], got 0"),
     (["--data", "/nonexistent/corpus"], r"data: path '/nonexistent/corpus' does not exist"),
+    (["--data", "/dev/null"], r"data: '/dev/null' is neither a file nor a folder \(a device, a pipe\?\)\. Pass a text"),
     (["--workload", "digits", "--nproc", "3"], r"batch_size: must be divisible by the number of workers \(3\).*got 64. Use 66 or 63"),
     (["--workload", "nosuch"], r"workload: must be one of charlm, digits or package.module:function, got 'nosuch'"),
     (["--workload", "digits", "--set", "model.depth=3"], r"model.depth: must be one of the known fields"),

@@ -968,6 +968,8 @@ def test_error_meter_reports_the_share_left_behind_with_error_feedback():
     ("auto:candidates=none|int8@switch", r"auto\.candidates: must be codec specs \(int8, not int8@switch\), got "
                                          r"'int8@switch'\. Where the job has an aggregator on the switch"),
     ("auto:candidates=int8|foo", r"compression: must be one of none, .*got 'foo'"),  # not only "'none' is missing"
+    ("auto:candidates=", r"auto\.candidates: must be codec specs separated by \|, none empty, got ''\. E\.g\. auto:"),
+    ("auto:candidates=none||int8", r"auto\.candidates: must be codec specs separated by \|, none empty, got 'none\|\|int8'"),
 ])
 def test_bad_auto_spec_names_the_field_the_value_and_the_fix(spec, message):
     from thinwire.errors import ConfigError

@@ -55,6 +55,8 @@ class AutoConfig:
             check(not c.endswith("@switch"), "auto.candidates", c, "codec specs (int8, not int8@switch)",
                   "Where the job has an aggregator on the switch (--aggregation switch), auto tries every int8 "
                   "candidate both around the ring and through the switch by itself.")
+            check(bool(c), "auto.candidates", "|".join(self.candidates), "codec specs separated by |, none empty",
+                  "E.g. auto:candidates=none|bf16|int8")
             parse_codec_spec(c)
         check("none" in self.candidates, "auto.candidates", "|".join(self.candidates),
               "a list that includes 'none', its codecs separated by | (auto:candidates=none|bf16|int8)",

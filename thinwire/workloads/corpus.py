@@ -40,6 +40,9 @@ def user_files(path: Path) -> list[Path]:
         raise ThinwireError(f"data: path {str(path)!r} does not exist. Pass a text file or a folder of text files.")
     if path.is_file():
         return [path]
+    if not path.is_dir():
+        raise ThinwireError(f"data: {str(path)!r} is neither a file nor a folder (a device, a pipe?). Pass a text file "
+                            "or a folder of text files.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         raise ThinwireError(f"data: folder {str(path)!r} holds no text files ({', '.join(sorted(s for s in TEXT_SUFFIXES if s))}). Pass a text file or a folder of them.")
