@@ -443,3 +443,20 @@ def test_loading_something_else_than_a_hook_state_says_what_it_takes(bad, match)
     state.policy = StaticPolicy(parse_codec_spec("int8"))
     with pytest.raises(ValueError, match="CommState.load_state_dict takes what CommState.state_dict.. returned.*" + match):
         state.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_sums_a_finite_gradient_past_its_range_without_overflow(world):
+    """Each rank's fp16 payload was clamped to 65504, so the ranks' sum overflowed: a finite average past 65504
+    came back NaN, and the step was skipped as 'non-finite on some rank'. Now it arrives clamped, finite,
+    and error feedback holds back the rest."""
+    results = run_ranks(_hook_average, world, "fp16", 1, 100.0, -1, "skip", True, 3e5)
+    truth = true_mean(world)[0] * 3e5
+    assert truth.abs().max() > 65504
+    for r in results:
+        a, _ = r["grads"][0]
+        assert torch.isfinite(a).all() and r["stats"]["skipped_nonfinite"] == 0, r["stats"]
+        assert a.abs().max() <= 65504
+    residual = sum(r["state"]["residuals"]["params"]["0"] for r in results)
+    # (the fp16 sum rounds once more, at most a few units of its last place, 32 at the top of its range)
+    torch.testing.assert_close(results[0]["grads"][0][0] + residual, truth, rtol=2e-3, atol=64.0)

@@ -48,6 +48,7 @@ class Meta:
     dtype: torch.dtype = torch.float32
     seed: int = 0
     rank: int = 0
+    world: int = 1  # ranks whose payloads are summed (fp16 keeps each in range / world, so the sum stays finite)
 
 
 class Codec(ABC):

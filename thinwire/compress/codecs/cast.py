@@ -11,10 +11,12 @@ codec         bytes / value   error (per value, normal range)        range
 ``bf16``      2               relative <= 2**-8  (~3.9e-3)           clamped to +-3.39e38
 ============  ==============  =====================================  =========================
 
-The collective layer divides by the world size *before* compressing, so that the fp16 sum of
-all ranks' payloads stays in range. fp16 values below 6.1e-5 lose relative precision (subnormals)
-and below 6e-8 flush to zero: gradients with tiny magnitudes should prefer ``bf16``. Values outside
-the finite range are clamped (never inf), so one huge gradient cannot poison the whole sum.
+The collective layer divides by the world size *before* compressing, and fp16 clamps each of p
+ranks' payloads to +-65504 / p, so the fp16 sum of all of them stays in range: an average past
+65504 arrives clamped, the rest held back by error feedback, never as inf or NaN. fp16 values
+below 6.1e-5 lose relative precision (subnormals) and below 6e-8 flush to zero: gradients with tiny
+magnitudes should prefer ``bf16``. Values outside the finite range are clamped (never inf), so one
+huge gradient cannot poison the whole sum.
 
 Example::
 
@@ -76,11 +78,15 @@ class _CastCodec(Codec):
         # One rounding to the wire dtype, then overflow (inf) back to the largest finite value:
         # same result as clamping first, without an fp32 temporary. NaN stays NaN.
         out = x.reshape(-1).to(self.wire_dtype, copy=True)  # copy: fp16 input must not alias
-        if all_finite(out):
-            return [out], True
         limit = torch.finfo(self.wire_dtype).max
-        out.nan_to_num_(nan=math.nan, posinf=limit, neginf=-limit)
-        return [out], all_finite(x)
+        finite = all_finite(out)
+        if not finite:
+            out.nan_to_num_(nan=math.nan, posinf=limit, neginf=-limit)
+            finite = all_finite(x)
+        if meta.world > 1 and limit < torch.finfo(torch.float32).max:  # fp16: the ranks' sum must stay in range too
+            bound = _bound(self.wire_dtype, meta.world)
+            out.clamp_(-bound, bound)  # (NaN stays NaN: a non-finite rank still shows)
+        return [out], finite
 
     def decompress(self, payload: list[Tensor], meta: Meta) -> Tensor:
         return to_dtype(payload[0], meta.dtype)
@@ -90,6 +96,16 @@ class _CastCodec(Codec):
 
     def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * self.wire_dtype.itemsize
+
+
+def _bound(dtype: torch.dtype, world: int) -> float:
+    """The largest value of ``dtype`` that ``world`` ranks can sum without passing its range (65504 / 3 rounds
+    up to 21840 in fp16, and three of those overflow)."""
+    limit = torch.finfo(dtype).max
+    bound = torch.tensor(limit / world, dtype=dtype)
+    while float(bound) * world > limit:
+        bound = torch.nextafter(bound, torch.zeros((), dtype=dtype))
+    return float(bound)
 
 
 class NoneCodec(_CastCodec):

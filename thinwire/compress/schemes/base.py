@@ -94,7 +94,7 @@ def feedback_half(nbytes: int) -> tuple[str, int, float]:
 
 def meta(job: BucketJob, numel: int, salt: int = 0) -> Meta:
     seed = (job.step * 1_000_003 + int(job.key) * 7919 + salt) % (2**31 - 1)
-    return Meta(numel=numel, dtype=torch.float32, seed=seed, rank=job.state.wire.rank)
+    return Meta(numel=numel, dtype=torch.float32, seed=seed, rank=job.state.wire.rank, world=job.state.wire.world)
 
 
 def corrected(job: BucketJob, key: str, x: Tensor) -> Tensor:
