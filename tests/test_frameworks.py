@@ -79,16 +79,18 @@ def test_lightning_strategy_averages_int8_and_checkpoint_restores_residuals(tmp_
     check_restored(ends, second)
 
 
-@pytest.mark.parametrize("sync", ["local:period=3,warmup=0", "delayed"])
-def test_lightning_sync_mode_resumes_exactly(tmp_path, sync):
+@pytest.mark.parametrize("sync, extra", [("local:period=3,warmup=0", []), ("delayed", []),
+                                         ("delayed", ["--clip", "0.5", "--accumulate", "2"])])
+def test_lightning_sync_mode_resumes_exactly(tmp_path, sync, extra):
     """Local SGD in Lightning (int8 parameter averages every 3 steps, SGD with momentum): 4 steps, a
     checkpoint between averages (the ranks' parameters and momenta differ), 4 more from it, ends
     where 8 straight steps end, on every rank, bit for bit. delayed likewise: its first step after the resume
-    predicts its weights with the optimizer (the strategy tells the mode before the step's forward)."""
+    predicts its weights with the optimizer (the strategy tells the mode before the step's forward), also where
+    Lightning clips the gradients and where the first micro-batch's forward runs before the optimizer's step."""
     straight, first, resumed = (tmp_path / n for n in ("straight", "first", "resumed"))
     for d in (straight, first, resumed):
         d.mkdir()
-    mode = ["--sync", sync]
+    mode = ["--sync", sync, *extra]
     torchrun(WORKERS / "lightning_worker.py", "--out", str(straight), "--steps", "8", *mode)
     torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", *mode)
     saved = load(first / "last.ckpt")["thinwire"]
@@ -176,6 +178,21 @@ def test_lightning_validates_the_ranks_average_and_trains_on_untouched(tmp_path)
     torch.testing.assert_close(list(ckpt["state_dict"].values()), mean, rtol=1e-6, atol=1e-7)
     for r in range(2):
         torch.testing.assert_close(list(ckpt["thinwire"]["ranks"][r]["model"].values()), own[r], rtol=0, atol=0)
+
+
+def test_lightning_validate_after_fit_evaluates_the_ranks_average(tmp_path):
+    """trainer.validate after a fit whose ranks differ (local SGD, 6 steps, averages every 4) evaluated rank 0's own
+    model on every rank (Lightning sends rank 0's parameters to all before it validates): every rank now ends fit
+    holding the ranks' average, the model the run stands for."""
+    out = tmp_path / "run"
+    out.mkdir()
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(out), "--sync", "local:period=4,warmup=0", "--steps", "6",
+             "--validate-after-fit")
+    own = [load(out / f"own_rank{r}_step6.pt") for r in range(2)]
+    assert any(not torch.equal(a, b) for a, b in zip(*own)), "the ranks should differ between averages"
+    mean = [(a + b) / 2 for a, b in zip(*own)]
+    for r in range(2):
+        torch.testing.assert_close(load(out / f"valvalidate_rank{r}_step6.pt"), mean, rtol=1e-6, atol=1e-7)
 
 
 def test_accelerate_attach_averages_int8_and_save_state_restores_residuals(tmp_path):
@@ -301,6 +318,51 @@ def test_accelerate_sync_on_one_process_runs_the_same_loop_and_averages_nothing(
     mode.step(opt)
     with mode.consensus():
         assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_accelerate_on_one_process_checks_what_several_would_and_has_every_method_of_a_mode():
+    """On one process attach and sync returned at once: 'int9', a misspelt keyword or 'local' without a period
+    surfaced only on the first run on several; and a loop calling before_step/after_step itself failed."""
+    from accelerate import Accelerator
+
+    from thinwire.errors import ConfigError
+    from thinwire.integrations.accelerate import attach, sync
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(common.make_net(), torch.optim.SGD(common.make_net().parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="int9"):
+        attach(accelerator, model, "int9")
+    with pytest.raises(TypeError, match="error_feedbak"):
+        attach(accelerator, model, "int8", error_feedbak=False)
+    with pytest.raises(ConfigError, match=r"sync\.period: must be given"):
+        sync(accelerator, model, "local", "int8")
+    with pytest.raises(ConfigError, match="locall"):
+        sync(accelerator, model, "locall:period=4")
+    with pytest.raises(TypeError, match="error_feedbak"):
+        sync(accelerator, model, "local:period=4", error_feedbak=False)
+    mode = sync(accelerator, model, "local:period=4", "int8", optimizer=opt)
+    accelerator.backward(common.loss_fn(model, *common.batch(0, 0)))
+    mode.before_step()
+    opt.step()
+    mode.after_step()
+    mode.load_state_dict(mode.state_dict())
+
+
+def test_an_accelerate_checkpoint_moves_between_one_process_and_several(tmp_path):
+    """On one process nothing registered with accelerate, so its checkpoint and one of several processes had
+    different counts of objects and neither loaded into the other ('Number of custom checkpoints ...')."""
+    two, one, back = tmp_path / "two", tmp_path / "one", tmp_path / "back"
+    for d in (two, one, back):
+        d.mkdir()
+    worker = WORKERS / "accelerate_worker.py"
+    torchrun(worker, "--out", str(two), "--steps", "2")
+    alone = subprocess.run([sys.executable, str(worker), "--out", str(one), "--steps", "2", "--resume",
+                            str(two / "state")], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "holds state for 2 ranks, this run has 1" in alone.stderr, alone.stderr[-3000:]
+    torchrun(worker, "--out", str(back), "--steps", "2", "--resume", str(one / "state"))
+    for r in range(2):  # from one process's checkpoint: nothing of its own to restore, residuals start empty
+        assert not load(back / f"start_state_rank{r}.pt")["residuals"].get("params")
 
 
 def test_a_resume_under_the_same_modes_name_with_other_settings_says_so(caplog):

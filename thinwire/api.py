@@ -52,19 +52,30 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     sets ``mode.optimizer = optimizer`` (and ``mode.clip`` to the gradient norm it clips to), which
     ``delayed``'s weight prediction steps on a copy of its state.
     """
-    from thinwire.commspec import parse_comm_spec
-    from thinwire.compress.sync import create
-    from thinwire.commspec import check_sync_pairing
-    from thinwire.syncspec import parse_sync_spec
-
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from thinwire.syncspec import SyncSpec
+    from thinwire.compress.sync import create
 
     if not isinstance(model, DistributedDataParallel):  # every mode averages through DDP's process group
         raise TypeError(f"thinwire.sync needs a DistributedDataParallel model, got {type(model).__name__}; "
                         "wrap it first: model = DistributedDataParallel(model)")
+    spec, comm = check_sync(mode, codec, optimizer, kwargs)
+    if spec.mode != "allreduce" and getattr(model, "static_graph", False):
+        raise ValueError(f"thinwire.sync: {spec.mode!r} runs its steps under model.no_sync(), which a DDP model built "
+                         "with static_graph=True does not allow (PyTorch's assertion 'expect_autograd_hooks_'); "
+                         "build it without static_graph, or use 'allreduce'")
+    m = create(model, spec, as_policy(comm), **kwargs)
+    m.optimizer = optimizer
+    return m
+
+
+def check_sync(mode, codec, optimizer, kwargs: dict):
+    """:func:`sync`'s arguments checked and parsed, before any model is touched: (the sync spec, the comm spec).
+    Integrations call it on one process too, where nothing is averaged, so a mistake shows before a run on many."""
+    from thinwire.commspec import check_sync_pairing, parse_comm_spec
+    from thinwire.syncspec import SyncSpec, parse_sync_spec
+    import torch
+
     if not isinstance(mode, (str, SyncSpec)):
         raise TypeError(f"thinwire.sync: mode must be a sync spec string such as 'allreduce', 'delayed' or "
                         f"'local:period=8' (see thinwire.syncspec), got {mode!r}")
@@ -85,10 +96,4 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)
-    if spec.mode != "allreduce" and getattr(model, "static_graph", False):
-        raise ValueError(f"thinwire.sync: {spec.mode!r} runs its steps under model.no_sync(), which a DDP model built "
-                         "with static_graph=True does not allow (PyTorch's assertion 'expect_autograd_hooks_'); "
-                         "build it without static_graph, or use 'allreduce'")
-    m = create(model, spec, as_policy(comm), **kwargs)
-    m.optimizer = optimizer
-    return m
+    return spec, comm

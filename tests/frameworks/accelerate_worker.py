@@ -32,16 +32,18 @@ def main():
     comm = attach(accelerator, model, a.codec)
     if a.resume:
         accelerator.load_state(a.resume)
-        torch.save(comm.state_dict(), f"{a.out}/start_state_rank{rank}.pt")
+        if comm is not None:  # None on one process: nothing attached
+            torch.save(comm.state_dict(), f"{a.out}/start_state_rank{rank}.pt")
     for step in range(a.steps):
         x, y = common.batch(rank, step)
         opt.zero_grad()
         accelerator.backward(common.loss_fn(model, x, y))
         if step == 0:
-            torch.save(common.grads(model.module), f"{a.out}/grads_rank{rank}.pt")
+            torch.save(common.grads(getattr(model, "module", model)), f"{a.out}/grads_rank{rank}.pt")
         opt.step()
     accelerator.save_state(f"{a.out}/state")
-    torch.save({"state": comm.state_dict(), "stats": comm.stats()}, f"{a.out}/end_rank{rank}.pt")
+    if comm is not None:
+        torch.save({"state": comm.state_dict(), "stats": comm.stats()}, f"{a.out}/end_rank{rank}.pt")
     accelerator.wait_for_everyone()  # leave together: gloo torn down while a peer still talks aborts
     accelerator.end_training()
 

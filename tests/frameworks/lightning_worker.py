@@ -67,7 +67,10 @@ class Validated(Module):
             torch.save([p.detach().clone() for p in self.parameters()], f"{self.out}/own_rank{self.global_rank}_step{self.global_step}.pt")
 
     def validation_step(self, idx, i):
-        torch.save([p.detach().clone() for p in self.parameters()], f"{self.out}/val_rank{self.global_rank}_step{self.global_step}.pt")
+        fn = self.trainer.state.fn  # trainer.validate after fit: "validate"
+        tag = "" if fn == "fit" else str(getattr(fn, "value", fn))
+        torch.save([p.detach().clone() for p in self.parameters()],
+                   f"{self.out}/val{tag}_rank{self.global_rank}_step{self.global_step}.pt")
         x, y = common.batch(self.global_rank, 10_000)
         self.log("val_loss", common.loss_fn(self.net, x, y), sync_dist=True)
 
@@ -84,17 +87,23 @@ def main():
     ap.add_argument("--sync", default="allreduce")
     ap.add_argument("--val", action="store_true", help="validate every 3 steps; ModelCheckpoint's default saves then")
     ap.add_argument("--two-optimizers", action="store_true")
+    ap.add_argument("--validate-after-fit", action="store_true", help="trainer.validate once fit is done")
+    ap.add_argument("--clip", type=float, help="gradient_clip_val")
+    ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    module = (Validated if a.val else TwoOptimizers if a.two_optimizers else Module)(a.out)
+    module = (Validated if a.val or a.validate_after_fit else TwoOptimizers if a.two_optimizers else Module)(a.out)
     callbacks = [ModelCheckpoint(dirpath=a.out, save_last=True, every_n_train_steps=a.steps)]
     if a.val:
         callbacks.append(ModelCheckpoint(dirpath=f"{a.out}/val_ckpt", save_top_k=-1))   # at each validation's end
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ThinwireStrategy(a.codec, sync=a.sync), max_steps=a.steps,
                          use_distributed_sampler=False, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, val_check_interval=3 if a.val else None,
-                         limit_val_batches=1 if a.val else None, num_sanity_val_steps=0, callbacks=callbacks)
+                         limit_val_batches=1 if a.val or a.validate_after_fit else None, num_sanity_val_steps=0,
+                         callbacks=callbacks, gradient_clip_val=a.clip, accumulate_grad_batches=a.accumulate)
     trainer.fit(module, ckpt_path=a.resume)
+    if a.validate_after_fit:
+        trainer.validate(module, verbose=False)
     comm = trainer.strategy.comm
     params = [p.detach().clone() for p in module.parameters()]
     torch.save({"state": comm.state_dict(), "stats": comm.stats(), "params": params}, f"{a.out}/end_rank{trainer.global_rank}.pt")

@@ -25,7 +25,9 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.api import attach as _attach
-from thinwire.integrations import gather_states, load_mode_state, load_own_model, log, mode_record, need, rank_state
+from thinwire.integrations import (
+    check_hook_kwargs, gather_states, hook_codec, load_mode_state, load_own_model, log, mode_record, need, rank_state,
+)
 
 need("accelerate", "accelerate")
 
@@ -52,8 +54,11 @@ def attach(accelerator, model, codec: str = "int8", **kwargs):
     checkpointing; keywords as in :func:`thinwire.attach`. Returns the ``CommState``, or ``None`` when
     the accelerator runs one process (accelerate then does not wrap the model: nothing is averaged)."""
     if not isinstance(model, DistributedDataParallel):
-        if accelerator.num_processes == 1:
+        if accelerator.num_processes == 1:  # checked as on several: a mistake must not wait for the first big run
+            hook_codec(codec, "thinwire.integrations.accelerate.attach")
+            check_hook_kwargs(kwargs, "thinwire.integrations.accelerate.attach")
             log.info("thinwire: one process, the model is not wrapped in DDP: nothing to attach")
+            accelerator.register_for_checkpointing(OneProcessStates())
             return None
         raise TypeError(f"thinwire.integrations.accelerate.attach needs the model accelerator.prepare returned "
                         f"(a DistributedDataParallel), got {type(model).__name__}; only DDP is supported "
@@ -96,11 +101,44 @@ class SyncStates:
         self.mode.comm.load_state_dict(mine["comm"])
 
 
-class OneProcess:
-    """What :func:`sync` returns on one process: the same loop runs, nothing is averaged (``comm`` is None)."""
+class OneProcessStates:
+    """thinwire's entry in accelerate's checkpoint on one process, so that a checkpoint of one process and one of
+    several have as many registered objects (accelerate refuses to load one into the other otherwise): it holds
+    nothing, and the state of several ranks loaded here is left as it is (residuals start empty, said once)."""
 
+    def state_dict(self) -> dict:
+        return gather_states({})
+
+    def load_state_dict(self, sd: dict) -> None:
+        rank_state(sd, "the accelerate checkpoint")
+
+
+class OneProcess:
+    """What :func:`sync` returns on one process: the same loop runs, nothing is averaged (``comm`` is None);
+    every method of a sync mode a loop calls is there and does nothing but the optimizer's step."""
+
+    name = "one process"
     comm = None
-    diverges = False
+    diverges = buffers_diverge = False
+    optimizer = clip = None
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def steps_to_agreement(self) -> int:
+        return 0
+
+    def stats(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
 
     def no_sync(self):
         return contextlib.nullcontext()
@@ -133,8 +171,12 @@ def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, op
     from thinwire.api import sync as _sync
 
     if not isinstance(model, DistributedDataParallel):
-        if accelerator.num_processes == 1:
+        if accelerator.num_processes == 1:  # checked as on several: a mistake must not wait for the first big run
+            from thinwire.api import check_sync
+
+            check_sync(mode, codec, optimizer, kwargs)
             log.info("thinwire: one process, the model is not wrapped in DDP: nothing to average")
+            accelerator.register_for_checkpointing(OneProcessStates())
             return OneProcess()
         raise TypeError(f"thinwire.integrations.accelerate.sync needs the model accelerator.prepare returned (a "
                         f"DistributedDataParallel), got {type(model).__name__}; only DDP is supported")

@@ -132,12 +132,32 @@ class ThinwireStrategy(DDPStrategy):
         mode.optimizer = optimizer   # before the closure's forward: delayed predicts with it (a resumed run's first step too)
         with mode.no_sync():         # DDP's backward must not all-reduce: the mode averages itself
             out = super().optimizer_step(optimizer, forward_backward_then_set_gradients, model, **kwargs)
-        trainer = getattr(self.lightning_module, "trainer", None)
-        algorithm = getattr(getattr(trainer, "gradient_clip_algorithm", None), "value", None)
-        if trainer is not None and trainer.gradient_clip_val and algorithm in (None, "norm"):  # Lightning's default: norm
-            mode.clip = float(trainer.gradient_clip_val)  # delayed's prediction clips as Lightning does
         mode.after_step()            # e.g. the periodic parameter average
         return out
+
+    def _clip(self) -> float | None:
+        """The gradient norm Lightning clips to (``gradient_clip_val``, by norm, its default), else None."""
+        trainer = getattr(self.lightning_module, "trainer", None)
+        algorithm = getattr(getattr(trainer, "gradient_clip_algorithm", None), "value", None)
+        if trainer is not None and trainer.gradient_clip_val and algorithm in (None, "norm"):
+            return float(trainer.gradient_clip_val)
+        return None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.mode is not None:  # before the first forward (a resumed run's, an accumulated micro-batch's, which
+            self.mode.optimizer = self.optimizers[0]  # run outside optimizer_step): delayed predicts each step's
+            self.mode.clip = self._clip()             # weights with the optimizer, clipping as Lightning does
+
+    def on_train_end(self) -> None:
+        """Where the ranks' models differ the trained model is their average: every rank ends holding it, so what
+        follows fit (``trainer.validate``, ``test``, ``predict``, before which Lightning sends rank 0's parameters
+        to every rank) uses it, not rank 0's own."""
+        if self.mode is not None and self.mode.buffers_diverge:
+            with self.mode.consensus():
+                average = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+            self.lightning_module.load_state_dict(average)
+        super().on_train_end()
 
     # -- validation: the ranks' average -----------------------------------------------------------
     def on_validation_start(self) -> None:
