@@ -10,7 +10,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-
 class _Console(Console):
     """rich's console, but a closed stdout (``thinwire train ... | head``) ends the output, not the run: rich's
     own exits with status 1, which killed rank 0 at its next line, lost every step since the last checkpoint
