@@ -391,3 +391,22 @@ def test_a_resume_under_the_same_modes_name_with_other_settings_says_so(caplog):
     with caplog.at_level(logging.WARNING):
         load_mode_state(m, {"sync": {"steps": 3}, "sync_name": "local"}, "the checkpoint")
     assert "another sync mode's state (local); diloco's own starts fresh" in caplog.text
+
+
+def test_hf_resume_on_more_ranks_says_the_checkpoint_has_fewer_not_that_it_is_foreign(tmp_path, monkeypatch, caplog):
+    """Resumed on 3 ranks from a checkpoint of 2, rank 2 was told its file was missing: 'a checkpoint from outside
+    output_dir, or saved without thinwire'."""
+    import logging
+
+    from thinwire.integrations import transformers as tw_hf
+
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    for r in range(2):
+        torch.save({"world_size": 2, "state": {}}, folder / f"thinwire_rank{r}.pt")
+    monkeypatch.setattr(tw_hf, "world", lambda: (2, 3))
+    callback = tw_hf.ThinwireCallback.__new__(tw_hf.ThinwireCallback)
+    callback.comm = None
+    with caplog.at_level(logging.WARNING):
+        callback._restore(tmp_path, 5)
+    assert "holds the state of 2 rank(s), this run has 3" in caplog.text and "outside output_dir" not in caplog.text

@@ -63,8 +63,13 @@ class ThinwireCallback(TrainerCallback):
         rank, size = world()
         path = state_file(output_dir, step, rank)
         if not path.exists():
-            log.warning("thinwire: resumed at step %d but %s does not exist (a checkpoint from outside output_dir, "
-                        "or saved without thinwire); error-feedback residuals start empty", step, path)
+            others = sorted(path.parent.glob("thinwire_rank*.pt"))
+            if others:  # a run of fewer ranks saved it: this rank has none of its own
+                log.warning("thinwire: %s holds the state of %d rank(s), this run has %d; error-feedback residuals start "
+                            "empty", path.parent, len(others), size)
+            else:
+                log.warning("thinwire: resumed at step %d but %s does not exist (a checkpoint from outside output_dir, "
+                            "or saved without thinwire); error-feedback residuals start empty", step, path)
             return
         saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers
         if saved["world_size"] != size:
