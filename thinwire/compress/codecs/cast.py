@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -98,6 +99,7 @@ class _CastCodec(Codec):
         return numel * self.wire_dtype.itemsize
 
 
+@functools.cache  # per bucket and step on the hot path: computed once per world size
 def _bound(dtype: torch.dtype, world: int) -> float:
     """The largest value of ``dtype`` that ``world`` ranks can sum without passing its range (65504 / 3 rounds
     up to 21840 in fp16, and three of those overflow)."""
