@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     kept = config.read_bytes() if config.is_file() else None  # a resume in place: its config until a step lands
     last = ckpt.latest(Path(cfg.out))
     _prepare(cfg, folder)
+
     def keep_config() -> bool:
         """Before a checkpoint of the new configuration (refused by the workers, stopped, or a resume with nothing
         to train) the run's folder stays as it was, its config.yaml included: a plain --resume goes on as before."""
@@ -126,16 +127,16 @@ def run(args: argparse.Namespace) -> int:
             from thinwire.train.cluster_launch import launch_cluster
 
             launch_cluster(cfg, config)
+            code = 0
         elif cfg.nproc == 1 and cfg.max_restarts == 0:
             code = _train_here(cfg)
-            keep_config()
-            return code
         else:
             from thinwire.train.launch import launch_local
 
             launch_local(cfg, config)  # this process keeps the folder's lock while they run
+            code = 0
         keep_config()
-        return 0
+        return code
     except BaseException:
         if not keep_config() and fresh:
             _unclaim(Path(cfg.out), remove=not existed)
