@@ -3,6 +3,7 @@ refusals, the bytes they put on the wire, and a mid-period resume through ``thin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -203,6 +204,67 @@ def test_a_mode_that_averages_itself_keeps_each_ranks_gradient_though_the_forwar
         _loss(net, *_data(0, rank)).backward()
         for g, p in zip(got[rank], net.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
+
+
+class _Branchy(torch.nn.Module):
+    """A shared layer, a branch only rank 0's data takes, and a layer no forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.branch, self.dead = torch.nn.Linear(5, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x, take_branch: bool):
+        h = self.shared(x)
+        return self.branch(h) if take_branch else h
+
+
+def _unused(rank: int, world: int, mode: str, resume_at: int | None = None) -> dict:
+    def build(state=None):
+        ddp = DistributedDataParallel(_Branchy(), find_unused_parameters=True)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
+        sync = thinwire.sync(ddp, mode, codec="none", optimizer=opt) if mode != "ddp" else None
+        if state is not None:  # a resume: a new wrapper, optimizer and mode from the states saved
+            ddp.module.load_state_dict(state[0])
+            opt.load_state_dict(state[1])
+            sync.load_state_dict(state[2])
+        return ddp, opt, sync
+
+    ddp, opt, sync = build()
+    for step in range(STEPS):
+        if step == resume_at:
+            state = copy.deepcopy((ddp.module.state_dict(), opt.state_dict(), sync.state_dict()))
+            sync.close()
+            ddp, opt, sync = build(state)
+        x, y = _data(step, rank)
+        with sync.no_sync() if sync else contextlib.nullcontext():
+            ((ddp(x, rank == 0) - y) ** 2).mean().backward()
+        sync.step(opt) if sync else opt.step()
+        grads = {k: p.grad is not None for k, p in ddp.module.named_parameters()}
+        opt.zero_grad(set_to_none=True)
+    if sync:
+        sync.close()
+    return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "grads": grads}
+
+
+@pytest.mark.parametrize("mode, resume_at", [("delayed:predict=off", None), ("delayed", None), ("delayed", 3),
+                                             ("local:period=4", None)])
+def test_a_parameter_no_rank_used_keeps_no_gradient_as_under_ddp_with_find_unused_parameters(mode, resume_at):
+    """DDP wrapped with ``find_unused_parameters`` leaves a parameter no rank used without a gradient (AdamW skips
+    it) and averages one only some ranks used; the modes averaged zeros for it, so weight decay and momentum moved
+    a layer no forward called. ``local``'s warm-up steps average gradients as DDP does: the same parameters.
+    ``delayed`` keeps which parameters its pending average left out through a resume."""
+    got, ddp = run_ranks(_unused, 2, mode, resume_at), run_ranks(_unused, 2, "ddp")
+    init = _Branchy().state_dict()
+    for out in got:
+        assert out["grads"]["dead.weight"] is False and out["grads"]["branch.weight"] is True, out["grads"]
+        for k in ("dead.weight", "dead.bias"):
+            assert torch.equal(out["params"][k], init[k]), k   # zeros averaged: weight decay moved it
+        assert not torch.equal(out["params"]["branch.weight"], init["branch.weight"])  # rank 1 applies rank 0's part
+        for k, v in out["params"].items():
+            assert torch.equal(v, got[0]["params"][k]), k  # the ranks agree
+            if mode.startswith("local"):
+                torch.testing.assert_close(v, ddp[0]["params"][k], rtol=1e-5, atol=1e-6)
 
 
 def _float64(rank: int, world: int, mode: str) -> torch.Tensor:

@@ -215,6 +215,12 @@ class CommState:
         outside DDP's backward; ``layout``: (parameter index, numel) in bucket order."""
         return self._send(buf, index, step, shapes, layout)
 
+    def sum_exact(self, t: Tensor) -> torch.futures.Future:
+        """Sum ``t`` in place across ranks, as it is (no codec, no average), after every bucket handed over before
+        it, so every rank issues its collectives in one order: a future of ``t``. For small exact exchanges beside
+        the buckets (which parameters got a gradient, :meth:`SyncMode.start_used`)."""
+        return self._thread.submit(self.wire.all_reduce, t)
+
     def _send(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> torch.futures.Future:
         """Hand the bucket to the communication thread, or, when that thread has nothing left to
         issue and the bucket needs only all-reduces (fp32, bf16, fp16, random-k), issue them here,

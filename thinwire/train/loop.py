@@ -299,6 +299,8 @@ class Trainer:
                 loss += part.detach()
             if isinstance(self.comm, PeerComm):
                 self.comm.count_step_without_hook()
+            if self.sync.name != "allreduce":
+                self._check_gradients()
             self.sync.before_step()  # delayed: the last step's average becomes the gradient
             wait = self.clock.exposed_wait(time.perf_counter(), t2)
             skipped = self.prec.runner.step(self.opt, self.ddp.parameters(), self.cfg.grad_clip)
@@ -640,9 +642,21 @@ class Trainer:
             return None
         trainable = [name for name, p in self._module().named_parameters() if p.requires_grad]
         names = [trainable[int(i)] if int(i) < len(trainable) else f"#{i}" for i in found.group(1).split()]
+        return self._no_gradient(names, self.step)  # DDP says so in the next step's forward
+
+    def _check_gradients(self) -> None:
+        """A mode that averages outside DDP's backward (DDP's ``no_sync``: its own check for parameters without a
+        gradient is off there): refuse a trainable parameter that got none, as DDP does in ``allreduce`` (the mode
+        would average zeros for it, and weight decay and momentum would move what the loss does not use)."""
+        missing = [name for name, p in self._module().named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise self._no_gradient(missing, self.step + 1)
+
+    @staticmethod
+    def _no_gradient(names: list[str], step: int) -> ThinwireError:
         return ThinwireError(f"model: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} got no gradient in step "
-                             f"{self.step}: the loss does not depend on {'it' if len(names) == 1 else 'them'}. Every "
-                             "trainable parameter is averaged every step, so each must get a gradient: freeze what the "
+                             f"{step}: the loss does not depend on {'it' if len(names) == 1 else 'them'}. thinwire train "
+                             "averages every trainable parameter, so each must get a gradient every step: freeze what the "
                              "forward does not use (p.requires_grad_(False) in your workload) or remove it from the model.")
 
     def _samples(self) -> int:

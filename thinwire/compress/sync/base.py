@@ -130,6 +130,9 @@ class SyncMode:
         self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
         self.optimizer = None     # the step's optimizer (set by :meth:`step`, or by a trainer that steps itself)
         self.clip: float | None = None  # the gradient norm the trainer clips to (delayed's prediction clips alike)
+        # DDP's find_unused_parameters: a parameter no rank gave a gradient keeps none, so the optimizer skips it
+        # (weight decay and momentum do not move a layer or branch that no rank ran), as under DDP
+        self.find_unused = bool(getattr(model, "find_unused_parameters", False))
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -150,6 +153,16 @@ class SyncMode:
 
     def after_step(self) -> None:
         """After the optimizer step: parameter averaging happens here."""
+
+    def start_used(self, params: list[torch.nn.Parameter]) -> torch.futures.Future | None:
+        """Where the model was wrapped with ``find_unused_parameters`` (DDP's flag for a forward that may leave
+        parameters out): start the exact sum over the ranks of which of ``params`` got a gradient on each (one
+        fp32 flag per parameter, as DDP exchanges its bitmap), for :func:`drop_unused`; None otherwise (DDP refuses
+        a parameter without a gradient there, and its ``no_sync`` leaves that to the mode)."""
+        if not self.find_unused or not params:
+            return None
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+        return self.comm.sum_exact(flags)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop."""
@@ -253,6 +266,17 @@ class SyncMode:
         self.comm.close()
 
 
+def drop_unused(params: list[torch.nn.Parameter], used: Tensor | torch.futures.Future | None) -> None:
+    """Clear the gradient of each parameter that no rank used (``used``: :meth:`SyncMode.start_used`'s sum, or its
+    future), which averaging filled with zeros: the optimizer then skips it, as it does under DDP."""
+    if used is None:
+        return
+    flags = used.wait() if isinstance(used, torch.futures.Future) else used
+    for p, n in zip(params, flags.tolist()):
+        if n == 0:
+            p.grad = None
+
+
 class Averaged(SyncMode):
     """``allreduce`` for a module that DDP does not wrap (a pipeline stage, :mod:`thinwire.pipeline`):
     after backward, the gradients are averaged in flat buckets through the codec with error feedback,
@@ -266,11 +290,13 @@ class Averaged(SyncMode):
     def before_step(self) -> None:
         params = self.buckets.params
         futures = self.buckets.average(self.comm, self.buckets.flatten([p.grad for p in params]))
+        used = self.start_used(params)
         for p, g in zip(params, self.buckets.unflatten([f.wait() for f in futures])):
             if p.grad is None:
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
+        drop_unused(params, used)
 
 
 class Unwrapped:

@@ -51,7 +51,7 @@ import math
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, drop_unused, on_device
 from thinwire.perf.sync import delayed_step_s
 
 
@@ -114,7 +114,7 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
 
 class Delayed(SyncMode):
     name = "delayed"
-    state_keys = ("started", "pending", "held", "own")
+    state_keys = ("started", "pending", "held", "own", "used")
     buffers_diverge = True  # forward runs under no_sync: DDP sends no buffers, each rank keeps its own statistics
     key_offset = 0  # error-feedback keys of its buckets start here (``auto`` shares a CommState with the DDP hook)
 
@@ -122,6 +122,7 @@ class Delayed(SyncMode):
         super().__init__(model, comm, spec)
         self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
         self.pending: list = []           # futures (in flight) or tensors (done) of the last step's averages
+        self.pending_used = None          # find_unused_parameters: which parameters some rank used in that step
         self.started = False              # whether any step's average exists (after a resume: loaded)
         self.predict = getattr(spec, "predict", "own")  # own, last or off (SyncSpec's PREDICTORS)
         self.clip: float | None = None    # own: the gradient norm the trainer clips to (set by the trainer)
@@ -201,26 +202,35 @@ class Delayed(SyncMode):
             finite = all(bool(torch.isfinite(f).all()) for f in flats)
             self.own = [f.clone() for f in flats] if finite else None
         futures = self.buckets.average(self.comm, flats, first=self.key_offset)
+        used = self.start_used(params)
         previous = self._collect() if self.started else None
-        self.pending, self.started = futures, True
+        previous_used = self._collect_used()
+        self.pending, self.pending_used, self.started = futures, used, True
         if previous is None:  # pipeline fill: nothing averaged yet, nothing applied
             for p in params:
                 p.grad = None
             return
         for p, g in zip(params, self.buckets.unflatten(previous)):
             p.grad = g.clone()
+        drop_unused(params, previous_used)
 
     def _collect(self) -> list[Tensor]:
         return [f if isinstance(f, Tensor) else f.wait() for f in self.pending]
 
+    def _collect_used(self) -> Tensor | None:
+        used = self.pending_used
+        return used.wait() if isinstance(used, torch.futures.Future) else used
+
     def flush(self) -> None:
         self.pending = self._collect()
+        self.pending_used = self._collect_used()
 
     def state_dict(self) -> dict:
         self.flush()
         return {"started": self.started, "pending": cpu_list(self.pending) if self.started else None,
                 "held": cpu_list(self.held) if self.predict == "last" and not self.shifted else None,
-                "own": cpu_list(self.own) if self.predict == "own" and self.own is not None else None}
+                "own": cpu_list(self.own) if self.predict == "own" and self.own is not None else None,
+                "used": self.pending_used.cpu().clone() if self.pending_used is not None else None}
 
     def load_state_dict(self, sd: dict) -> None:
         self.check_state(sd)
@@ -228,6 +238,8 @@ class Delayed(SyncMode):
         pending = sd.get("pending")
         like = [torch.empty(0, device=self.buckets.params[0].device)] * len(pending or [])
         self.pending = on_device(pending, like) if pending is not None else []
+        used = sd.get("used")  # a checkpoint without it (or of a model without find_unused_parameters): all used
+        self.pending_used = used.to(like[0].device if like else "cpu").clone() if used is not None else None
         held = sd.get("held") if self.predict == "last" else None  # a checkpoint without it: the next step predicts nothing
         self.held, self.shifted, self.predicted = (on_device(held, self.buckets.params) if held is not None else None), False, False
         own = sd.get("own") if self.predict == "own" else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, drop_unused, on_device
 from thinwire.perf.sync import periodic_step_s
 
 
@@ -63,8 +63,10 @@ class LocalSGD(SyncMode):
         for flat in flats:
             self.comm.bytes_raw += flat.numel() * flat.element_size()  # averaged, as the hook counts it
             self.comm.wire.all_reduce(flat).div_(self.comm.wire.world)
+        used = self.start_used(params)
         for p, g in zip(params, self.buckets.unflatten(flats)):
             p.grad = g.clone()
+        drop_unused(params, used)
 
     def after_step(self) -> None:
         self.steps += 1
