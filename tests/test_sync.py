@@ -503,6 +503,35 @@ def test_local_warmup_averages_gradients_every_step():
     assert out[0]["sent"] == [4 * numel, 4 * numel, 0, 0, 0, 4 * numel]
 
 
+def _warmup_through(rank: int, world: int, codec: str) -> dict:
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, "local:period=4,warmup=2", codec=codec, min_compress_bytes=0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    sent = []
+    for step in range(2):
+        before = sync.comm.wire.bytes_sent
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+        sent.append(sync.comm.wire.bytes_sent - before)
+    out = {"sent": sent, "counts": dict(sync.comm.stats()["counts"]), "params": copy.deepcopy(ddp.module.state_dict())}
+    sync.close()
+    return out
+
+
+def test_local_warmup_averages_gradients_through_the_codec():
+    """The warm-up's gradient averages travel as ``allreduce``'s do: int8's bytes, not fp32's (on a thin link
+    100 fp32 warm-up steps cost twice int8's), and the ranks stay equal."""
+    got, exact = run_ranks(_warmup_through, 2, "int8:block=8"), run_ranks(_warmup_through, 2, "none")
+    assert got[0]["counts"].get("int8") == 2 and "fp32" not in got[0]["counts"], got[0]["counts"]
+    assert all(a < b for a, b in zip(got[0]["sent"], exact[0]["sent"])), (got[0]["sent"], exact[0]["sent"])
+    for k, v in got[0]["params"].items():
+        assert torch.equal(v, got[1]["params"][k]), k
+        torch.testing.assert_close(v, exact[0]["params"][k], rtol=0, atol=0.01)  # int8's rounding, not another step
+
+
 def _consensus(rank: int, world: int, mode: str, steps: int = 2, norm: bool = False) -> dict:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)) if norm else _net()

@@ -277,6 +277,20 @@ def drop_unused(params: list[torch.nn.Parameter], used: Tensor | torch.futures.F
             p.grad = None
 
 
+def average_gradients(mode: SyncMode, buckets: Buckets, first: int = 0) -> None:
+    """Set each of ``buckets``' parameters' gradient to the ranks' average, through ``mode``'s codec with error
+    feedback (residuals under keys ``first`` on), blocking; a parameter no rank used keeps none (:func:`drop_unused`)."""
+    params = buckets.params
+    futures = buckets.average(mode.comm, buckets.flatten([p.grad for p in params]), first=first)
+    used = mode.start_used(params)
+    for p, g in zip(params, buckets.unflatten([f.wait() for f in futures])):
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+    drop_unused(params, used)
+
+
 class Averaged(SyncMode):
     """``allreduce`` for a module that DDP does not wrap (a pipeline stage, :mod:`thinwire.pipeline`):
     after backward, the gradients are averaged in flat buckets through the codec with error feedback,
@@ -288,15 +302,7 @@ class Averaged(SyncMode):
         self.buckets = Buckets.trainable(model, int(bucket_mb * 2**20))
 
     def before_step(self) -> None:
-        params = self.buckets.params
-        futures = self.buckets.average(self.comm, self.buckets.flatten([p.grad for p in params]))
-        used = self.start_used(params)
-        for p, g in zip(params, self.buckets.unflatten([f.wait() for f in futures])):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-        drop_unused(params, used)
+        average_gradients(self, self.buckets)
 
 
 class Unwrapped:

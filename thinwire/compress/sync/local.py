@@ -4,8 +4,9 @@ The semantics of PyTorch's ``PostLocalSGDState(start_localSGD_iter=W)`` with
 ``PeriodicModelAverager(period=H, warmup_steps=W)`` (Lin et al., "Don't Use Large Mini-Batches, Use
 Local SGD", ICLR 2020, https://arxiv.org/abs/1808.07217):
 
-1. for the first W steps gradients are averaged exactly (fp32) before each optimizer step, so all
-   ranks stay identical (PyTorch's warm-up all-reduce);
+1. for the first W steps gradients are averaged before each optimizer step, so all ranks stay identical
+   (PyTorch's warm-up all-reduce), through the codec with error feedback as ``allreduce`` averages them
+   (PyTorch's is fp32: the same here with ``--compression none``; a thin link pays the codec's bytes, not fp32's);
 2. then every rank steps on its own gradients, with its own optimizer state;
 3. after every H-th local step the parameters are averaged. Here the *change* since the last average
    travels (the anchor ``a`` minus the parameters: ``d_i = a - x_i``), through the codec with error
@@ -22,8 +23,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, drop_unused, on_device
+from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, average_gradients, cpu_list, on_device
 from thinwire.perf.sync import periodic_step_s
+
+GRADIENT_KEYS = 1 << 21  # the warm-up's gradient buckets' residual keys, apart from the parameter averages' (0, 1, ...)
 
 
 class LocalSGD(SyncMode):
@@ -57,16 +60,10 @@ class LocalSGD(SyncMode):
             self.anchor = self._flat_params()
 
     def warmup_average(self) -> None:
-        """A synchronous warm-up step: the exact gradient average, uncompressed (as PyTorch's post-local SGD)."""
-        params = self.buckets.params
-        flats = self.buckets.flatten([p.grad for p in params])
-        for flat in flats:
-            self.comm.bytes_raw += flat.numel() * flat.element_size()  # averaged, as the hook counts it
-            self.comm.wire.all_reduce(flat).div_(self.comm.wire.world)
-        used = self.start_used(params)
-        for p, g in zip(params, self.buckets.unflatten(flats)):
-            p.grad = g.clone()
-        drop_unused(params, used)
+        """A synchronous warm-up step: the gradients averaged through the codec with error feedback, as
+        ``allreduce`` averages them (PyTorch's post-local SGD all-reduces them in fp32: the same with
+        ``--compression none``), under residual keys of their own (the parameter averages' are another quantity's)."""
+        average_gradients(self, self.buckets, first=GRADIENT_KEYS)
 
     def after_step(self) -> None:
         self.steps += 1
