@@ -350,6 +350,29 @@ def test_delayed_resumes_exactly_in_a_users_loop_given_its_optimizer():
         assert torch.equal(straight[k], resumed[k]), k
 
 
+def _auto_resumed(rank: int, world: int, stop: int | None) -> dict:
+    """``auto`` that has chosen delayed (as a checkpoint taken after its choice holds it), in a user's loop."""
+    import thinwire.compress.sync.choose as choose
+
+    init = choose.ChooseSync.__init__
+
+    def chosen(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.choice, self.delayed.active = "delayed", True
+
+    choose.ChooseSync.__init__ = chosen
+    return _loop_resumed(rank, world, stop, "auto")
+
+
+def test_auto_resumed_on_delayed_predicts_with_the_optimizer_it_was_given():
+    """``thinwire.sync(..., "auto", optimizer=opt)`` handed the optimizer to its delayed mode only after a step: a
+    resumed run's first forward fell back to repeating the last update, saying no optimizer was passed."""
+    straight = run_ranks(_auto_resumed, 2, None)[0]
+    resumed = run_ranks(_auto_resumed, 2, 4)[0]
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
 def _delayed_with_a_nan(rank: int, world: int) -> list[int]:
     """A user's loop that skips the optimizer step on a non-finite gradient, as the trainer does; rank 1's loss is
     NaN at step 2 only. The steps it skipped."""
@@ -501,6 +524,37 @@ def test_local_warmup_averages_gradients_every_step():
     out = run_ranks(_train, 2, "local:period=4,warmup=2", "none")
     numel = 5 * 3 + 3
     assert out[0]["sent"] == [4 * numel, 4 * numel, 0, 0, 0, 4 * numel]
+
+
+class _EmptyFirst(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.extra, self.lin = torch.nn.Parameter(torch.zeros(0)), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _empty_first(rank: int, world: int, mode: str) -> torch.Tensor:
+    ddp = DistributedDataParallel(_EmptyFirst())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    sync = thinwire.sync(ddp, mode, codec="none", optimizer=opt)
+    for step in range(2):
+        x, y = _data(step, rank)
+        with sync.no_sync():
+            _loss(ddp, x, y).backward()
+        sync.step(opt)
+        opt.zero_grad(set_to_none=True)
+    sync.close()
+    return ddp.module.lin.weight.detach().clone()
+
+
+@pytest.mark.parametrize("mode", ["local:period=2", "delayed"])
+def test_a_model_whose_first_parameter_is_empty_is_averaged(mode):
+    """A 0-element first parameter left the buckets without a first group (IndexError in every mode but allreduce)."""
+    got = run_ranks(_empty_first, 2, mode)
+    assert torch.equal(got[0], got[1])
 
 
 def _warmup_through(rank: int, world: int, codec: str) -> dict:

@@ -38,7 +38,7 @@ class Buckets:
         self.groups: list[list[int]] = []
         size = cap_bytes
         for i, p in enumerate(params):
-            if size + p.numel() * 4 > cap_bytes and (not self.groups or self.groups[-1]):
+            if not self.groups or (size + p.numel() * 4 > cap_bytes and self.groups[-1]):
                 self.groups.append([])
                 size = 0
             self.groups[-1].append(i)

@@ -49,6 +49,7 @@ class ChooseSync(SyncMode):
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec)
         self.delayed = Delayed(model, comm, spec, bucket_mb=bucket_mb)
+        self.delayed.optimizer, self.delayed.clip = self.optimizer, self.clip
         self.delayed.key_offset = KEY_OFFSET
         self.delayed.active = False  # its weight prediction only while delayed runs
         self.warmup, self.trial = spec.warmup, spec.trial
@@ -61,6 +62,28 @@ class ChooseSync(SyncMode):
             self.choice, self.by_guard = "allreduce", True
         else:
             self.by_guard = False
+
+    # the step's optimizer and clip reach delayed's weight prediction as soon as they are set (``thinwire.sync(...,
+    # optimizer=)``, the trainer): a resumed run's first forward predicts with them, before any after_step
+    @property
+    def optimizer(self):
+        return self.__dict__.get("_optimizer")
+
+    @optimizer.setter
+    def optimizer(self, value) -> None:
+        self.__dict__["_optimizer"] = value
+        if "delayed" in self.__dict__:
+            self.delayed.optimizer = value
+
+    @property
+    def clip(self):
+        return self.__dict__.get("_clip")
+
+    @clip.setter
+    def clip(self, value) -> None:
+        self.__dict__["_clip"] = value
+        if "delayed" in self.__dict__:
+            self.delayed.clip = value
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -86,7 +109,6 @@ class ChooseSync(SyncMode):
             self.delayed.before_step()
 
     def after_step(self) -> None:
-        self.delayed.optimizer, self.delayed.clip = self.optimizer, self.clip  # its prediction's optimizer step
         now, step = time.perf_counter(), self.steps  # the step that just ended: [the last after_step, now]
         if self.choice is None and self._last is not None:
             if self.warmup <= step < self.warmup + self.trial:
