@@ -150,6 +150,19 @@ def test_zero_steps_or_batch_is_refused_not_taken_for_the_default(tmp_path):
     assert not (tmp_path / "s").exists() and not (tmp_path / "p.yaml").exists()
 
 
+def test_simulate_refuses_the_switch_without_one_and_a_folder_for_a_profile(tmp_path):
+    """`simulate --aggregation switch` priced an aggregator the spec does not have (train refuses it); a folder passed
+    as --profile was said not to exist."""
+    spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
+    assert_refused(thinwire("simulate", "--cluster", spec, "--workload", "digits", "--compression", "int8",
+                            "--aggregation", "switch", "--out", str(tmp_path / "s")),
+                   r"--aggregation: must be a cluster spec with a switch: section \(.*pair-100mbit.yaml has none\)")
+    (tmp_path / "folder").mkdir()
+    assert_refused(thinwire("simulate", "--cluster", spec, "--profile", str(tmp_path / "folder"), "--out",
+                            str(tmp_path / "s")), r"profile: '.*folder' is a folder, not a file")
+    assert not (tmp_path / "s").exists()
+
+
 def test_nproc_with_a_cluster_is_refused_not_ignored(tmp_path):
     """The world size with --cluster is the spec's hosts: --nproc 3 there was silently ignored."""
     spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")

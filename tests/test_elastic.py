@@ -209,3 +209,22 @@ def test_a_killed_host_leaves_the_rest_go_on_and_it_joins_again_when_restored(tm
         c.down()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 3 and summary["val_accuracy"] > 0.9
+
+
+def test_under_your_own_torchrun_a_worker_that_lost_a_peer_says_one_line():
+    """`torchrun ... -m thinwire train`: the worker whose peer died printed gloo's whole traceback (the lost-peer
+    line was only in `thinwire train`'s own workers)."""
+    import subprocess
+    import sys
+
+    code = ("import thinwire.cli.train as t\n"
+            "def lost(cfg):\n"
+            "    raise RuntimeError('[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:45478: '\n"
+            "                       'Connection reset by peer')\n"
+            "t._train_here = lost\n"
+            "class Env:\n"
+            "    rank = 1\n"
+            "t._train_as_worker(None, Env())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == "thinwire[1]: stopped: lost another worker (Read error [127.0.0.1]:45478: Connection reset by peer)"

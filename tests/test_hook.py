@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -128,6 +129,73 @@ def test_powersgd_matches_reference_low_rank():
     got_a, got_m = results[0]["grads"][0]
     torch.testing.assert_close(got_m, expected_m, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_a, true_mean(world)[0], rtol=1e-6, atol=1e-6)  # vectors go uncompressed
+
+
+def _powersgd_rank_one(rank, world, bad_step):
+    """PowerSGD rank 4 on a Linear layer whose gradient is rank 1 on every rank (batch 1, inputs along one
+    direction); rank 1's input infinite at ``bad_step``. Each step's average against the exact one."""
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    d = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    ddp = DDP(nn.Linear(64, 64, bias=False))
+    state = thinwire.attach(ddp, "powersgd:rank=4", min_compress_bytes=0)
+    errors = []
+    for step in range(6):
+        x = (d * (step + 1 + rank)).unsqueeze(0)
+        if rank == 1 and step == bad_step:
+            x[0, 0] = float("inf")
+        ddp.module.weight.grad = None
+        ddp(x).sum().backward()
+        exact = torch.ones(64, 1) @ (d * (step + 1 + (world - 1) / 2)).unsqueeze(0)
+        errors.append(rel(ddp.module.weight.grad, exact))
+    state.close()
+    return errors
+
+
+@pytest.mark.parametrize("bad_step", [None, 2])
+def test_powersgd_sends_a_gradient_of_lower_rank_exactly_and_recovers_from_a_non_finite_step(bad_step):
+    """A gradient of rank below r is captured exactly (PyTorch's hook: relative error 0): Gram-Schmidt turned the
+    dependent columns' rounding noise into unit vectors, so a step delivered 2x the gradient, then 0.8x, ... A
+    non-finite step was kept in the warm-start Q, and every later step was NaN."""
+    errors = run_ranks(_powersgd_rank_one, 2, bad_step)[0]
+    for step, e in enumerate(errors):
+        if step == bad_step:
+            assert e != e, errors  # NaN: the step every rank skips
+        else:
+            assert e < 1e-4, errors
+
+
+def _subgroups(rank, world):
+    """Two DDP replicas groups of two ranks each: plain DDP, thinwire's hook and a sync mode, one step each."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thinwire
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = []
+    for how in ("ddp", "attach", "sync"):
+        torch.manual_seed(0)
+        ddp = DDP(nn.Linear(8, 1), process_group=groups[rank // 2])
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        mode = thinwire.attach(ddp, "none") if how == "attach" else \
+            thinwire.sync(ddp, "local:period=1,warmup=0", optimizer=opt) if how == "sync" else None
+        with mode.no_sync() if how == "sync" else contextlib.nullcontext():
+            ddp(torch.full((1, 8), float(rank + 1))).sum().backward()
+        mode.step(opt) if how == "sync" else opt.step()
+        out.append(ddp.module.weight.detach().clone())
+        if mode is not None:
+            mode.close()
+    return out
+
+
+def test_a_ddp_model_over_a_group_of_its_own_is_averaged_over_that_group():
+    """thinwire averaged over a new group of every rank, whatever group DDP was given (replicas of a sharded
+    model): each replica group got the average of all four."""
+    for rank, (ddp, attached, synced) in enumerate(run_ranks(_subgroups, 4)):
+        assert torch.equal(attached, ddp) and torch.allclose(synced, ddp, atol=1e-7), (rank, ddp, attached, synced)
 
 
 def test_powersgd_result_scales_with_the_gradient():

@@ -292,6 +292,25 @@ def test_a_user_workload_that_cannot_be_built_says_why_in_one_paragraph(name, op
         build_workload(name, options, None)
 
 
+@pytest.mark.parametrize("source, match", [
+    ("def make(:\n", r"module 'tw_broken_workload' raised SyntaxError as it was imported: .* \(at .*tw_broken_workload.py:1\)"),
+    ("raise RuntimeError('no GPU here')\n",
+     r"module 'tw_broken_workload' raised RuntimeError as it was imported: 'no GPU here' \(at .*tw_broken_workload.py:1, "),
+])
+def test_a_user_workload_module_that_fails_as_it_loads_says_where_in_one_paragraph(tmp_path, monkeypatch, source, match):
+    """Only ImportError was caught: a syntax error or an exception at import time was a traceback."""
+    import sys
+
+    from thinwire.workloads.registry import build_workload
+
+    (tmp_path / "tw_broken_workload.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "tw_broken_workload", raising=False)
+    with pytest.raises(ThinwireError, match=match):
+        build_workload("tw_broken_workload:make", {}, None)
+
+
 def test_a_user_workload_in_the_current_folder_is_found(tmp_path, monkeypatch):
     """`thinwire train --workload mywl:make` from the folder that holds mywl.py, as `python -m` would find it (it said
     "cannot import module 'mywl' ... Check that it is on PYTHONPATH"); the folder goes last on the path."""

@@ -872,6 +872,27 @@ def test_shadow_guard_keeps_out_codecs_that_leave_most_of_the_gradient_behind():
     assert policy.shadows.residuals == {} and policy.shadows.errors[0] == errs
 
 
+def test_a_non_finite_gradient_leaves_the_shadows_as_they_were():
+    """A skipped step (fp16's loss scale) folded into the shadows' residuals and PowerSGD's warm-start Q made
+    every later error NaN."""
+    import torch
+
+    from thinwire.auto.shadow import ShadowRuns
+    from thinwire.compress.spec import parse_codec_spec
+
+    specs = ("int8", "powersgd:rank=2")
+    shadows = ShadowRuns({s: parse_codec_spec(s) for s in specs}, window=4)
+    shadows.shapes[0] = [(20, 50)]
+    g = torch.Generator().manual_seed(0)
+    shadows.run(0, torch.randn(1000, generator=g), warm=True, current="none")
+    bad = torch.randn(1000, generator=g)
+    bad[3] = float("inf")
+    shadows.run(0, bad, warm=True, current="none")
+    shadows.run(0, torch.randn(1000, generator=g), warm=True, current="none")
+    assert all(0 < e < 1 for e in shadows.errors[0].values()), shadows.errors
+    assert all(torch.isfinite(r).all() for r in shadows.residuals.values())
+
+
 def test_auto_times_codecs_in_the_warm_up_shadows_and_measures_only_the_rest(monkeypatch):
     """The warm-up's shadows encode and decode every lossy candidate on the real buckets: their times
     are the codec costs the model prices with; only what did not run in shadow as itself (a low-rank

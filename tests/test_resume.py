@@ -454,3 +454,19 @@ def test_a_short_fp16_run_whose_loss_scaler_is_still_searching_is_no_divergence(
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "lost another worker" not in r.stderr and r.stderr.count("training diverged") >= 2, r.stderr[-3000:]
+
+
+def test_a_resume_with_nothing_to_train_writes_no_summary_of_a_job_that_never_ran(tmp_path):
+    """A run stopped at step 8 (no summary yet), resumed with --steps 4: nothing to train, and no summary.json of a
+    4-step job; resumed with --steps 8 (stopped between its last checkpoint and its summary): the summary is written."""
+    out = tmp_path / "run"
+    first = thinwire("train", "--workload", "digits", "--steps", "8", "--checkpoint-every", "4", "--eval-every", "8",
+                     "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    (out / "summary.json").unlink()  # as if stopped after its last checkpoint
+    listing = sorted(p.name for p in out.iterdir())
+    again = thinwire("train", "--resume", str(out), "--steps", "4")
+    assert again.returncode == 0 and "nothing to train" in " ".join(again.stdout.split()), again.stdout[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == listing
+    done = thinwire("train", "--resume", str(out))
+    assert done.returncode == 0 and json.loads((out / "summary.json").read_text())["steps"] == 8, done.stderr[-2000:]

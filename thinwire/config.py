@@ -359,7 +359,11 @@ def load_yaml(path: str | Path, *, what: str = "config file") -> dict:
     label = f"{what} {short(str(p))}"
     if p.stat().st_size > MAX_FILE_BYTES:
         raise ConfigError(label, f"{p.stat().st_size} bytes", f"at most {MAX_FILE_BYTES} bytes")
-    data = parse_yaml(p.read_bytes(), what=label)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ThinwireError(f"{label} could not be read ({e.strerror or e}). Pass a readable YAML file.") from None
+    data = parse_yaml(raw, what=label)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -469,6 +473,8 @@ def _is_kind(path: Path, keys: tuple[str, ...]) -> bool:
 
 def load_dataclass(cls: type[T], path: str | Path, *, what: str, make: str) -> T:
     """A ``cls`` read and checked from YAML file ``path``; a missing file says how to ``make`` one."""
+    if Path(path).is_dir():
+        raise ThinwireError(f"{what}: {short(str(path))} is a folder, not a file. Pass the file itself. {make}")
     if not Path(path).is_file():
         raise ThinwireError(f"{what}: file {short(str(path))} does not exist. {make}")
     data = load_yaml(path, what=what)

@@ -77,6 +77,8 @@ class ShadowRuns:
     def run(self, bucket: int, buf: torch.Tensor, *, warm: bool, current: str) -> None:
         """One step of every lossy candidate's shadow (warm-up), or of ``current``'s (in use)."""
         x = buf.detach().float().flatten()
+        if not bool(torch.isfinite(x).all()):  # a step that is skipped (fp16's loss scale, a spike): folded into the
+            return                             # residuals and warm-start Q it would make every later error NaN
         errors = {spec: self._step(bucket, spec, codec, x) for spec, codec in self.codecs.items()
                   if not codec.lossless and (warm or spec == current)}
         if warm:

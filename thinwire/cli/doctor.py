@@ -15,6 +15,7 @@ from thinwire.cli.common import COMMANDS, add_workload_args
 from thinwire.config import check_writable
 from thinwire.errors import ThinwireError
 from thinwire.measure.file import gap_text
+from thinwire.measure.foreign import ForeignCpu, busy_warning
 
 EPILOG = """examples:
   thinwire doctor --nproc 2                                   # charlm on 2 local workers
@@ -81,20 +82,23 @@ def run(args: argparse.Namespace) -> int:
             show(_guarded(report, guard, args.guard, out), as_json=args.json)
         return 0
     save_config(cfg, out / "config.yaml")
-    if cfg.cluster:
-        from thinwire.train.cluster_launch import launch_cluster
+    with ForeignCpu() as foreign:  # other processes' CPU while the trials ran: they move every timing doctor compares
+        if cfg.cluster:
+            from thinwire.train.cluster_launch import launch_cluster
 
-        # with a `switch:` in the spec its aggregator runs too, and int8 is tried through it
-        launch_cluster(cfg, out / "config.yaml", module="thinwire.doctor.worker",
-                       aggregator=load_cluster_spec(cfg.cluster).switch is not None)
-    else:
-        from thinwire.train.launch import launch_local
+            # with a `switch:` in the spec its aggregator runs too, and int8 is tried through it
+            launch_cluster(cfg, out / "config.yaml", module="thinwire.doctor.worker",
+                           aggregator=load_cluster_spec(cfg.cluster).switch is not None)
+        else:
+            from thinwire.train.launch import launch_local
 
-        launch_local(cfg, out / "config.yaml", module="thinwire.doctor.worker")
+            launch_local(cfg, out / "config.yaml", module="thinwire.doctor.worker")
     path = out / REPORT
     if not path.is_file():
         raise ThinwireError(f"doctor: the workers finished without writing {path}; see their output above")
     show(_guarded(json.loads(path.read_text()), guard, args.guard, out), as_json=args.json)
+    if warning := busy_warning(foreign.cores, "doctor measured (its advice may change from run to run)"):
+        Console(stderr=True).print(f"[yellow]{warning}[/yellow]")
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -14,9 +13,8 @@ from thinwire.cli.common import COMMANDS, add_workload_args, model_options, spli
 from thinwire.compress.spec import REGISTRY, default_candidates, parse_codec_spec, spec_string
 from thinwire.config import check, check_writable
 from thinwire.errors import ConfigError
-from thinwire.measure.foreign import ForeignCpu
+from thinwire.measure.foreign import ForeignCpu, busy_warning
 
-FOREIGN_WARN_CORES = 0.25  # other processes' average cores while profiling above which the profile warns
 
 EPILOG = """examples:
   thinwire profile --workload charlm --out charlm.profile.yaml
@@ -124,11 +122,8 @@ def run(args: argparse.Namespace) -> int:
         Console(stderr=True).print(f"[yellow]one batch size measured ({sizes[0]} per rank): `plan` and `simulate` will "
                                    "price every other one in proportion to it. Give two or more with --batch-sizes "
                                    "for a line that holds a cost per step.[/yellow]")
-    if foreign.cores > FOREIGN_WARN_CORES:
-        Console(stderr=True).print(
-            f"[yellow]Other processes used {foreign.cores:.1f} of this machine's {os.cpu_count()} cores on average "
-            "while the profile measured: its step and codec times are likely slower and noisier than this machine's "
-            "own, and so are the predictions made from it. Profile again when the machine is quiet.[/yellow]")
+    if warning := busy_warning(foreign.cores, "the profile measured"):
+        Console(stderr=True).print(f"[yellow]{warning}[/yellow]")
     return 0
 
 

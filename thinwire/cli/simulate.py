@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     sync = check_sync_pairing(sync, comm)  # auto:guard= resolved: delayed ruled out by the guard is not priced
     check(not (args.validate and sync.mode != "allreduce"), "--sync", args.sync, "allreduce with --validate",
           "--validate runs allreduce only; simulate the mode without it.")
+    check(args.aggregation != "switch" or spec.switch is not None, "--aggregation", "switch",
+          f"a cluster spec with a switch: section ({args.cluster} has none)",
+          "Add switch: (the aggregator's cpu and link) to the spec, as `thinwire train --aggregation switch` needs, or "
+          "leave --aggregation out.")
     hosts = parse_hosts(args.hosts) if args.hosts else None
     if sync.mode == "gossip":  # a topology a host count cannot form is refused, as train refuses it
         from thinwire.compress.sync.gossip import check_topology

@@ -369,8 +369,8 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     ``codec`` is a spec string (``"int8:block=64"``, ``"topk:ratio=0.01"``, ``"powersgd:rank=4"``;
     see ``thinwire codecs``), a codec object, or a policy choosing one per bucket.
     Buckets under ``min_compress_bytes`` and the first ``warmup_steps`` steps go uncompressed.
-    ``process_group``: the group to average over; by default a new group over all ranks, so the
-    hook's collectives never interleave with the script's own; ``timeout_s`` bounds how long one of
+    ``process_group``: the group to average over; by default a new group over the ranks of DDP's own (all
+    ranks unless DDP was given a group), so the hook's collectives never interleave with the script's own; ``timeout_s`` bounds how long one of
     its collectives may block (a dead peer or a cut link) before the step fails.
 
     Example::
@@ -391,7 +391,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
         raise ValueError(f"thinwire.attach: {e}") from None
     policy = _as_policy(codec)
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-    group = process_group if process_group is not None else dist.new_group(backend=dist.get_backend(), timeout=timeout)
+    group = process_group if process_group is not None else group_like(model, timeout)
     state = CommState(policy, error_feedback=error_feedback, warmup_steps=warmup_steps,
                       min_compress_bytes=min_compress_bytes, nonfinite=nonfinite, group=group)
     try:
@@ -403,6 +403,24 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
     policy.bind(state, model.module)  # online policies (e.g. "auto") measure through the state
     model._thinwire_state = state
     return state
+
+
+def group_like(model: DistributedDataParallel, timeout: datetime.timedelta | None = None):
+    """A new process group over the ranks DDP averages over (all of them, unless it was given a group of its
+    own: replicas of a sharded model, two jobs in one), so thinwire's collectives never interleave with the script's
+    own and average over the same ranks as DDP would. A collective over all ranks, as every ``new_group`` is."""
+    ranks = dist.get_process_group_ranks(model.process_group)
+    world = dist.get_world_size()
+    if len(ranks) == world:
+        return dist.new_group(backend=dist.get_backend(), timeout=timeout)
+    every = [None] * world  # each rank's DDP group: every rank creates every one of them, in one order
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for members in sorted({tuple(r) for r in every}):
+        group = dist.new_group(list(members), backend=dist.get_backend(), timeout=timeout)
+        if list(members) == list(ranks):
+            mine = group
+    return mine
 
 
 def check_options(*, error_feedback: bool = True, warmup_steps: int = 0, min_compress_bytes: int = 0,

@@ -164,10 +164,11 @@ def _recommend(worth: bool, best: dict, comm_share: float, job: str, cluster: st
                        f"{WORTH - 1:.0%} faster: {_sync_instead(list(sync_rows), job)}",
                 "command": None}
     c = best["codec"]
-    how = "in its trial" if best["source"] == "trial" else "by the model"
+    than = ("fp32 through the same hook in the same trials" if best["source"] == "trial" else
+            "DDP fp32 (by the model)")
     return {"action": "compress", "codec": c, "speedup": best["speedup"],
             "why": f"communication is {comm_share:.0%} of the step; {c} is {best['speedup']:.2f}x faster per step than "
-                   f"DDP fp32 ({how}). Its loss at equal samples is not measured here: `thinwire profile` runs the "
+                   f"{than}. Its loss at equal samples is not measured here: `thinwire profile` runs the "
                    "convergence guard and `thinwire plan` ranks codecs by time to fp32's loss",
             **_commands(c, job, cluster)}
 

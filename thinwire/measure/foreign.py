@@ -17,6 +17,18 @@ import time
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+WARN_CORES = 0.25  # other processes' average cores while measuring above which profile and doctor warn
+
+
+def busy_warning(cores: float, what: str) -> str | None:
+    """The warning a measurement gets when other processes used ``cores`` meanwhile (None: quiet enough)."""
+    if cores <= WARN_CORES:
+        return None
+    return (f"Other processes used {cores:.1f} of this machine's {os.cpu_count()} cores on average while {what}: its "
+            "step and codec times are likely slower and noisier than this machine's own, and so is what is made from "
+            "them. Run it again when the machine is quiet.")
+
+
 def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         fields = f.readline().split()[1:]

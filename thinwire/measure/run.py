@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from thinwire.config import check, check_range
+from thinwire.errors import ThinwireError, short
 from thinwire.measure.codec_costs import ef_errors, measure_codecs, measure_kernels, measure_wire, sizes_for
 from thinwire.measure.compute import StepTimer, activation_bytes, count_flops, single_process_group, step_gradients
 from thinwire.measure.convergence import GUARD_EVERY, GUARD_STEPS, GUARD_WORLD, measure_convergence
@@ -98,7 +99,16 @@ def profile_workload(*, workload: str, model: dict | None = None, data: str | No
         timer = StepTimer(wl, bucket_mb=bucket_mb, lr=wl.lr, seed=seed)
         points, buckets = [], []
         for b in sorted(set(batch_sizes), reverse=True):
-            point, layout = timer.measure(b, warmup=warmup, reps=reps)
+            try:
+                point, layout = timer.measure(b, warmup=warmup, reps=reps)
+            except (MemoryError, RuntimeError) as e:  # the CPU allocator's "can't allocate memory", CUDA's OOM
+                if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
+                    raise
+                fits = [x for x in batch_sizes if x < b]
+                raise ThinwireError(f"--batch-sizes: a step at batch {b} does not fit in this machine's memory "
+                                    f"({short(str(e).splitlines()[0], 200)}). Pass smaller sizes"
+                                    + (f" (e.g. --batch-sizes {','.join(map(str, sorted(set(fits))))})." if fits else ".")
+                                    ) from None
             points.append(point)
             buckets = buckets or layout
             done(f"step timed at batch {b} ({reps} repetitions)")

@@ -150,6 +150,8 @@ def _grouping_line(pb: Problem, c: Scored) -> str | None:
 def _codec_line(pb: Problem, c: Scored) -> str | None:
     lay = c.layout
     if set(lay.codecs) == {"none"}:
+        if set(pb.codecs) <= {"none"}:  # every other candidate was left out before pricing
+            return "No compression: no codec of --codecs was left to price (the notes say why each was left out)."
         return "No compression: the codecs' own cost would exceed what they save on the wire."
     alt = _ablation(pb, c, codecs=("none",) * len(lay.codecs))
     where = "between group leaders" if lay.groups else "through the switch's aggregator" if lay.switch else "on the ring"

@@ -788,16 +788,18 @@ class Trainer:
             **self._summary_extra(),
         }
         kept = self.out / "summary.json"
-        if not self.step_times and kept.is_file():  # a resume with nothing to train: the run's summary stands
+        # a resume with nothing to train: the folder stays as it was (its summary; none where it was stopped before
+        # this --steps: one would be of a job that never ran), but a run stopped between its last checkpoint and
+        # its summary gets the summary now
+        if not self.step_times and (kept.is_file() or self.step > self.steps):
             try:
-                summary = json.loads(kept.read_text())
+                summary = json.loads(kept.read_text()) if kept.is_file() else summary
             except (OSError, ValueError):
                 pass
-            else:
-                if self.env.is_main:
-                    self.metrics.close()
-                    console.print(summary_table(summary))
-                return summary
+            if self.env.is_main:
+                self.metrics.close()
+                console.print(summary_table(summary))
+            return summary
         if self.env.is_main:
             write_summary(self.out, summary)
             for d in summary.get("auto_decisions", []):  # auto's decisions, for TensorBoard's text tab

@@ -112,7 +112,9 @@ class ShardSampler:
 
     def __init__(self, shard: list[int], seed: int, rank: int) -> None:
         if not shard:
-            raise ConfigError("partition", "shard", "at least one training item per rank", "Use fewer ranks.")
+            raise ConfigError("partition", f"an empty shard for rank {rank}", "at least one training item per rank",
+                              "Use fewer ranks, or give the workload at least as many training items (by_file: "
+                              "files) as ranks.")
         self.shard, self.seed, self.rank = shard, seed, rank
         self._samplers: dict[int, GlobalSampler] = {}
 

@@ -65,6 +65,11 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
     except ImportError as e:
         raise ThinwireError(f"workload: cannot import module {short(module_name)} ({short(str(e), 300)}). "
                             f"Check that it is on PYTHONPATH or in the current folder ({short(here, 200)}).") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed as it loaded: where, in one paragraph
+        where = (f"{e.filename}:{e.lineno}" if isinstance(e, SyntaxError) else
+                 "{0.filename}:{0.lineno}, in {0.name}".format(traceback.extract_tb(e.__traceback__)[-1]))
+        raise ThinwireError(f"workload: module {short(module_name)} raised {type(e).__name__} as it was imported: "
+                            f"{short(str(e), 300)} (at {where}). Import it in Python to see the whole traceback.") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
         what = (f"has no function {short(func_name)}" if fn is None else

@@ -57,23 +57,18 @@ class PowerSGDConfig:
 
 
 def orthogonalize_(m: Tensor) -> Tensor:
-    """Orthonormalise the columns of ``m`` in place by Gram-Schmidt and return it.
+    """Orthonormalise the columns of ``m`` in place (reduced QR, Householder) and return it.
 
-    Column ``i`` is divided by its norm (a zero column stays zero instead of becoming NaN), then its
-    component is removed from the columns after it. O(m r^2) flops for ``m x r``. Same algorithm
-    as PyTorch's ``powerSGD_hook._orthogonalize_gram_schmidt`` with its default epsilon of 0: an
-    absolute epsilon added to the norm shrinks the columns of small matrices (gradient entries of
-    1e-5 make ``M Q`` columns of norm ~1e-7, which ``+ 1e-8`` cuts to 0.9 and the approximation
-    to half of the projection).
-    """
-    for i in range(m.shape[1]):
-        col = m[:, i : i + 1]
-        norm = torch.linalg.vector_norm(col)
-        col.div_(torch.where(norm > 0, norm, 1.0))
-        if i + 1 < m.shape[1]:
-            rest = m[:, i + 1 :]
-            rest.sub_(col * (col * rest).sum(dim=0, keepdim=True))
-    return m
+    Gram-Schmidt (PyTorch's ``powerSGD_hook`` at ranks up to 2, and thinwire's before) divides each column's
+    leftover by its norm: where the gradient's rank is below ``r`` a column depends on the earlier ones, its
+    leftover is rounding noise, and the noise normalised is a unit vector along them, so ``P`` is not orthonormal
+    and ``P Q^T`` is not a projection (twice the gradient was seen, repaid by error feedback the next step).
+    QR gives orthonormal columns at any rank, and no epsilon: it is scale-free (an absolute epsilon added to a
+    norm shrank the columns of tiny gradients)."""
+    if m.numel() == 0:
+        return m
+    q = torch.linalg.qr(m if m.dtype in (torch.float32, torch.float64) else m.float(), mode="reduced").Q
+    return m.copy_(q)
 
 
 def matrix_view(numel: int, shape: tuple[int, ...] | torch.Size) -> tuple[int, int] | None:

@@ -82,7 +82,7 @@ def _powersgd(job: BucketJob) -> tuple[Tensor, bool]:
     out_views = _views_like(out, job.shapes)
     for (i, m, _), p, q in zip(mats, ps, qs):
         out_views[i].view(m.shape).copy_(p @ q.t())
-        if cfg.warm_start:
+        if cfg.warm_start and finite:  # a non-finite Q would start every later step: each of them non-finite
             extra[f"q{job.layout[i][0]}"] = q.clone()
     rest_idx = [i for i in range(len(job.shapes)) if i not in in_mats]
     for i, r in zip(rest_idx, rest_sum):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.compress.hook import MIN_COMPRESS_BYTES, CommState, Policy, attach, refuse_sparse
+from thinwire.compress.hook import MIN_COMPRESS_BYTES, CommState, Policy, attach, group_like, refuse_sparse
 from thinwire.compress.sync.base import Averaged, StepParts, SyncMode, Unwrapped
 from thinwire.compress.sync.choose import ChooseSync
 from thinwire.compress.sync.delayed import Delayed
@@ -65,11 +65,11 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
 
             raise ConfigError("sync", "auto", "a mode without DDP's hook here (allreduce or delayed)",
                               "--sync auto chooses between DDP's all-reduce and delayed; a pipeline stage has no DDP.")
-        comm = attach(model, policy, **options, process_group=dist.new_group(backend=dist.get_backend(),
-                                                                             timeout=timeout))
+        comm = attach(model, policy, **options, process_group=group_like(model, timeout))
         return ChooseSync(model, comm, spec, bucket_mb=bucket_mb)
     if spec.mode == "delayed" or spec.delay > 0 or process_group is None:
-        process_group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+        process_group = (group_like(model, timeout) if isinstance(model, DistributedDataParallel) else
+                         dist.new_group(backend=dist.get_backend(), timeout=timeout))
     comm = CommState(policy, **options, group=process_group)
     policy.bind(comm, model.module)
     mode = Averaged if spec.mode == "allreduce" else kind(spec)
