@@ -82,6 +82,13 @@ def test_one_hot_or_soft_targets_have_classes_for_the_skew_and_for_accuracy():
         labels_of(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2, 2)))
 
 
+def test_by_file_with_fewer_items_than_ranks_is_refused_before_anything_starts():
+    """Each worker failed on its empty shard ("got 'shard'"), and --max-restarts tried again."""
+    with pytest.raises(ConfigError, match=r"partition: must be at least one training item per rank \(3 items for 4 "
+                                          r"ranks\), got 'by_file'"):
+        shards(parse_partition("by_file"), list(range(3)), 4, seed=0)
+
+
 def test_label_skew_needs_classes():
     with pytest.raises(ConfigError, match="partition.*label_skew.*by_file"):
         shards(parse_partition("label_skew:alpha=1"), list(range(10)), 2, seed=0, task="lm")

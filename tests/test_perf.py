@@ -1589,3 +1589,18 @@ def test_simulate_counts_the_worker_process_and_says_which_hosts_cannot_hold_a_r
     assert rc == 0 and "a (100 MiB): below the" in out and "b (" not in out.split("a (100 MiB)")[0], out[-2000:]
     point = json.loads((tmp_path / "sim" / "simulate.json").read_text())["points"][-1]
     assert point["memory"]["runtime"] == 250 * 2**20 and point["memory_per_rank_bytes"] > 250 * 2**20
+
+
+def test_strong_scalings_speedup_is_against_one_host_on_the_whole_batch(tmp_path):
+    """Each row's speedup was against one host on that row's per-host batch: it rose from 2 to 8 hosts while the same
+    global batch got slower. Now one host's step on the whole batch over this one: inverse to the step column."""
+    from thinwire.cluster.spec import load_cluster_spec
+    from thinwire.measure.file import load_profile
+    from thinwire.sim.sweep import SimOptions, simulate
+
+    spec = load_cluster_spec(ROOT / "examples/clusters/two-sites.yaml")
+    points = simulate(spec, load_profile(_profile_file(tmp_path)),
+                      SimOptions(hosts=[1, 2, 4, 8], batch_size=64, scaling="strong"), default_batch=64)
+    one = points[0]
+    for pt in points[1:]:
+        assert pt.speedup / one.speedup == pytest.approx(one.prediction.step_s / pt.prediction.step_s, rel=1e-6)

@@ -806,3 +806,36 @@ def test_the_slowest_ring_edge_is_named_by_what_limits_it():
 
     assert words(10e6, 50e6) == "the access link of h2 at 10 Mbit/s (h1 -> h2)"
     assert words(100e6, 50e6).startswith("the A-B link at 50 Mbit/s")
+
+
+def test_compute_below_the_smallest_measured_batch_is_at_least_in_proportion_to_it():
+    """Superlinear points (15 / 37 / 90 ms at 16 / 32 / 64) fit a line with a negative intercept: 8 samples were
+    priced at 1.6 ms and 4 at 0.5 (the optimizer only), so the planner spread a batch over many hosts for free."""
+    from thinwire.sim.inputs import compute_line
+
+    prof = dataclasses.replace(profile(), compute=[
+        ComputePoint(batch=b, pre_s=f / 3, backward_s=2 * f / 3, post_s=0.001) for b, f in ((16, 0.015), (32, 0.037),
+                                                                                             (64, 0.090))])
+    at16, at8, at4 = (compute_line(prof, b) for b in (16, 8, 4))
+    assert at8.pre_s + at8.backward_s >= 0.5 * (at16.pre_s + at16.backward_s) * 0.999
+    assert at4.pre_s + at4.backward_s >= 0.25 * (at16.pre_s + at16.backward_s) * 0.999
+    at48 = compute_line(prof, 48)  # inside the measured range: the line itself
+    assert 0.05 < at48.pre_s + at48.backward_s < 0.07
+
+
+def test_a_plan_is_for_its_clusters_offload_engines_switch_and_loss_too():
+    """Specs that differ in nic:, switch: or a link's loss had one fingerprint: a plan made for one was taken on the
+    other, where the planner would have chosen otherwise. Specs without them keep the fingerprints of plans made
+    before (a committed plan's)."""
+    import yaml
+
+    from thinwire.cluster.spec import NicSpec, SwitchSpec
+    from thinwire.plan.planfile import cluster_fingerprint
+
+    committed = yaml.safe_load((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "plan_eval" /
+                                "plan-a.yaml").read_text())
+    assert committed["cluster_fingerprint"] == cluster_fingerprint(load_cluster_spec(EXAMPLES / "plan-a-slow-cpu.yaml"))
+    base = four()
+    nic = dataclasses.replace(base, hosts=[dataclasses.replace(h, nic=NicSpec(cpu=0.25)) for h in base.hosts])
+    switch = dataclasses.replace(base, switch=SwitchSpec(cpu=0.5))
+    assert len({cluster_fingerprint(s) for s in (base, nic, switch)}) == 3

@@ -45,12 +45,10 @@ def _grads(w: dict, step: int, world: int) -> dict:
     return {k: p.grad.clone() for k, p in net.named_parameters()}
 
 
-def _train(rank: int, world: int, mode: str, codec: str, opt_name: str = "sgd") -> dict:
-    ddp = DistributedDataParallel(_net())
-    sync = thinwire.sync(ddp, mode, codec=codec)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+def _steps(ddp, sync, opt, rank: int, steps: int = STEPS) -> list[int]:
+    """``steps`` SGD steps of a user's loop on ``_data``; the bytes each step sent."""
     sent = []
-    for step in range(STEPS):
+    for step in range(steps):
         before = sync.comm.wire.bytes_sent
         x, y = _data(step, rank)
         with sync.no_sync():
@@ -58,6 +56,13 @@ def _train(rank: int, world: int, mode: str, codec: str, opt_name: str = "sgd") 
         sync.step(opt)
         opt.zero_grad(set_to_none=True)
         sent.append(sync.comm.wire.bytes_sent - before)
+    return sent
+
+
+def _train(rank: int, world: int, mode: str, codec: str, opt_name: str = "sgd") -> dict:
+    ddp = DistributedDataParallel(_net())
+    sync = thinwire.sync(ddp, mode, codec=codec)
+    sent = _steps(ddp, sync, torch.optim.SGD(ddp.parameters(), lr=LR), rank)
     sync.close()
     return {"params": {k: v.clone() for k, v in ddp.module.state_dict().items()}, "sent": sent, "stats": sync.stats()}
 
@@ -536,16 +541,102 @@ class _EmptyFirst(torch.nn.Module):
         return self.lin(x)
 
 
+def _state_of_another_model(rank: int, world: int, mode: str, codec: str) -> str:
+    """A mode's state saved for a Linear(5, 3) loaded into the mode of a Linear(6, 3): the error it gives."""
+    def trained(net):
+        ddp = DistributedDataParallel(net)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        mode = thinwire.sync(ddp, mode_spec, codec=codec, optimizer=opt)
+        for step in range(3):
+            x, y = _data(step, rank)
+            with mode.no_sync():
+                _loss(ddp, torch.cat([x, x], 1)[:, : net.in_features], y).backward()
+            mode.step(opt)
+            opt.zero_grad(set_to_none=True)
+        return mode
+
+    mode_spec = mode
+    saved = trained(_net())
+    sd = saved.state_dict()
+    saved.close()
+    other = trained(torch.nn.Linear(6, 3))
+    try:
+        other.load_state_dict(sd)
+    except ValueError as e:
+        return str(e)
+    finally:
+        other.close()
+    return "loaded"
+
+
+@pytest.mark.parametrize("mode, codec", [("delayed", "int8"), ("local:period=2,warmup=0", "none"),
+                                         ("diloco:period=2,fragments=2", "none")])
+def test_a_modes_state_of_another_model_is_refused(mode, codec):
+    """delayed took another model's pending gradient (sliced to this one's first values) and trained on; local and
+    gossip failed at the next average with a size mismatch deep in torch."""
+    for said in run_ranks(_state_of_another_model, 2, mode, codec):
+        assert said.startswith("a sync mode's state holds tensors of [") and "where this model's buckets hold [" in said \
+            and "the state of another model" in said, said
+
+
+def _gossip_state(rank: int, world: int, path: str, save: bool) -> str:
+    ddp = DistributedDataParallel(_net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    mode = thinwire.sync(ddp, "gossip", codec="int8", optimizer=opt)
+    try:
+        if save:
+            with mode.no_sync():
+                _loss(ddp, *_data(0, rank)).backward()
+            mode.step(opt)
+            torch.save(mode.state_dict(), f"{path}.{rank}")
+            return "saved"
+        mode.load_state_dict(torch.load(f"{path}.{min(rank, 1)}"))
+    except ValueError as e:
+        return str(e)
+    finally:
+        mode.close()
+    return "loaded"
+
+
+def test_a_gossip_state_of_another_world_size_is_refused(tmp_path):
+    """Saved on 2 ranks, loaded on 3: a bare KeyError ('to:2') at the first step, and the other ranks hung."""
+    assert run_ranks(_gossip_state, 2, str(tmp_path / "g"), True) == ["saved", "saved"]
+    said = run_ranks(_gossip_state, 3, str(tmp_path / "g"), False)
+    assert all(s.startswith("gossip: the state holds public copies") and "saved on another number of ranks" in s
+               for s in said), said
+
+
+def _warned(rank: int, world: int) -> list[str]:
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("thinwire.compress").addHandler(handler)
+    ddp = DistributedDataParallel(_Branchy())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    mode = thinwire.sync(ddp, "delayed", codec="none", optimizer=opt)
+    for step in range(3):
+        x, y = _data(step, rank)
+        with mode.no_sync():
+            ((ddp(x, True) - y) ** 2).mean().backward()
+        mode.step(opt)
+        opt.zero_grad(set_to_none=True)
+    mode.close()
+    return [m for m in seen if "got no gradient" in m]
+
+
+def test_a_parameter_without_a_gradient_and_no_find_unused_parameters_is_warned_of_once():
+    """Without find_unused_parameters a mode averages zeros for it (DDP alone would refuse the model): said once."""
+    for said in run_ranks(_warned, 2):
+        assert len(said) == 1 and said[0].startswith("sync delayed: dead.weight, dead.bias got no gradient"), said
+
+
 def _empty_first(rank: int, world: int, mode: str) -> torch.Tensor:
     ddp = DistributedDataParallel(_EmptyFirst())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     sync = thinwire.sync(ddp, mode, codec="none", optimizer=opt)
-    for step in range(2):
-        x, y = _data(step, rank)
-        with sync.no_sync():
-            _loss(ddp, x, y).backward()
-        sync.step(opt)
-        opt.zero_grad(set_to_none=True)
+    _steps(ddp, sync, opt, rank, 2)
     sync.close()
     return ddp.module.lin.weight.detach().clone()
 
@@ -560,16 +651,7 @@ def test_a_model_whose_first_parameter_is_empty_is_averaged(mode):
 def _warmup_through(rank: int, world: int, codec: str) -> dict:
     ddp = DistributedDataParallel(_net())
     sync = thinwire.sync(ddp, "local:period=4,warmup=2", codec=codec, min_compress_bytes=0)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    sent = []
-    for step in range(2):
-        before = sync.comm.wire.bytes_sent
-        x, y = _data(step, rank)
-        with sync.no_sync():
-            _loss(ddp, x, y).backward()
-        sync.step(opt)
-        opt.zero_grad(set_to_none=True)
-        sent.append(sync.comm.wire.bytes_sent - before)
+    sent = _steps(ddp, sync, torch.optim.SGD(ddp.parameters(), lr=LR), rank, 2)
     out = {"sent": sent, "counts": dict(sync.comm.stats()["counts"]), "params": copy.deepcopy(ddp.module.state_dict())}
     sync.close()
     return out

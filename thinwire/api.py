@@ -50,7 +50,9 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
 
     A loop that calls ``optimizer.step()`` itself between ``mode.before_step()`` and ``mode.after_step()``
     sets ``mode.optimizer = optimizer`` (and ``mode.clip`` to the gradient norm it clips to), which
-    ``delayed``'s weight prediction steps on a copy of its state.
+    ``delayed``'s weight prediction steps on a copy of its state. Train in fp32 or bf16, not with fp16's
+    ``GradScaler``: a mode that averages outside backward applies or predicts with gradients scaled by another
+    step's loss scale (``thinwire train`` refuses fp16 with every ``--sync`` mode but ``allreduce``).
     """
     from torch.nn.parallel import DistributedDataParallel
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 
 from rich.console import Console
 from rich.markup import escape
@@ -86,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)
+    from thinwire.cluster.spec import unpriced_loss
+
+    if note := unpriced_loss(spec):
+        print(f"thinwire: {note}", file=sys.stderr)
     codecs = codec_list(args.codecs)
     built = functools.cache(lambda: build_workload(args.workload, model, args.data))  # built once, if at all
     if args.pipeline and not args.profile:  # before minutes of profiling: a model without a layer list is refused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     args.workload, model = workload_of(args)
     check_workload_name(args.workload)
     spec = load_cluster_spec(args.cluster)
+    from thinwire.cluster.spec import unpriced_loss
+
+    if note := unpriced_loss(spec):
+        print(f"thinwire: {note}", file=sys.stderr)
     from thinwire.commspec import CodecSpec, parse_comm_spec
 
     comm = parse_comm_spec(args.compression)

@@ -37,8 +37,9 @@ Fields and units:
   aggregation (:mod:`thinwire.compress.switch`): the emulator gives it the switch's own namespace, the
   subnet's last usable address on the core bridge (its port, unshaped: each host's traffic to it is
   limited by the host's own link) and a cgroup of its own. ``null`` (the default): no aggregator.
-* ``links[].latency`` (``5ms``) and ``links[].loss`` (``0.1%``): parsed here for the simulator; the
-  emulator honours them only where the kernel has the ``netem`` qdisc.
+* ``links[].latency`` (``5ms``) and ``links[].loss`` (``0.1%``): the simulator prices the latency (per hop of
+  the collectives that cross the link), not the loss (a lossy link's TCP throughput falls below its bandwidth;
+  ``simulate`` and ``plan`` say so); the emulator honours both only where the kernel has the ``netem`` qdisc.
 
 After construction every value is resolved: ``host.bandwidth`` is a float in bit/s with the default
 applied, ``host.memory`` an int of bytes or None, ``link.latency`` seconds, ``link.loss`` a fraction.
@@ -304,3 +305,12 @@ def spec_to_dict(spec: ClusterSpec) -> dict:
     out = dataclasses.asdict(spec)
     out["defaults"] = {}
     return out
+
+
+def unpriced_loss(spec: ClusterSpec) -> str | None:
+    """A note for the model's users where a link of ``spec`` drops packets, which the model does not price."""
+    lossy = [f"{a}-{b} ({link.loss:.2%})" for link in spec.links if link.loss for a, b in [sorted(link.pair)]]
+    if not lossy:
+        return None
+    return (f"note: loss on link {', '.join(lossy)} is not priced: TCP's throughput on a lossy link falls below its "
+            "bandwidth (about MSS / (RTT * sqrt(loss))), so the predicted times are optimistic there")

@@ -322,10 +322,15 @@ def host_summary(spec) -> dict[str, str]:
     out = {}
     for h in spec.hosts:
         mem = f"{h.memory} B" if h.memory else "no memory limit"
-        out[h.name] = f"group {h.group}, cpu {h.cpu if h.cpu is not None else 'uncapped'}, {h.bandwidth / 1e6:g} Mbit/s, {mem}"
+        nic = f", nic cpu {h.nic.cpu:g}" if h.nic is not None else ""  # named only where there is one: plans of
+        out[h.name] = (f"group {h.group}, cpu {h.cpu if h.cpu is not None else 'uncapped'}, {h.bandwidth / 1e6:g} "
+                       f"Mbit/s, {mem}{nic}")  # clusters without keep their fingerprints
     for link in spec.links:
         a, b = sorted(link.between)
-        out[f"link {a}-{b}"] = f"{link.bandwidth / 1e6:g} Mbit/s, latency {link.latency or 0:g} s"
+        loss = f", loss {link.loss:g}" if link.loss else ""
+        out[f"link {a}-{b}"] = f"{link.bandwidth / 1e6:g} Mbit/s, latency {link.latency or 0:g} s{loss}"
+    if spec.switch is not None:  # the planner prices an aggregator there
+        out["switch"] = f"aggregator cpu {spec.switch.cpu if spec.switch.cpu is not None else 'uncapped'}"
     return out
 
 

@@ -171,13 +171,18 @@ def one_point_note(profile: Profile, batches) -> str | None:
 
 def compute_line(profile: Profile, batch: float) -> Compute:
     """Phases at ``batch`` on the line through every measured point (:func:`thinwire.perf.fit.monotone_line`:
-    a host never looks faster with more samples); clip + optimizer and the noise do not depend on the
-    batch: their medians."""
+    a host never looks faster with more samples), below the smallest measured batch at least in proportion to
+    it; clip + optimizer and the noise do not depend on the batch: their medians."""
     pts = profile.compute
+    smallest = min(pts, key=lambda c: c.batch)
 
     def at(phase: str) -> float:
         intercept, slope = monotone_line([(c.batch, getattr(c, phase)) for c in pts])
-        return max(0.0, intercept + slope * batch)
+        line = max(0.0, intercept + slope * batch)
+        if batch < smallest.batch:  # below what was measured a fitted line's negative intercept prices a few samples
+            # as nearly free; a fixed cost per step (>= 0) makes time at least in proportion to the smallest point's
+            return max(line, getattr(smallest, phase) * batch / smallest.batch)
+        return line
 
     return Compute(pre_s=at("pre_s"), backward_s=at("backward_s"), post_s=statistics.median(c.post_s for c in pts),
                    std_s=statistics.median(c.std_s for c in pts))

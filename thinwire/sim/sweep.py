@@ -9,7 +9,8 @@ and :func:`thinwire.perf.model.predict_step` prices one step. Scaling:
   ``thinwire train`` does for a given spec).
 
 ``speedup(p)`` is the throughput (samples/s) over that of one speed-1 host (the profiled machine)
-computing the same per-host batch alone; ``efficiency = speedup / p``. Energy uses a device from
+computing alone what one host computes: the same per-host batch (``weak``), or the whole global batch
+(``strong``: the step one host would take, over this one); ``efficiency = speedup / p``. Energy uses a device from
 :mod:`thinwire.perf.devices` (per core for ``cpu-core`` devices, times the host's cores).
 """
 
@@ -139,10 +140,13 @@ def simulate(spec: ClusterSpec, profile: Profile, opts: SimOptions, *, default_b
         cores = inputs.host_cores(hosts, threads=threads, colocated_cores=opts.colocated_cores)
         speeds = inputs.host_speeds(cores, profile_threads=profile.threads, threads=threads, profile=profile,
                                     colocated_cores=opts.colocated_cores)
-        reference_s = compute.total_s  # one speed-1 host alone: the profiled machine, or one `device`
+        # one speed-1 host alone (the profiled machine, or one `device`) on its batch; strong: on the whole
+        # global batch, a p-th of its time per host (speedup p * reference / step: one host's step over this one)
+        alone = compute.total_s if opts.scaling == "weak" else inputs.compute_at(profile, b * p).total_s / p
+        reference_s = alone
         if opts.mfu:  # every host is a `device` (from FLOPs), at its share of it (cpu:), as plan prices it
             on_device = device.compute_s(profile.flops_per_sample * b, utilization=opts.mfu)
-            speeds, reference_s = [s * compute.total_s / on_device for s in speeds], on_device
+            speeds, reference_s = [s * compute.total_s / on_device for s in speeds], on_device * alone / compute.total_s
         net = inputs.ring_network(spec, hosts, profile, opts.busy_hop_s)
         # the slowest host's codec work: on its offload engine, or competing with backward without a spare core
         codec_speed, steals = inputs.engine_codec(hosts, speeds, cores, threads)

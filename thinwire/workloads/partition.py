@@ -78,6 +78,9 @@ def shards(spec: PartitionSpec, dataset, world: int, seed: int, task: str = "cla
     """Each rank's training items (disjoint, together every item); ``iid`` is not sharded."""
     n = len(dataset)
     if spec.kind == "by_file":
+        if n < world:  # a rank without items: refused here, before anything starts
+            raise ConfigError("partition", spec.text, f"at least one training item per rank ({n} items for {world} "
+                              "ranks)", "Use fewer ranks, or give the workload at least as many training items.")
         return [list(range(r * n // world, (r + 1) * n // world)) for r in range(world)]
     if spec.kind == "label_skew":
         if task != "classification":

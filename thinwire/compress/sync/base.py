@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from thinwire.compress.hook import CommState
 from thinwire.compress.wire import ring_allreduce_bytes
+
+log = logging.getLogger("thinwire.compress")
 
 
 class Buckets:
@@ -133,6 +136,7 @@ class SyncMode:
         # DDP's find_unused_parameters: a parameter no rank gave a gradient keeps none, so the optimizer skips it
         # (weight decay and momentum do not move a layer or branch that no rank ran), as under DDP
         self.find_unused = bool(getattr(model, "find_unused_parameters", False))
+        self._told_unused = False  # a parameter without a gradient, and no find_unused_parameters: warned once
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -160,6 +164,15 @@ class SyncMode:
         fp32 flag per parameter, as DDP exchanges its bitmap), for :func:`drop_unused`; None otherwise (DDP refuses
         a parameter without a gradient there, and its ``no_sync`` leaves that to the mode)."""
         if not self.find_unused or not params:
+            if not self._told_unused and any(p.grad is None for p in params):
+                self._told_unused = True
+                module = getattr(self.model, "module", self.model)
+                names = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+                log.warning("sync %s: %s got no gradient on this rank and are averaged as zeros, so weight decay and "
+                            "momentum move them where no rank used them; wrap the model with "
+                            "DistributedDataParallel(..., find_unused_parameters=True) to leave those no rank used "
+                            "without a gradient (as DDP does), or freeze what the forward never uses",
+                            self.name, ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
             return None
         flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
         return self.comm.sum_exact(flags)
@@ -323,4 +336,13 @@ def cpu_list(tensors: list[Tensor] | None) -> list[Tensor] | None:
 
 
 def on_device(tensors: list[Tensor] | None, like: list[Tensor]) -> list[Tensor] | None:
-    return None if tensors is None else [t.to(x.device).clone() for t, x in zip(tensors, like)]
+    """``tensors`` of a loaded state, copied to the device of ``like`` (this mode's own, of the same sizes): a state of
+    another model (other buckets, another size) is refused, where it would be sliced or fail at the next average."""
+    if tensors is None:
+        return None
+    sizes, want = [t.numel() for t in tensors], [x.numel() for x in like]
+    if sizes != want:
+        raise ValueError(f"a sync mode's state holds tensors of {sizes[:6]} values, where this model's buckets hold "
+                         f"{want[:6]}: the state of another model (or of other bucket sizes); load the state this "
+                         "model's mode saved, or start the mode fresh")
+    return [t.to(x.device).clone() for t, x in zip(tensors, like)]

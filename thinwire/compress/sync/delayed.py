@@ -236,14 +236,14 @@ class Delayed(SyncMode):
         self.check_state(sd)
         self.started = bool(sd.get("started", False))
         pending = sd.get("pending")
-        like = [torch.empty(0, device=self.buckets.params[0].device)] * len(pending or [])
+        like = self.buckets.flatten([None] * len(self.buckets.params))  # the buckets' sizes, on the model's device
         self.pending = on_device(pending, like) if pending is not None else []
         used = sd.get("used")  # a checkpoint without it (or of a model without find_unused_parameters): all used
-        self.pending_used = used.to(like[0].device if like else "cpu").clone() if used is not None else None
+        self.pending_used = used.to(like[0].device).clone() if used is not None else None
         held = sd.get("held") if self.predict == "last" else None  # a checkpoint without it: the next step predicts nothing
         self.held, self.shifted, self.predicted = (on_device(held, self.buckets.params) if held is not None else None), False, False
         own = sd.get("own") if self.predict == "own" else None
-        self.own = on_device(own, [self.buckets.params[0]] * len(own)) if own is not None else None
+        self.own = on_device(own, like) if own is not None else None
         self._own_buffers_on_resume()
 
     def close(self) -> None:

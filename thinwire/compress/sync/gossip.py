@@ -275,6 +275,12 @@ class Gossip(SyncMode):
         self.steps = int(sd.get("steps", 0))
         like = self.buckets.flatten(list(self.buckets.params))
         if self.choco and "public" in sd:
+            self.start_public()  # the copies this rank keeps on this group: a state of another world size keeps others
+            if set(map(str, sd["public"])) != set(self.public):
+                raise ValueError(f"gossip: the state holds public copies {sorted(map(str, sd['public']))[:6]}, where rank "
+                                 f"{self.comm.wire.rank} of {self.comm.wire.world} keeps {sorted(self.public)[:6]}: a state "
+                                 "saved on another number of ranks (each rank's is its own, for its neighbours); start "
+                                 "the mode fresh, from the ranks' averaged model (mode.consensus())")
             self.public = {str(k): on_device(t, like) for k, t in sd["public"].items()}
         self.pending = None
         if sd.get("round") is not None:

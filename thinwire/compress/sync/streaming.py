@@ -133,6 +133,9 @@ class StreamingDiLoCo(LocalSGD):
         self.check_state(sd)
         self.steps, self.syncs = int(sd.get("steps", 0)), int(sd.get("syncs", 0))
         flats = [f.flatten(list(f.params)) for f in self.fragments]
+        if sd.get("anchors") and len(sd["anchors"]) != len(flats):
+            raise ValueError(f"{self.name}: the state holds {len(sd['anchors'])} fragments, this mode {len(flats)}: the "
+                             "state of another fragments= (or model); load the state this mode saved, or start it fresh")
         self.anchors = [on_device(a, like) for a, like in zip(sd["anchors"], flats)] if sd.get("anchors") else None
         self.momenta = [on_device(m, like) for m, like in zip(sd.get("momenta") or [None] * len(flats), flats)]
         inflight = sd.get("inflight")
