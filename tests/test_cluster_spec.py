@@ -282,3 +282,15 @@ def test_another_kind_of_file_given_as_a_cluster_spec_is_named_as_such(tmp_path)
     typo.write_text("hosts:\n  - {name: a}\n  - {name: b}\nlinkz: []\n")
     with pytest.raises(ConfigError, match=r"linkz: must be one of the known fields"):
         load_cluster_spec(typo)
+
+
+def test_a_lossy_link_is_said_to_be_unpriced(tmp_path):
+    """The spec's docs said the simulator reads a link's loss; it prices only the latency, and now says so."""
+    from thinwire.cluster.spec import load_cluster_spec, unpriced_loss
+
+    path = tmp_path / "lossy.yaml"
+    path.write_text("name: lossy\ndefaults: {bandwidth: 1gbit}\nhosts:\n  - {name: a, group: x}\n  - {name: b, group: y}\n"
+                    "links:\n  - {between: [x, y], bandwidth: 50mbit, latency: 5ms, loss: 0.1%}\n")
+    assert unpriced_loss(load_cluster_spec(path)).startswith("note: loss on link x-y (0.10%) is not priced")
+    path.write_text(path.read_text().replace(", loss: 0.1%", ""))
+    assert unpriced_loss(load_cluster_spec(path)) is None

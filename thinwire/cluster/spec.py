@@ -309,7 +309,7 @@ def spec_to_dict(spec: ClusterSpec) -> dict:
 
 def unpriced_loss(spec: ClusterSpec) -> str | None:
     """A note for the model's users where a link of ``spec`` drops packets, which the model does not price."""
-    lossy = [f"{a}-{b} ({link.loss:.2%})" for link in spec.links if link.loss for a, b in [sorted(link.pair)]]
+    lossy = [f"{'-'.join(sorted(link.pair))} ({link.loss:.2%})" for link in spec.links if link.loss]
     if not lossy:
         return None
     return (f"note: loss on link {', '.join(lossy)} is not priced: TCP's throughput on a lossy link falls below its "
