@@ -71,8 +71,9 @@ def test_profile_cluster_probes_measure_each_hosts_speed_and_the_hand_off_latenc
     assert rec.cluster == f"hs{os.getpid()}" and set(rec.speed) == {"half", "fifth"}
     # a quota is a ceiling (without one each host runs at ~1.0 here); the full-core reference is timed on
     # the same busy VM, so a half-core host has read up to 0.61 of it (CI, 2026-12-04) and 0.78 with other
-    # runs beside the tests: what holds however busy the VM is, is the order and the quotas' ratio (0.4)
-    assert 0 < rec.speed["fifth"] < rec.speed["half"] <= 0.9
+    # runs beside the tests, 0.95 once (CI, 2026-12-07): what holds however busy the VM is, is the order and the
+    # quotas' ratio (0.4)
+    assert 0 < rec.speed["fifth"] < rec.speed["half"] < 1.0
     assert rec.speed["fifth"] <= 0.65 * rec.speed["half"]
     assert len(one_way) == 9 and all(0 < t < 0.05 for t in one_way)
 
