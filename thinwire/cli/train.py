@@ -178,17 +178,13 @@ def _train_as_worker(cfg: TrainConfig, env) -> int:
     stop_when_orphaned()  # the user's torchrun killed: this worker stops too
     if env.rank == 0:
         _prepare(cfg, preflight(cfg, runfolder.torchrun_run_id(), world=env.world))
-    from thinwire.errors import LOST_PEER_EXIT, LOST_PEER_SAYS, lost_peer
-    from thinwire.train.worker import leave
+    from thinwire.train.worker import leave, leave_if_lost_peer
 
     try:
         code = _train_here(cfg)
-    except RuntimeError as e:  # another worker died or hung: the user's torchrun names it and restarts or stops
-        if (gone := lost_peer(e)) is None:  # the job; one line here, as `thinwire train`'s own workers say it
-            raise
-        print(f"thinwire[{env.rank}]: {LOST_PEER_SAYS} ({gone})", file=sys.stderr)
-        leave(LOST_PEER_EXIT)
-
+    except RuntimeError as e:  # a lost peer: one line, as `thinwire train`'s own workers say it
+        leave_if_lost_peer(e, env.rank)
+        raise
     leave(code)  # past gloo's static destructors, which can abort at exit and fail a finished run
     return code
 

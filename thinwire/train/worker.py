@@ -45,12 +45,18 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # stopped by the agent (or a terminal), which reports it once: leave quietly
         if signum_of(e) is not None:
             leave(signum_of(e) + 128)
-        if (gone := lost_peer(e)) is None:
-            raise
-        # another worker died or hung: the agent names it and restarts or stops the job; no traceback of ours
+        leave_if_lost_peer(e, rank)
+        raise
+    leave(0)
+
+
+def leave_if_lost_peer(error: BaseException, rank) -> None:
+    """Another worker died or hung (``error`` says a peer is gone): one line and out, no traceback of ours; the
+    agent (``thinwire train``'s, or the user's own torchrun) names that worker and restarts or stops the job.
+    Returns for any other error."""
+    if (gone := lost_peer(error)) is not None:
         print(f"thinwire[{rank}]: {LOST_PEER_SAYS} ({gone})", file=sys.stderr)
         leave(LOST_PEER_EXIT)
-    leave(0)
 
 
 def leave(code: int) -> None:
