@@ -64,16 +64,16 @@ def test_profile_cluster_probes_measure_each_hosts_speed_and_the_hand_off_latenc
     c = EmulatedCluster(load_cluster_spec(spec))
     c.up()
     try:
-        rec = host_speeds(c, workload="digits", model={"hidden": 32}, data=None, batch=16, steps=8)
+        # a step shorter than a quota's 10 ms window (about 1.5 ms here): most steps fit between two pauses, so
+        # the pace is the loop's time over its steps; a median step read the half-core host at 0.7-1.0
+        rec = host_speeds(c, workload="digits", model={"hidden": 8}, data=None, batch=2, steps=8)
         one_way = _run_workers(c, ["half", "fifth"], [4], 9, 120.0, p2p=True)["one_way"]
     finally:
         c.down()
     assert rec.cluster == f"hs{os.getpid()}" and set(rec.speed) == {"half", "fifth"}
-    # a quota is a ceiling (without one each host runs at ~1.0 here); the full-core reference is timed on
-    # the same busy VM, so a half-core host has read up to 0.61 of it (CI, 2026-12-04) and 0.78 with other
-    # runs beside the tests, 0.95 once (CI, 2026-12-07): what holds however busy the VM is, is the order and the
-    # quotas' ratio (0.4)
-    assert 0 < rec.speed["fifth"] < rec.speed["half"] < 1.0
+    # a quota is a ceiling (without one each host runs at ~1.0 here); the full-core reference is timed on the
+    # same VM, which may be busy: 0.75 leaves it half the quota again
+    assert 0 < rec.speed["fifth"] < rec.speed["half"] < 0.75
     assert rec.speed["fifth"] <= 0.65 * rec.speed["half"]
     assert len(one_way) == 9 and all(0 < t < 0.05 for t in one_way)
 

@@ -13,7 +13,9 @@ a core (``benchmarks/results/pipeline.md``).
 once (lined up on a barrier, as training lines them up every step), each running the workload's step
 (:mod:`thinwire.measure.corun`'s copy: data, forward, backward, optimizer) for at least ``steps`` steps and
 half a second's work alone (several seconds on a slow host: a quota pauses every 10 ms); a host's
-speed is the median step alone over its median step there. The model uses these speeds in place of
+speed is the mean step alone over its mean step there (the loop's time over its steps: where a step is
+shorter than a quota's window, most steps fit between two pauses, and a median step read a 0.5-core host
+at 0.7-1.0 of a core). The model uses these speeds in place of
 ``cpu`` and the co-run factor for the hosts of that cluster (:func:`thinwire.sim.inputs.measured_speeds`).
 """
 
@@ -41,10 +43,10 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
     hosts = hosts or cluster.spec.host_names
     argv = ["--workload", workload, "--model", json.dumps(model), "--batch", str(batch), "--threads", str(threads)] + \
         (["--data", data] if data else [])
-    alone = _run(1, [*argv, "--steps", str(steps)], timeout)
     # a quota's pauses come every 10 ms: half a second of work alone (a few seconds on a slow host) averages them
-    steps = max(steps, math.ceil(MIN_WORK_S / alone))
+    steps = max(steps, math.ceil(MIN_WORK_S / _run(1, [*argv, "--steps", str(steps)], timeout)))
     argv += ["--steps", str(steps)]
+    alone = _run(1, argv, timeout, key="mean_s")
     env = {"PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory() as barrier:
         os.chmod(barrier, 0o777)
@@ -83,7 +85,7 @@ def host_speeds(cluster, *, workload: str, model: dict, data: str | None, batch:
             h, code = failed[0] if failed else (h, p.returncode)
             raise ThinwireError(f"host speed probe on {h!r} failed (exit {code}); run `thinwire cluster "
                                 "status SPEC` and try again")
-        speed[h] = alone / json.loads(lines[-1])["median_s"]
+        speed[h] = alone / json.loads(lines[-1])["mean_s"]
     return HostSpeedRecord(cluster=cluster.spec.name, threads=threads, batch=batch, speed=speed)
 
 
