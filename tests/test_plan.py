@@ -767,6 +767,19 @@ def test_codecs_with_several_parameters_are_one_codec_each():
         "none", "int8:block=64,stochastic=true", "topk:ratio=0.05,approx=true", "bf16")
     with pytest.raises(ConfigError, match=r"compression: must be one of .*got 'int9'"):
         codec_list("none,int9")
+    # a codec left out by mistake is not "the default list" (it was: `--codecs ''` planned every codec)
+    for text in ("", "none,,int8", "int8,"):
+        with pytest.raises(ConfigError, match=r"--codecs: .*Name every codec"):
+            codec_list(text)
+
+
+def test_a_host_count_left_out_of_simulate_hosts_is_refused():
+    from thinwire.cli.simulate import parse_hosts
+
+    assert parse_hosts("2, 4") == [2, 4]
+    for text in ("2,,4", "2,4,", ""):
+        with pytest.raises(ConfigError, match=r"--hosts: "):
+            parse_hosts(text)
 
 
 def test_plan_colocated_applies_the_profiles_co_run_speed_as_simulate_does():

@@ -4,6 +4,7 @@ options as ``--set model.KEY=VALUE`` (as ``thinwire train`` takes them) and its 
 from __future__ import annotations
 
 from thinwire.config import check
+from thinwire.errors import ConfigError
 
 # every subcommand and its line in `thinwire --help`: main builds the chosen one's parser only (its module may
 # import torch), the others from this table
@@ -60,8 +61,9 @@ def split_codecs(text: str) -> tuple[str, ...]:
     (``none,int8:block=64,stochastic=true`` is two codecs; a codec's name never holds ``=``)."""
     items: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
+        if not piece:  # `--codecs ''` or `none,,int8`: a codec left out by mistake, not "the default list"
+            raise ConfigError("--codecs", text, "comma-separated codec specs such as none,bf16,int8",
+                              "Name every codec (leave --codecs out for the default list).")
         if "=" in piece.split(":", 1)[0] and items and ":" in items[-1]:
             items[-1] += "," + piece
         else:

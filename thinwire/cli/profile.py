@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     args.workload = args.workload or "charlm"
     check_workload_name(args.workload)
     model = model_options(args.set)
-    codecs = list(split_codecs(args.codecs)) if args.codecs else default_profile_codecs()
+    codecs = list(split_codecs(args.codecs)) if args.codecs is not None else default_profile_codecs()
     for c in codecs:
         parse_codec_spec(c)
     network_spec = _cluster(args.cluster) if args.cluster else None

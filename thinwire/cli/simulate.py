@@ -67,7 +67,8 @@ def add_parser(sub) -> None:
 def parse_hosts(text: str) -> list[int]:
     """``"2,3,4"``; ``"2,4,...,1024"`` continues the last two terms' ratio (or step) up to the last."""
     allowed = "comma-separated host counts >= 1, optionally A,B,...,Z (e.g. 2,4,...,1024)"
-    parts = [t.strip() for t in text.split(",") if t.strip()]
+    parts = [t.strip() for t in text.split(",")]
+    check(all(parts), "--hosts", text, allowed, "Every comma separates two host counts: 2,4,8.")
     try:
         values = [int(t) for t in parts if t != "..."]
     except ValueError:
