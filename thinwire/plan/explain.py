@@ -36,7 +36,9 @@ def name(pb: Problem, s: Scored) -> str:
     """A short name: hosts, shares, collective, codecs."""
     lay = s.layout
     left = [h.name for i, h in enumerate(pb.hosts) if i not in lay.hosts]
-    hosts = f"{len(lay.hosts)} hosts" + (f" without {_listing(left, 4)}" if left else "")
+    hosts = f"{len(lay.hosts)} host{'s' * (len(lay.hosts) != 1)}" + (f" without {_listing(left, 4)}" if left else "")
+    if len(lay.hosts) == 1:
+        return f"{hosts}, no communication"
     shares = "even shares" if _even(lay.shares) else "uneven shares"
     if lay.groups:
         groups = " | ".join(",".join(pb.hosts[i].name for i in g) for g in lay.groups)
@@ -150,6 +152,8 @@ def _grouping_line(pb: Problem, c: Scored) -> str | None:
 def _codec_line(pb: Problem, c: Scored) -> str | None:
     lay = c.layout
     if set(lay.codecs) == {"none"}:
+        if len(lay.hosts) == 1:
+            return "No compression: one host sends nothing."
         if set(pb.codecs) <= {"none"}:  # every other candidate was left out before pricing
             return "No compression: no codec of --codecs was left to price (the notes say why each was left out)."
         return "No compression: the codecs' own cost would exceed what they save on the wire."
@@ -204,8 +208,9 @@ def _validation_line(pb: Problem, chosen: Scored, fp32: Scored | None) -> str | 
         return None
     than = (f" (uniform DDP over {len(fp32.layout.hosts)} hosts: {_ms(fp32.val_s)})"
             if fp32 is not None and fp32.layout.hosts != chosen.layout.hosts else "")
-    return (f"Validation: {pb.val_items} items every {pb.eval_every} steps, split over the {len(chosen.layout.hosts)} "
-            f"hosts by their shares of the batch, predicted at {_ms(chosen.val_s)} each{than}, "
+    where = ("on its one host" if len(chosen.layout.hosts) == 1 else
+             f"split over the {len(chosen.layout.hosts)} hosts by their shares of the batch")
+    return (f"Validation: {pb.val_items} items every {pb.eval_every} steps, {where}, predicted at {_ms(chosen.val_s)} each{than}, "
             f"{_ms(chosen.val_per_step_s)} per step spread over the steps between validations; counted in the time to "
             "target (--eval-every 0 leaves it out).")
 
