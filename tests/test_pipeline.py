@@ -789,6 +789,20 @@ def _plan(spec, batch=32):
                      options=PlanOptions(batch_size=batch, codecs=("none",), pipeline=True))
 
 
+def test_planner_leaves_out_a_host_too_slow_for_any_stage_and_says_what_it_saves():
+    """A host at a hundredth of a core holding only the head paced every micro-batch (6.75x slower than the
+    pipeline over the other hosts): the planner tries the hosts without the slowest and keeps the fastest."""
+    snail = _plan(_cluster(h3={"cpu": 0.005}))
+    p = snail.pipeline
+    assert snail.hosts == ["h0", "h1", "h2"] and p.left_out == ["h3"] and sum(
+        s.last_layer - s.first_layer + 1 for s in p.stages) == 10
+    assert p.with_all_hosts_step_s > 2 * p.predicted_step_s
+    assert any(line.startswith("Leaving out h3: the best pipeline over every host is predicted at")
+               for line in snail.explanation), snail.explanation
+    slow = _plan(_cluster(h2={"cpu": 0.25}))  # a slower host that still pays for its layers keeps a stage
+    assert slow.hosts == ["h0", "h1", "h2", "h3"] and slow.pipeline.left_out == []
+
+
 def test_planner_gives_a_slow_host_fewer_layers_and_says_what_it_buys():
     even = _plan(_cluster())
     uneven = _plan(_cluster(h2={"cpu": 0.25}))

@@ -284,8 +284,14 @@ def pipeline_lines(pipe, profile, ddp_s: float | None, fits_one: bool) -> list[s
                "micro-batch" if other == "interleaved" else "its bubble is twice the interleaved schedule's")
         lines.append(f"The best {other} plan is predicted at {_ms(step)} ({step / pipe.predicted_step_s:.2f}x this "
                      f"plan's step; {why}).")
+    if pipe.left_out:
+        lines.append(f"Leaving out {_listing(pipe.left_out)}: " + (
+            f"the best pipeline over every host is predicted at {_ms(pipe.with_all_hosts_step_s)} per step "
+            f"({pipe.with_all_hosts_step_s / pipe.predicted_step_s:.2f}x this plan's): a stage on a slower host paces "
+            "every micro-batch." if pipe.with_all_hosts_step_s is not None else
+            "no pipeline over every host fits their memory."))
     if ddp_s is not None:
-        lines.append(f"Uniform DDP fp32 on the same hosts is predicted at {_ms(ddp_s)} per step "
+        lines.append(f"Uniform DDP fp32 over every host that holds the model is predicted at {_ms(ddp_s)} per step "
                      f"({ddp_s / pipe.predicted_step_s:.2f}x the pipeline's).")
     lines.append(f"With --plan, the run is --pipeline {pipe.spec_text()} on these hosts.")
     return lines

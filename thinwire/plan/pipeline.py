@@ -4,7 +4,9 @@ the activation format of each link, the micro-batch count, and the predicted ste
 Steps of :func:`plan_pipeline`:
 
 1. **Hosts** in the spec's order, one stage each (the fastest ones, in order, if there are more hosts
-   than layers); speeds as the simulator has them (:func:`thinwire.sim.pipeline.stage_speeds`).
+   than layers); speeds as the simulator has them (:func:`thinwire.sim.pipeline.stage_speeds`). The
+   search runs again without the slowest hosts (:func:`_host_sets`) and keeps the fastest pipeline: a
+   host at a hundredth of the others' speed paced every micro-batch holding only the head.
 2. **Micro-batches and memory**: from the largest divisor of the batch up to 4 x stages (GPipe's rule)
    upward through the batch's larger divisors (smaller micro-batches hold less), each with and without
    recomputing activations in backward (activation checkpointing: one more forward, only each layer's
@@ -99,12 +101,40 @@ def plan_pipeline(spec: ClusterSpec, profile: Profile, *, batch: int, threads: i
                   colocated_cores: float | None = None) -> PipelinePlan | None:
     """The fastest predicted pipeline over the spec's hosts (module docstring); None if no split fits memory."""
     needs_layers(profile)
-    hosts = list(spec.hosts)
+    every = list(spec.hosts)
+    speeds = stage_speeds(profile, every, threads=threads, colocated_cores=colocated_cores, cluster=spec.name)
+    best, with_all = None, None
+    for i, sub in enumerate(_host_sets(every, speeds, len(profile.layers))):
+        got = _over(spec, profile, sub, batch=batch, threads=threads, colocated_cores=colocated_cores)
+        if i == 0:
+            with_all = got
+        if got is not None and (best is None or got.predicted_step_s < best.predicted_step_s * 0.999):
+            best = got
+    if best is not None and best is not with_all:
+        best.left_out = [h.name for h in every if h.name not in best.hosts]
+        best.with_all_hosts_step_s = with_all.predicted_step_s if with_all is not None else None
+    return best
+
+
+def _host_sets(hosts: list[HostSpec], speeds: list[float], layers: int) -> list[list[HostSpec]]:
+    """The hosts to pipeline over, in the spec's order: all of them (the fastest ``layers`` if there are more
+    hosts than layers), then without the slowest (each of up to 8 of the hosts' own speeds as a threshold, at
+    least 2 hosts left): a host slow enough paces the pipeline more than its share of the layers saves."""
+    def fastest(idx):
+        return [hosts[i] for i in sorted(sorted(idx, key=lambda i: -speeds[i])[:layers])]
+
+    out = [fastest(range(len(hosts)))]
+    for t in sorted(set(speeds), reverse=True)[:-1][-8:]:
+        sub = fastest([i for i in range(len(hosts)) if speeds[i] >= t])
+        if len(sub) >= 2 and sub not in out:
+            out.append(sub)
+    return out
+
+
+def _over(spec: ClusterSpec, profile: Profile, hosts: list[HostSpec], *, batch: int, threads: int,
+          colocated_cores: float | None) -> PipelinePlan | None:
+    """The fastest predicted pipeline over ``hosts``, one stage each (or two, interleaved); None if none fits."""
     n = len(profile.layers)
-    if len(hosts) > n:
-        speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores, cluster=spec.name)
-        keep = sorted(sorted(range(len(hosts)), key=lambda i: -speeds[i])[:n])
-        hosts = [hosts[i] for i in keep]
     S = len(hosts)
     speeds = stage_speeds(profile, hosts, threads=threads, colocated_cores=colocated_cores, cluster=spec.name)
     found = {}

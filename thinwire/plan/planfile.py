@@ -147,6 +147,8 @@ class PipelinePlan:
     note: str = ""
     virtual: int = 1
     alternative_step_s: dict[str, float] = dataclasses.field(default_factory=dict)  # other schedules' best, priced
+    left_out: list[str] = dataclasses.field(default_factory=list)  # hosts of the spec without a stage, by choice
+    with_all_hosts_step_s: float | None = None  # with left_out: the best pipeline over every host
 
     def __post_init__(self) -> None:
         check_range("virtual", self.virtual, 1, 64, kind="an integer")
