@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from thinwire.errors import ThinwireError
+from thinwire.errors import ConfigError, ThinwireError
 from thinwire.precision import (COUNTERS, Int8ComputeConfig, Int8Conv2d, Int8Linear, PeakMemory, PrecisionRunner,
                                 autocast_context, conversion_report, convert, parse_size, plan_memory)
 from thinwire.precision import attention
@@ -98,6 +98,26 @@ def test_non_finite_gradient_stays_non_finite():
     x = torch.randn(20, 16)
     (q(x).sum() * float("inf")).backward()
     assert not torch.isfinite(q.weight.grad).all()
+
+
+@pytest.mark.parametrize("scaling", ["pow2", "rowwise"])
+def test_int8_layers_take_one_sample_an_unbatched_image_and_an_empty_batch_as_torch_does(scaling):
+    """A convolution's gradient on one sample reached the stochastic rounding as a strided view (a traceback in
+    backward: at batch 1 and on an unbatched image, which nn.Conv2d takes); an empty batch failed in quantize."""
+    torch.manual_seed(0)
+    cfg = Int8ComputeConfig(scaling=scaling)
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(1), nn.Linear(4 * 6 * 6, 2))
+    net = convert(copy.deepcopy(conv), "int8", scaling=scaling)
+    for x in (torch.randn(1, 3, 8, 8), torch.randn(2, 3, 8, 8)):
+        net(x).sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
+    c = Int8Conv2d.from_float(nn.Conv2d(3, 4, 3), cfg)
+    c(torch.randn(3, 8, 8, requires_grad=True)).sum().backward()
+    assert c.weight.grad.shape == c.weight.shape
+    lin, c2 = Int8Linear.from_float(nn.Linear(16, 8), cfg), Int8Conv2d.from_float(nn.Conv2d(3, 4, 3), cfg)
+    assert lin(torch.zeros(0, 16)).shape == (0, 8) and c2(torch.zeros(0, 3, 8, 8)).shape == (0, 4, 6, 6)
+    with pytest.raises(ConfigError, match="stochastic: must be True or False, got 'false'"):
+        Int8ComputeConfig(stochastic="false")
 
 
 def test_a_silent_float_fallback_fails_the_counter_check():

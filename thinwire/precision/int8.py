@@ -116,6 +116,8 @@ def int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Int8Compute
                 stats: Int8Stats | None = None) -> Tensor:
     """``F.linear`` with int8 matmuls; ``x`` may have any leading dimensions."""
     lead = x.shape[:-1]
+    if x.numel() == 0:  # an empty batch: nothing to quantize (its scale is undefined); the output is empty as torch's
+        return F.linear(x, weight, bias)
     y = Int8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, cfg, stats)
     return y.view(*lead, weight.shape[0])
 
@@ -246,6 +248,8 @@ class Int8Conv2d(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         batched = x.dim() == 4
+        if x.numel() == 0:  # an empty batch: as torch's (see int8_linear)
+            return self._conv_forward(x, self.weight, self.bias)
         geom = (self.kernel_size, self.dilation, _explicit_padding(self), self.stride)
         y = Int8Conv2dFunction.apply(x if batched else x.unsqueeze(0), self.weight, self.bias, self.config,
                                      self.stats, geom)

@@ -41,6 +41,8 @@ class Int8ComputeConfig:
     def __post_init__(self) -> None:
         check(self.scaling in {s.value for s in Scaling}, "scaling", self.scaling,
               "one of " + ", ".join(repr(s.value) for s in Scaling))
+        check(isinstance(self.stochastic, bool), "stochastic", self.stochastic, "True or False",
+              "A string such as 'false' is truthy: pass the bool.")
 
 
 @dataclasses.dataclass
@@ -152,7 +154,8 @@ def quantize(t: Tensor, scaling: Scaling, axis: int, stochastic: bool = False) -
     else:
         scale = _absmax(t, axis) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return _round(t / scale, stochastic), scale
+    # contiguous: a permuted gradient (a convolution's on one sample) divides into a strided tensor
+    return _round((t / scale).contiguous(), stochastic), scale
 
 
 # -- the int8 matmul -------------------------------------------------------------------------------
