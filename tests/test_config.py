@@ -64,6 +64,14 @@ def test_config_file_errors(tmp_path):
         load_train_config(str(bad), {}, ["steps=x"])
     with pytest.raises(ConfigError, match=r"--set: must be KEY=VALUE"):
         load_train_config(None, {}, ["steps"])
+    # a codec's own parameter is no key of the config: it is the file's only where the file names the codec
+    bad.write_text("workload: digits\nsteps: 2\n")
+    for flags, sets in (({"compression": "int8:block=7"}, []), ({}, ["compression=int8:block=7"])):
+        with pytest.raises(ConfigError, match=r"int8.block: must be an integer in \[8, 65536\], got 7. E.g. int8:block=256.$"):
+            load_train_config(str(bad), flags, sets)
+    bad.write_text("workload: digits\ncompression: int8:block=7\n")
+    with pytest.raises(ConfigError, match=r"int8.block: .*got 7. .*It is in config file '.*bad"):
+        load_train_config(str(bad), {}, [])
 
 
 def test_a_run_folder_written_with_a_tilde_in_a_config_is_under_home(tmp_path, monkeypatch):

@@ -367,6 +367,16 @@ def test_checkpoint_without_signature(tmp_path):
                 "ranks": []}, path)
     with pytest.raises(ThinwireError, match=r"is incomplete: its entry 'signature' is missing.*\(no such entry\)"):
         ckpt.load(path)
+    # the entries a resume reads inside them: a KeyError in every worker before
+    full = {"format": ckpt.FORMAT, "step": 1, "wall_s": 0.0, "model": {}, "scheduler": {}, "ranks": [],
+            "signature": {}, "config": {}, "optimizer": {"state": {}, "param_groups": []}}
+    for drop, says in (("config", r"entry 'config' is missing.*\(no such entry\)"),
+                       ("optimizer", r"entry 'optimizer.state' is missing.*\(no such entry\)")):
+        torch.save({**full, drop: {}} if drop == "optimizer" else {k: v for k, v in full.items() if k != drop}, path)
+        with pytest.raises(ThinwireError, match=says):
+            ckpt.load(path)
+    torch.save(full, path)
+    assert ckpt.load(path)["step"] == 1
 
 
 def test_a_damaged_or_foreign_checkpoint_is_refused_as_such(tmp_path):
@@ -499,7 +509,36 @@ def per_item_loss():
                              loss=torch.nn.CrossEntropyLoss(reduction="none"), batch_size=8, task="classification")
 
 
+def wrong_validation():
+    import thinwire
+
+    data = torch.utils.data.TensorDataset(torch.zeros(16, 8), torch.zeros(16, dtype=torch.long))
+    val = torch.utils.data.TensorDataset(torch.zeros(16, 5), torch.zeros(16, dtype=torch.long))
+    return thinwire.Workload(model=torch.nn.Linear(8, 3), train=data, val=val, loss=torch.nn.functional.cross_entropy,
+                             batch_size=8, task="classification")
+
+
+class _Corrupt(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 37:
+            raise ValueError(f"record {i} is corrupt")
+        return torch.ones(8) * i / 64, torch.tensor(i % 3)
+
+
+def corrupt_item():
+    import thinwire
+
+    return thinwire.Workload(model=torch.nn.Linear(8, 3), train=_Corrupt(), val=wrong_loss().train,
+                             loss=torch.nn.functional.cross_entropy, batch_size=8, task="classification", steps=12)
+
+
 @pytest.mark.parametrize("name, says", [
+    # the validation set was first used at the first validation: a traceback, every step before it lost
+    ("wrong_validation", r"wrong_validation's validation set does not fit its model or loss \(its first item: "
+                         r"RuntimeError: mat1 and mat2 shapes cannot be multiplied .*Nothing was trained"),
     ("per_item_loss", r"per_item_loss's loss returned a tensor of shape \(\d,\) \(float32\); it must return one "
                       r"floating-point tensor for the batch, the mean over its items"),
     ("wrong_shape_model", r"wrong_shape_model's model's forward failed on the first batch \(inputs of shape \(\d, 8\), "
@@ -519,3 +558,55 @@ def test_a_workload_that_fails_on_its_first_batch_says_so_and_leaves_no_run(tmp_
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert re.search(says, " ".join(r.stderr.split())), r.stderr[-3000:]
         assert not out.exists()
+
+
+def test_a_training_item_the_dataset_cannot_give_is_named_with_its_step_and_the_run_is_kept(tmp_path):
+    """A corrupt record in the middle of a run: every rank's traceback; now one paragraph naming the item, the
+    step and the user's line, and the run's checkpoints stay for a --resume."""
+    import re
+
+    from tests.test_cli import thinwire
+
+    out = tmp_path / "run"
+    r = thinwire("train", "--workload", "tests.test_inputs:corrupt_item", "--checkpoint-every", "1", "--out", str(out),
+                 timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = " ".join(r.stderr.split())
+    assert re.search(r"corrupt_item's training set failed to give item 37 at step \d+: ValueError: record 37 is "
+                     r"corrupt \(at .*test_inputs.py:\d+, in __getitem__\)\. The run's checkpoints are kept", said), said
+    assert list((out / "checkpoints").glob("step_*.pt"))
+
+
+def exits_on_import():
+    raise SystemExit(3)
+
+
+def numpy_split(steps=200):
+    import numpy as np
+
+    import thinwire
+
+    order = np.random.permutation(40)  # as scikit-learn's train_test_split does without a random_state
+    x, y = torch.arange(40.0).view(40, 1), torch.zeros(40, dtype=torch.long)
+    data = torch.utils.data.TensorDataset(x[order[:30]], y[order[:30]])
+    return thinwire.Workload(model=torch.nn.Linear(1, 2), train=data, val=data, steps=steps,
+                             loss=torch.nn.functional.cross_entropy, task="classification")
+
+
+def test_a_user_workload_that_exits_draws_from_numpy_or_suggests_bad_defaults_is_handled():
+    """A workload whose function exits gave no message; one that split its data with NumPy's global generator got
+    another split in every process (ranks trained on each other's validation items); steps=0 ran an empty run."""
+    from thinwire.workloads.registry import build_workload
+
+    with pytest.raises(ThinwireError, match=r"exits_on_import exited \(SystemExit 3\) instead of returning"):
+        build_workload("tests.test_inputs:exits_on_import", {}, None)
+    splits = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        np_state = __import__("numpy").random.rand()  # whatever the global generator held before
+        splits.append(build_workload("tests.test_inputs:numpy_split", {}, None).train.tensors[0].flatten().tolist())
+        assert np_state is not None
+    assert splits[0] == splits[1]
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ThinwireError, match=rf"numpy_split's Workload has steps={bad}; it must be an integer >= 1"):
+            build_workload("tests.test_inputs:numpy_split", {"steps": bad}, None)

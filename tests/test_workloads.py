@@ -37,3 +37,23 @@ def test_charlms_default_corpus_is_the_standard_librarys_own_files_not_what_is_i
     monkeypatch.undo()
     real = Path(sysconfig.get_paths()["stdlib"])
     assert real / "os.py" in corpus.stdlib_files()
+
+
+def test_a_data_folder_leaves_out_hidden_binary_and_run_folders_and_says_where_it_was_capped(tmp_path):
+    """`--data .` read .git's objects (zlib, suffix-less) as text, and a run folder written inside the data folder
+    (its marker, config and summary: different at every launch, so a resume was not exact); the cap
+    (model.max_bytes) was silent and corpus_files counted every file found."""
+    from thinwire.workloads import corpus
+
+    root = tmp_path / "proj"
+    for rel, data in (("a.txt", b"x" * 3000), ("b.txt", b"y" * 3000), ("notes", b"plain text\n"),
+                      (".git/index", b"DIRC\0\0"), (".git/objects/ab/cd", b"x\x9c\0\x01"), (".hidden.txt", b"h"),
+                      ("logo", b"\x89PNG\r\n\x1a\n\0\0"), ("runs/r1/.thinwire-run", b"id"),
+                      ("runs/r1/config.yaml", b"steps: 3\n"), ("runs/r1/summary.json", b"{}")):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    assert corpus.user_files(root) == [root / "a.txt", root / "b.txt", root / "notes"]
+    _, _, info = corpus.load_corpus(str(root), max_bytes=4000, min_bytes=10)
+    assert (info["corpus_files"], info["corpus_files_found"], info["corpus_bytes"], info["corpus_capped"]) == (2, 3, 4000, True)
+    _, _, whole = corpus.load_corpus(str(root), max_bytes=10_000, min_bytes=10)
+    assert (whole["corpus_files"], whole["corpus_bytes"], whole["corpus_capped"]) == (3, 6011, False)

@@ -204,6 +204,11 @@ def _config_of_checkpoint(folder: Path) -> dict | None:
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     overrides = {k: getattr(args, k) for k in FLAGS}
+    for item in args.set or []:  # a resume reads the run's own config first: only the flag can say which run
+        if item.partition("=")[0].strip() == "resume":
+            raise ConfigError("--set resume", item.partition("=")[2], "given as the flag --resume DIR, not with --set",
+                              f"Use --resume {item.partition('=')[2] or 'DIR'}: it reads that run's own config.yaml "
+                              "and goes on in its folder.")
     base = args.config
     if args.resume and Path(args.resume).exists() and not Path(args.resume).is_dir():
         raise ThinwireError(f"resume: {args.resume!r} is a file, not a run folder. Pass the --out folder of an earlier "
@@ -220,7 +225,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     cfg = dataclasses.replace(cfg, **{k: os.path.expanduser(v) for k in ("out", "cluster", "plan", "data")
                                       if isinstance(v := getattr(cfg, k), str) and v.startswith("~")})
     # the files a run names, absolute in its config.yaml: a --resume from another folder finds them
-    cfg = dataclasses.replace(cfg, **{k: str(Path(v).resolve()) for k in ("cluster", "plan", "data")
+    cfg = dataclasses.replace(cfg, **{k: str(Path(v).resolve()) for k in ("cluster", "plan", "data", "resume")
                                       if (v := getattr(cfg, k)) and Path(v).exists()},
                               **{k: _absolute_guard(v) for k in ("sync", "compression")
                                  if isinstance(v := getattr(cfg, k), str) and "guard=" in v})
@@ -331,6 +336,9 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
         from thinwire.train.distenv import check_gpus
 
         check_gpus(_world_size(cfg))
+    import torch
+
+    torch.manual_seed(cfg.seed)  # as every worker builds it (a workload that draws builds the same data here)
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     steps, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)
@@ -343,6 +351,10 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
         print(f"thinwire: note: --sync {sync.text}: the run has {steps - sync.warmup} local step(s) and its first "
               f"average comes after {sync.sync_every}, so the ranks never average while training (only "
               "validation evaluates their average); give a smaller period or more --steps", file=sys.stderr, flush=True)
+    if cfg.warmup_steps >= steps and world is None:
+        print(f"thinwire: note: warmup_steps={cfg.warmup_steps} is not below --steps {steps}: the learning rate rises "
+              f"to {steps / max(1, cfg.warmup_steps):.2g}x its peak at most and never decays; --set warmup_steps="
+              f"{steps // 10} gives the whole schedule", file=sys.stderr, flush=True)
     _small_model_note(cfg, wl.model, world)
     _check_guards(cfg)
     # every world size the run may meet: hosts may leave down to min_hosts
@@ -376,6 +388,11 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
             _check_pipeline(cfg, wl, batch, w)
         elif not cfg.plan:
             _check_batch(cfg, batch, w, worlds)
+    info = wl.info or {}
+    if info.get("corpus_capped") and cfg.data:
+        print(f"thinwire: note: --data: charlm reads the first {info['corpus_bytes']:,} bytes (model.max_bytes) of "
+              f"{info.get('corpus_files_found')} file(s), in order of their names: {info['corpus_files']} of them; "
+              "raise model.max_bytes to train on more", file=sys.stderr, flush=True)
     if cfg.cluster and world is None:  # before the folder is written: the cluster is up, and no other job is on it
         from thinwire.train.cluster_launch import check_free
 
@@ -525,7 +542,10 @@ def _check_resume(cfg: TrainConfig, wl) -> None:
 
     if not Path(cfg.resume).exists():
         raise ThinwireError(f"resume: {cfg.resume!r} does not exist. Pass the --out folder of an earlier run.")
-    found = ckpt.latest(Path(cfg.resume))
+    found, where = ckpt.resume_point(Path(cfg.resume))
+    if found is not None and where != Path(cfg.resume):
+        print(f"thinwire: note: {cfg.resume} holds no checkpoint: its run stopped before its first one, and it had "
+              f"gone on from {where}: training goes on from {found}", file=sys.stderr, flush=True)
     if found is None:
         if not ckpt.stopped_before_first(Path(cfg.resume)):
             marker = (Path(cfg.resume) / runfolder.MARKER).is_file()
@@ -543,6 +563,14 @@ def _check_resume(cfg: TrainConfig, wl) -> None:
 
 
 def _prepare(cfg: TrainConfig, folder: runfolder.RunFolder) -> None:
+    from thinwire.train import checkpoint as ckpt
+
+    if cfg.resume and Path(cfg.resume).resolve() == folder.out.resolve():
+        # resumed in place without a checkpoint of its own: its config keeps naming the run it went on from, which
+        # the next resume reads (ckpt.resume_point) before this overwrites it
+        found, where = ckpt.resume_point(Path(cfg.resume))
+        if found is not None and where.resolve() != folder.out.resolve():
+            cfg = dataclasses.replace(cfg, resume=str(where))
     folder.claim()  # the marker first: from here on the folder is this run's
     save_config(cfg, folder.out / "config.yaml")
 

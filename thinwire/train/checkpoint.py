@@ -161,7 +161,8 @@ def model_state(main: Path, state: dict) -> dict:
 
 
 REQUIRED = {"step": int, "wall_s": (int, float), "model": dict, "optimizer": dict, "scheduler": dict,
-            "signature": dict, "ranks": list}
+            "signature": dict, "ranks": list, "config": dict}
+INNER = {"optimizer": {"state": dict, "param_groups": list}}  # entries' own parts a resume reads
 _REFUSED = "Weights only load failed"  # torch's message when weights_only=True meets another object
 
 
@@ -179,6 +180,28 @@ def stopped_before_first(folder: Path) -> bool:
     that stopped before its first checkpoint: resuming it trains it again from step 0 with that configuration.
     Another tool's folder with a config.yaml (``thinwire doctor``'s) is no such run."""
     return latest(folder) is None and (folder / "config.yaml").is_file() and (folder / ".thinwire-run").is_file()
+
+
+def resume_point(folder: Path) -> tuple[Path | None, Path]:
+    """The checkpoint a resume of ``folder`` goes on from, and the folder it is in: ``folder``'s latest; for a run
+    that stopped before its first checkpoint and had itself resumed another (its config.yaml's ``resume:``), that
+    run's, and so on (a resume into a new folder starts from the old one's checkpoint, which a second resume must
+    not drop); ``(None, folder)`` where there is none."""
+    import yaml
+
+    seen: set[Path] = set()
+    while True:
+        found = latest(folder)
+        if found is not None or not stopped_before_first(folder):
+            return found, folder
+        seen.add(folder.resolve())
+        try:
+            prior = (yaml.safe_load((folder / "config.yaml").read_text()) or {}).get("resume")
+        except (OSError, yaml.YAMLError, AttributeError):
+            prior = None
+        if not isinstance(prior, str) or not Path(prior).is_dir() or Path(prior).resolve() in seen:
+            return None, folder
+        folder = Path(prior)
 
 
 def _read(path: Path):
@@ -212,10 +235,13 @@ def _load_failure(path: Path, e: Exception) -> str:
 
 
 def _check_entries(path: Path, state: dict) -> None:
-    for key, kind in REQUIRED.items():
-        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
-            got = "no such entry" if key not in state else f"a {type(state[key]).__name__}"
-            raise ThinwireError(f"checkpoint {str(path)!r} is incomplete: its entry {key!r} is missing or of the "
+    wanted = [(key, key, state, kind) for key, kind in REQUIRED.items()]
+    wanted += [(f"{outer}.{key}", key, state.get(outer) or {}, kind) for outer, parts in INNER.items()
+               for key, kind in parts.items()]
+    for name, key, where, kind in wanted:
+        if not isinstance(where.get(key), kind) or isinstance(where.get(key), bool):
+            got = "no such entry" if key not in where else f"a {type(where[key]).__name__}"
+            raise ThinwireError(f"checkpoint {str(path)!r} is incomplete: its entry {name!r} is missing or of the "
                                 f"wrong type ({got}). It was not written by thinwire's trainer; resume from "
                                 f"another checkpoint or start a new run without --resume.")
 

@@ -222,16 +222,30 @@ def load_train_config(path: str | dict | None, overrides: dict, sets: list[str])
             if not isinstance(node, dict):
                 raise ConfigError(".".join(keys), value, "a key under a mapping")
         node[keys[-1]] = value
+    in_file = dict(data)
     data.update(flags)
     try:
         return from_dict(TrainConfig, data, where="")
     except ConfigError as e:
-        top = str(e.field).split(".")[0].split("[")[0]
-        given = set(flags) | {parse_override(item)[0][0] for item in sets}
-        if isinstance(path, (str, Path)) and top not in given:  # the value came from the file: say which
+        if isinstance(path, (str, Path)) and _from_file(e, in_file, flags, sets):  # the value came from the file
             fix = f"{e.fix.rstrip('.')}. " if e.fix else ""
             raise ConfigError(e.field, e.value, e.allowed, f"{fix}It is in config file {str(path)!r}.") from None
         raise
+
+
+def _from_file(e: ConfigError, in_file: dict, flags: dict, sets: list[str]) -> bool:
+    """Whether the field ``e`` names came from the config file, not from a flag or ``--set``. A codec's or sync
+    mode's own parameter (``int8.block``) is no key of the config: it came from the file where its spec did
+    (``compression: int8:block=7`` there, no --compression here)."""
+    top = str(e.field).split(".")[0].split("[")[0]
+    given = {**flags, **{parse_override(item)[0][0]: parse_override(item)[1] for item in sets}}
+    if top in {f.name for f in dataclasses.fields(TrainConfig)}:
+        return top not in given
+
+    def names(values) -> bool:
+        return any(isinstance(v, str) and re.match(rf"(\w+@)?{re.escape(top)}\b", v) for v in values)
+
+    return names(in_file.values()) and not names(given.values())
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:

@@ -284,7 +284,7 @@ class Trainer:
             indices = self.shard.indices(self.step, self.shares[self.env.rank])
         else:
             indices = self.sampler.rank_indices(self.step, self.env.rank, self.shares)
-        x, y = collate(self._sets(self.step)[0], indices)
+        x, y = self._collate(self._sets(self.step)[0], indices, "training")
         x, y = B.to(x, self.device, non_blocking=True), B.to(y, self.device, non_blocking=True)
         t1 = time.perf_counter()
         bytes_before = self.comm.wire.bytes_sent
@@ -405,7 +405,7 @@ class Trainer:
             if time.perf_counter() - said > VALIDATION_NOTE_S:  # a long validation says how far it is
                 bar.log(f"step {self.step}: validating, {i} of {len(mine)} items on this rank")
                 said = time.perf_counter()
-            x, y = collate(val, mine[i : i + per])
+            x, y = self._collate(val, mine[i : i + per], "validation")
             x, y = B.to(x, self.device), B.to(y, self.device)
             out = self._eval_forward(x, y)
             if out is None:  # a pipeline stage before the last
@@ -527,7 +527,8 @@ class Trainer:
         shapes as they are: dropout, say) differ from the checkpoint's: the run goes on, but from here it is
         another run's."""
         what = {"seed": "the data order and per-rank randomness", "partition": "each rank's shard of the data",
-                "compression": "what crosses the wire, and its error-feedback residuals"}
+                "compression": "what crosses the wire, and its error-feedback residuals",
+                "precision": "the arithmetic of forward and backward"}
         changed = [f"--{k} {saved[k]} -> {getattr(self.cfg, k)} ({v})" for k, v in what.items()
                    if k in saved and saved[k] != getattr(self.cfg, k)]
         if "data" in saved and saved["data"] != self.cfg.data:
@@ -565,7 +566,7 @@ class Trainer:
         if ckpt.latest(self.out):
             return ckpt.latest(self.out)
         if self.cfg.resume:
-            found = ckpt.latest(Path(self.cfg.resume))
+            found, _ = ckpt.resume_point(Path(self.cfg.resume))
             if found is None and not ckpt.stopped_before_first(Path(self.cfg.resume)):
                 raise ThinwireError(f"resume: folder {self.cfg.resume!r} holds no checkpoint (checkpoints/step_*.pt). "
                                     "Pass the --out folder of an earlier run.")
@@ -617,6 +618,8 @@ class Trainer:
             loss = scalar_loss(self.wl.loss(out, y), self.cfg.workload)
             if self.step == self.first_step and self.wl.task == "classification":
                 correct(out.detach(), y)  # targets accuracy cannot be read from: said now, not at the first validation
+            if self.step == self.first_step:
+                self._check_validation_item()
             return loss
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             if self.step != self.first_step or isinstance(e, (dist.DistError, torch.cuda.OutOfMemoryError)):
@@ -633,6 +636,59 @@ class Trainer:
                                 f"{type(e).__name__}: {str(e)[:300]}{where}. The model takes the data's inputs, the "
                                 "loss the model's output and the targets: check the workload's shapes and types (call "
                                 "them in Python on one batch to see the whole traceback).") from None
+
+    def _collate(self, dataset, indices: list[int], which: str):
+        """The items' batch; a dataset that fails to give one (a corrupt record, a missing file) says so in one
+        paragraph, where in the user's code and what is kept, not as every rank's traceback."""
+        try:
+            return collate(dataset, indices)
+        except Exception as e:  # the user's dataset: any error is its own
+            if isinstance(e, (dist.DistError, torch.cuda.OutOfMemoryError, ThinwireError)):
+                raise
+            import traceback
+
+            own = [f for f in traceback.extract_tb(e.__traceback__)
+                   if not any(part in f.filename for part in ("/torch/", "/thinwire/"))]
+            where = f" (at {own[-1].filename}:{own[-1].lineno}, in {own[-1].name})" if own else ""
+            items = f"one of items {', '.join(map(str, indices[:8]))}" + (", ..." if len(indices) > 8 else "")
+            if not hasattr(dataset, "batch"):  # which one: each alone
+                for i in indices:
+                    try:
+                        dataset[i]
+                    except Exception:  # noqa: BLE001 - the same error, found at its item
+                        items = f"item {i}"
+                        break
+            raise ThinwireError(f"workload: {self.cfg.workload}'s {which} set failed to give {items} at step "
+                                f"{self.step}: {type(e).__name__}: {str(e)[:300]}{where}. The run's checkpoints are "
+                                f"kept: mend the data and go on with --resume {self.out}.") from None
+
+    def _check_validation_item(self) -> None:
+        """The model and loss on the validation set's first item, before any work: a validation set that does not
+        fit the model (or its loss) failed at the first validation, every step before it lost with a traceback.
+        Its RNG state is put back (a model drawing in eval mode would otherwise draw differently on a resume)."""
+        val = self._sets(self.step)[1]
+        if not len(val):
+            return
+        x, y = self._collate(val, [0], "validation")
+        x, y = B.to(x, self.device), B.to(y, self.device)
+        model = self._module()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
+                model.eval()
+                out = model(x)
+                scalar_loss(self.wl.loss(out, y), self.cfg.workload)
+                if self.wl.task == "classification":
+                    correct(out, y)
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            if isinstance(e, (dist.DistError, torch.cuda.OutOfMemoryError)):
+                raise
+            raise ThinwireError(f"workload: {self.cfg.workload}'s validation set does not fit its model or loss "
+                                f"(its first item: {type(e).__name__}: {str(e)[:300]}), though the training batch "
+                                "did: the validation items are the training items' kind (same shapes and types) "
+                                "and the loss takes the model's output on them. Nothing was trained.") from None
+        finally:
+            model.train()
 
     def _unused_parameters(self, e: RuntimeError) -> ThinwireError | None:
         """DDP's error for parameters that got no gradient (its advice, ``find_unused_parameters``, is no option

@@ -24,6 +24,9 @@ PowerSGD, from PyTorch's own rule of which tensors it compresses.
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
@@ -71,6 +74,10 @@ class PeerComm:
                                                        post_local_gradient_allreduce=False)
             model.register_comm_hook(self.local_state, self._counting_localsgd())
         self._params = [p for p in model.module.parameters() if p.requires_grad]
+        self._param_index = {id(p): i for i, p in enumerate(model.module.parameters())}
+        self._psgd_layouts: dict[int, tuple] = {}  # bucket index -> (parameter index, shape) its memory was made with
+        self._psgd_parts = None
+        self._psgd_seen: dict[int, int] = {}  # bucket index -> the PowerSGD iteration its memory was last used at
 
     def _counting(self, hook, bytes_per_value: int):
         def counted(state, bucket):
@@ -82,6 +89,8 @@ class PeerComm:
 
     def _counting_psgd(self):
         def counted(state, bucket):
+            self._psgd_regroup(state, bucket)
+
             self.wire.bytes_sent += self._psgd_bytes(state, bucket)
             self.wire.calls += 1
             return psgd.powerSGD_hook(state, bucket)
@@ -96,6 +105,60 @@ class PeerComm:
             return plsgd.post_localSGD_hook(state, bucket)
 
         return counted
+
+    def _psgd_regroup(self, state, bucket) -> None:
+        """PowerSGD's memory (error feedback, warm-start Q) is kept per bucket, in the bucket's order of parameters.
+        DDP builds its buckets again after its first iteration (in the order gradients became ready), and a resumed
+        process starts from its first layout: a bucket whose parameters are not the ones its memory was made with
+        gets each parameter's part of the memory, from wherever it was (as thinwire's own hook regroups its
+        residuals), so a resume goes on as the run that was never stopped."""
+        index, step = bucket.index(), state.iter
+        layout = tuple((self._param_index.get(id(p), -1), tuple(p.shape)) for p in bucket.parameters())
+        if self._psgd_layouts.get(index) == layout or index not in state.error_dict:
+            self._psgd_layouts[index], self._psgd_seen[index] = layout, step
+            return
+        if self._psgd_parts is None or self._psgd_parts[0] != step:  # every bucket's memory by parameter, once a step
+            self._psgd_parts = (step, self._psgd_by_param(state))
+        parts = self._psgd_parts[1]
+        if not all(pi in parts for pi, _ in layout):  # memory of another model: start afresh, as PyTorch's first step
+            for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+                memory.pop(index, None)
+        else:
+            state.error_dict[index] = torch.cat([parts[pi][0] for pi, _ in layout])
+            qs = [parts[pi][1] for pi, _ in layout if parts[pi][1] is not None]
+            state.q_memory_dict[index] = torch.cat(qs) if qs else state.error_dict[index].new_empty(0)
+            state.p_memory_dict[index] = state.error_dict[index].new_empty(
+                sum(self._psgd_rank(shape, state)[1] for _, shape in layout))
+        mine = {pi for pi, _ in layout}
+        for other, theirs in list(self._psgd_layouts.items()):  # their memory of these parameters is old now
+            if other != index and theirs is not None and mine & {pi for pi, _ in theirs}:
+                self._psgd_layouts[other] = None
+        self._psgd_layouts[index], self._psgd_seen[index] = layout, step
+
+    def _psgd_by_param(self, state) -> dict[int, tuple]:
+        """Parameter index -> (its error feedback, its warm-start Q or None) from every bucket's memory."""
+        out = {}  # the memory last used wins: a bucket of another layout's is left over, not updated
+        for index, layout in sorted(self._psgd_layouts.items(), key=lambda kv: self._psgd_seen.get(kv[0], -1)):
+            if index not in state.error_dict or layout is None:
+                continue
+            e_at = q_at = 0
+            for pi, shape in layout:
+                n = math.prod(shape)
+                q_size = self._psgd_rank(shape, state)[2]
+                q = state.q_memory_dict[index][q_at: q_at + q_size].clone() if q_size else None
+                out[pi] = (state.error_dict[index][e_at: e_at + n].clone(), q)
+                e_at, q_at = e_at + n, q_at + q_size
+        return out
+
+    @staticmethod
+    def _psgd_rank(shape: tuple, state) -> tuple[bool, int, int]:
+        """As PowerSGD's hook decides for a gradient of ``shape``: compressed, its P's and its Q's sizes."""
+        n = shape[0] if shape else 1
+        m = math.prod(shape) // n if shape else 1
+        r = min(n, m, state.matrix_approximation_rank)
+        if not psgd._should_compress(n, m, r, state.min_compression_rate)[0]:
+            return False, 0, 0
+        return True, n * r, m * r
 
     def _psgd_bytes(self, state, bucket) -> int:
         if state.iter < state.start_powerSGD_iter:
@@ -122,11 +185,30 @@ class PeerComm:
         return {"bytes_sent": self.wire.bytes_sent, "policy": self.policy.spec, "counted": "by formula"}
 
     def state_dict(self) -> dict:
-        return {"localsgd_iter": self.local_state.iter} if self.name == "localsgd" else {}
+        if self.name == "localsgd":
+            return {"localsgd_iter": self.local_state.iter}
+        if self.name == "powersgd":  # its iteration (the fp32 start), error feedback, warm-start P and Q, generator
+            st = self.psgd_state
+            _, keys, pos, has_gauss, cached = st.rng.get_state()
+            return {"psgd_iter": st.iter, "psgd_error": dict(st.error_dict), "psgd_p": dict(st.p_memory_dict),
+                    "psgd_q": dict(st.q_memory_dict),
+                    "psgd_layouts": {i: [[pi, list(shape)] for pi, shape in layout]
+                                     for i, layout in self._psgd_layouts.items()},
+                    "psgd_rng": [torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]}
+        return {}
 
     def load_state_dict(self, sd: dict) -> None:
         if self.name == "localsgd":
             self.local_state.iter = int(sd.get("localsgd_iter", 0))
+        if self.name == "powersgd" and "psgd_iter" in sd:  # a checkpoint before it was saved starts afresh
+            st = self.psgd_state
+            st.iter = int(sd["psgd_iter"])
+            st.error_dict, st.p_memory_dict, st.q_memory_dict = (dict(sd["psgd_error"]), dict(sd["psgd_p"]),
+                                                                 dict(sd["psgd_q"]))
+            self._psgd_layouts = {int(i): tuple((int(pi), tuple(int(d) for d in shape)) for pi, shape in layout)
+                                  for i, layout in sd.get("psgd_layouts", {}).items()}
+            keys, pos, has_gauss, cached = sd["psgd_rng"]
+            st.rng.set_state(("MT19937", keys.numpy().astype("uint32"), int(pos), int(has_gauss), float(cached)))
 
     def close(self) -> None:
         pass

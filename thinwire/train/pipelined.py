@@ -143,7 +143,7 @@ class PipelineTrainer(Trainer):
     def _train_step(self) -> dict:
         t0 = time.perf_counter()
         indices = self.sampler.rank_indices(self.step, self.place.replica, self.shares)
-        x, y = collate(self._sets(self.step)[0], indices)
+        x, y = self._collate(self._sets(self.step)[0], indices, "training")
         x, y = B.to(x, self.device, non_blocking=True), B.to(y, self.device, non_blocking=True)
         t1 = time.perf_counter()
         sent, acts = self.comm.wire.bytes_sent, self.acts.total
@@ -196,6 +196,9 @@ class PipelineTrainer(Trainer):
 
     def _eval_slot(self) -> tuple[int, list[int]]:
         return self.place.replica, [self.layout.replica_batch] * self.layout.replicas
+
+    def _check_validation_item(self) -> None:
+        """A stage cannot run the model alone: a pipeline's validation set is checked at its first validation."""
 
     def _eval_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         k, per = B.batch_len(x), self.layout.replica_batch

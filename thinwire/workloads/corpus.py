@@ -43,10 +43,28 @@ def user_files(path: Path) -> list[Path]:
     if not path.is_dir():
         raise ThinwireError(f"data: {str(path)!r} is neither a file nor a folder (a device, a pipe?). Pass a text file "
                             "or a folder of text files.")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                   and not _skipped(p.relative_to(path), path) and not _binary(p))
     if not files:
         raise ThinwireError(f"data: folder {str(path)!r} holds no text files ({', '.join(sorted(s for s in TEXT_SUFFIXES if s))}). Pass a text file or a folder of them.")
     return files
+
+
+def _skipped(rel: Path, root: Path) -> bool:
+    """Hidden files and folders (``.git``'s objects) and thinwire run folders (a run written inside its own data
+    folder would train on its config, its marker and its summary, different at every launch)."""
+    if any(part.startswith(".") for part in rel.parts):
+        return True
+    return any((root.joinpath(*rel.parts[:i]) / ".thinwire-run").is_file() for i in range(1, len(rel.parts)))
+
+
+def _binary(path: Path) -> bool:
+    """A NUL byte in its first 8 KiB (text never has one; compiled, compressed and image files do)."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" in f.read(8192)
+    except OSError:
+        return False  # read_bytes names the file it cannot read
 
 
 def read_bytes(files: list[Path], max_bytes: int) -> bytes:
@@ -63,6 +81,20 @@ def read_bytes(files: list[Path], max_bytes: int) -> bytes:
     return b"".join(parts)[:max_bytes]
 
 
+def _files_read(files: list[Path], n: int):
+    """The files of which ``read_bytes`` took at least one of its ``n`` bytes."""
+    total = 0
+    for f in files:
+        if total >= n:
+            return
+        yield f
+        total += _size([f])
+
+
+def _size(files: list[Path]) -> int:
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def load_corpus(data: str | None, max_bytes: int, min_bytes: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Train bytes, validation bytes (uint8 tensors) and a description for the run's summary."""
     files = stdlib_files() if data is None else user_files(Path(data))
@@ -75,8 +107,10 @@ def load_corpus(data: str | None, max_bytes: int, min_bytes: int) -> tuple[torch
         )
     data_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     train, val = split(data_t)
-    info = {"corpus": source, "corpus_files": len(files) if data is not None else None,
-            "corpus_bytes": len(raw), "corpus_sha1": hashlib.sha1(raw).hexdigest()[:12],
+    read = sum(1 for _ in _files_read(files, len(raw)))
+    info = {"corpus": source, "corpus_files": read if data is not None else None,
+            "corpus_files_found": len(files) if data is not None else None,
+            "corpus_bytes": len(raw), "corpus_capped": len(raw) >= max_bytes and _size(files) > max_bytes, "corpus_sha1": hashlib.sha1(raw).hexdigest()[:12],
             "unigram_entropy_bits": unigram_entropy_bits(train)}
     return train, val, info
 

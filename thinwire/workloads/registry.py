@@ -10,11 +10,16 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import math
 import os
+import random
 import re
 import sys
 import traceback
 from typing import Callable
+
+import numpy as np
+import torch
 
 from thinwire.config import from_dict
 from thinwire.errors import ConfigError, ThinwireError, short
@@ -62,6 +67,10 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
         sys.path.append(here)  # last: never in place of an installed module of the same name
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as e:  # argparse at import time reads thinwire's own arguments, and exits
+        raise ThinwireError(f"workload: module {short(module_name)} exited as it was imported (SystemExit "
+                            f"{short(e.code)}): a training script that parses its command line at import time reads "
+                            "thinwire's arguments. Put that under `if __name__ == \"__main__\":`.") from None
     except ImportError as e:
         raise ThinwireError(f"workload: cannot import module {short(module_name)} ({short(str(e), 300)}). "
                             f"Check that it is on PYTHONPATH or in the current folder ({short(here, 200)}).") from None
@@ -90,8 +99,16 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise ThinwireError(f"model: options {sorted(kwargs)} do not fit {name}: {e}; it takes "
                             f"{', '.join(takes) or 'no options'}.") from None
+    # a workload that splits or shuffles its data with Python's or NumPy's global generator (scikit-learn's
+    # train_test_split does) gets the same split in every process: seeded from torch's, which the caller seeded
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
     try:
         wl = fn(**kwargs)
+    except SystemExit as e:
+        raise ThinwireError(f"workload: {name} exited (SystemExit {short(e.code)}) instead of returning a "
+                            "thinwire.Workload.") from None
     except Exception as e:  # noqa: BLE001 - the user's own code: where it failed, in one paragraph
         where = traceback.extract_tb(e.__traceback__)[-1]
         raise ThinwireError(f"workload: {name}({', '.join(f'{k}={short(v)}' for k, v in kwargs.items())}) raised "
@@ -102,6 +119,7 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
     if wl.task not in ("lm", "classification", "regression"):
         raise ThinwireError(f"workload: {name}'s Workload has task={short(wl.task)}; it must be lm, classification or "
                             "regression (which validation metrics it reports).")
+    _check_defaults(name, wl)
     if not any(p.requires_grad for p in wl.model.parameters()):
         raise ThinwireError(f"workload: {name}'s model has no trainable parameters (none, or every one with "
                             "requires_grad=False), so training would change nothing; give it a layer with weights, "
@@ -118,6 +136,20 @@ def _build_user(name: str, options: dict, data: str | None) -> Workload:
                                 f"({'training needs samples' if field == 'train' else 'validation reports its loss'}).")
         _check_pairs(name, field, data)
     return wl
+
+
+def _check_defaults(name: str, wl: Workload) -> None:
+    """The Workload's suggested steps, batch size and learning rate: the run's unless a flag says otherwise."""
+    for field, ok, allowed, flag in (
+            ("steps", isinstance(wl.steps, int) and not isinstance(wl.steps, bool) and wl.steps >= 1,
+             "an integer >= 1", "--steps"),
+            ("batch_size", isinstance(wl.batch_size, int) and not isinstance(wl.batch_size, bool) and wl.batch_size >= 1,
+             "an integer >= 1", "--batch-size"),
+            ("lr", isinstance(wl.lr, (int, float)) and not isinstance(wl.lr, bool) and math.isfinite(wl.lr) and wl.lr > 0,
+             "a finite number > 0", "--lr")):
+        if not ok:
+            raise ThinwireError(f"workload: {name}'s Workload has {field}={short(getattr(wl, field))}; it must be "
+                                f"{allowed} (the run's default, which {flag} overrides).")
 
 
 def _check_pairs(name: str, field: str, data) -> None:
