@@ -686,7 +686,10 @@ class Trainer:
             raise ThinwireError(f"workload: {self.cfg.workload}'s validation set does not fit its model or loss "
                                 f"(its first item: {type(e).__name__}: {str(e)[:300]}), though the training batch "
                                 "did: the validation items are the training items' kind (same shapes and types) "
-                                "and the loss takes the model's output on them. Nothing was trained.") from None
+                                "and the loss takes the model's output on them. "
+                                + ("Nothing was trained." if self.step == 0 else
+                                   f"This launch trained nothing; the run's checkpoints (step {self.step}) are kept.")
+                                ) from None
         finally:
             model.train()
 
