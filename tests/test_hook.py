@@ -488,7 +488,15 @@ def _saved_at_another_world(rank, world):
     state.load_state_dict(sd)                        # this job's own: its residuals
     kept = {k: v.clone() for k, v in state.feedback.state_dict()["params"].items()}
     state.load_state_dict({**sd, "world": 3})        # saved by 3 ranks: not this rank's residuals
-    out = {"world": sd["world"], "kept": len(kept), "after": len(state.feedback.state_dict()["params"]),
+    after = len(state.feedback.state_dict()["params"])
+    state.load_state_dict({**sd, "policy": "topk:ratio=0.01"})  # another codec's errors: not int8's
+    other_codec = len(state.feedback.state_dict()["params"])
+    try:  # one file for every rank: another rank's residuals, swapped in silence before
+        state.load_state_dict({**sd, "rank": 1})
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    out = {"world": sd["world"], "kept": len(kept), "after": after, "other_codec": other_codec, "refused": refused,
            "said": [r.getMessage() for r in records]}
     state.close()
     return out
@@ -500,6 +508,10 @@ def test_a_state_saved_at_another_world_size_leaves_its_residuals_out_and_says_s
     (r,) = run_ranks(_saved_at_another_world, 1)
     assert r["world"] == 1 and r["kept"] > 0 and r["after"] == 0
     assert any("saved by a job of 3 ranks, this one has 1: error-feedback residuals start empty" in m for m in r["said"])
+    assert r["other_codec"] == 0 and any("saved with compression topk:ratio=0.01, this one sends with int8" in m
+                                         for m in r["said"])
+    assert "this CommState is rank 0's, and the state loaded was saved by rank 1" in r["refused"]
+    assert "Save one file per rank" in r["refused"]
 
 
 @pytest.mark.parametrize("bad, match", [(None, "got NoneType"), ({"foo": 1}, r"got a dict with keys \['foo'\]")])

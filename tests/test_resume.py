@@ -471,6 +471,8 @@ def test_a_run_whose_every_step_is_non_finite_stops_as_diverged(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "training diverged: the last 12 step(s) all had a non-finite gradient" in " ".join(r.stderr.split()), \
         r.stderr[-2000:]
+    said = r.stdout + r.stderr  # each skipped step once (the precision runner's logger said it a second time)
+    assert said.count("step 3: non-finite gradient") == 1 and said.count("optimizer step skipped") == 12, said[-3000:]
 
 
 def test_a_short_fp16_run_whose_loss_scaler_is_still_searching_is_no_divergence(tmp_path):

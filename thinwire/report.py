@@ -160,11 +160,13 @@ def report(paths: list[str], out: str | None = None) -> list[Path]:
     folder = Path(out or paths[0])
     folder.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run, color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):  # every run; past the colours, the next line style tells them apart
+        color, style = colors[i % len(colors)], ("-", "--", ":", "-.")[i // len(colors) % 4]
         sm = _smooth([p[2] for p in run.train], max(1, len(run.train) // 50))
         for ax, x in ((axes[0], 0), (axes[1], 1)):
-            ax.plot([p[x] for p in run.train], sm, color=color, alpha=0.5, lw=1, label=f"{run.name} train")
-            ax.plot([p[x] for p in run.val], [p[2] for p in run.val], "o-", color=color, lw=2, ms=3,
+            ax.plot([p[x] for p in run.train], sm, style, color=color, alpha=0.5, lw=1, label=f"{run.name} train")
+            ax.plot([p[x] for p in run.val], [p[2] for p in run.val], "o" + style, color=color, lw=2, ms=3,
                     label=f"{run.name} val")
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("wall-clock time (s)")

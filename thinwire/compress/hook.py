@@ -324,6 +324,7 @@ class CommState:
             "counters": {"bytes_raw": self.bytes_raw, "bytes_sent": self.wire.bytes_sent, "calls": self.wire.calls,
                          "counts": dict(self.counts)},
             "world": self.wire.world,
+            "rank": self.wire.rank,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -331,13 +332,26 @@ class CommState:
             what = f"a dict with keys {sorted(map(str, sd))[:6]}" if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"CommState.load_state_dict takes what CommState.state_dict() returned (a dict with "
                              f"step, residuals, counters, ...), got {what}; save state.state_dict() with the model's")
-        self.step = int(sd["step"])
         world = sd.get("world", self.wire.world)  # states from before it was kept: as this job's
+        rank = sd.get("rank", self.wire.rank)
+        if world == self.wire.world and rank != self.wire.rank:  # one file for every rank: residuals swapped
+            raise ValueError(f"this CommState is rank {self.wire.rank}'s, and the state loaded was saved by rank "
+                             f"{rank}: error-feedback residuals are each rank's own. Save one file per rank, e.g. "
+                             f"torch.save(state.state_dict(), f\"comm{{dist.get_rank()}}.pt\"), and load each rank's own")
+        self.step = int(sd["step"])
         if world != self.wire.world:
             log.warning("this state was saved by a job of %d ranks, this one has %d: error-feedback residuals start "
                         "empty (each is what one rank's own sends left behind)", world, self.wire.world)
+        # one codec for every bucket, saved with another: its residuals are another codec's errors (auto's and a
+        # plan's descriptions name their current choices, which their own state brings back)
+        policy = sd.get("policy", self.policy.describe()) if isinstance(self.policy, StaticPolicy) else \
+            self.policy.describe()
+        if policy != self.policy.describe() and sd.get("residuals"):
+            log.warning("this state was saved with compression %s, this one sends with %s: error-feedback residuals "
+                        "start empty (another codec's residuals are its own errors)", policy, self.policy.describe())
         if self.feedback is not None:
-            self.feedback.load_state_dict(sd.get("residuals", {}) if world == self.wire.world else {})
+            same = world == self.wire.world and policy == self.policy.describe()
+            self.feedback.load_state_dict(sd.get("residuals", {}) if same else {})
         self.extra = {k: v.clone() for k, v in sd.get("extra", {}).items()}
         self.policy.load_state_dict(sd.get("policy_state") or {})  # older checkpoints have none
         self.resumed = {int(i): tuple((int(a), int(b)) for a, b in layout) for i, layout in sd.get("layouts", {}).items()}

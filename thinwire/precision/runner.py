@@ -78,6 +78,7 @@ class PrecisionRunner:
         self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=init_scale)
                        if self.mode is Precision.FP16 else None)
         self.skipped_steps, self.steps, self.last_grad_norm = 0, 0, float("nan")
+        self.announce_skips = True  # a skipped step logged here (thinwire train's loop says it once, on rank 0)
 
     def context(self):
         return autocast_context(self.mode.value, self.device)
@@ -102,8 +103,9 @@ class PrecisionRunner:
         if not finite:
             self.skipped_steps += 1
             scale = f"; loss scale now {self.scaler.get_scale():g}" if self.scaler is not None else ""
-            log.warning("step %d: non-finite gradient (%s), optimizer step skipped%s",
-                        self.steps, self.last_grad_norm, scale)
+            if self.announce_skips:
+                log.warning("step %d: non-finite gradient (%s), optimizer step skipped%s",
+                            self.steps, self.last_grad_norm, scale)
         return not finite
 
     def report(self) -> dict:

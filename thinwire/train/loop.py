@@ -194,6 +194,7 @@ class Trainer:
             model, self._precision_mode(), device=device, batch=self.shares[env.rank], loss_fn=self.wl.loss,
             sample=sample_from(self.wl.train, collate, device, cfg.seed), memory_budget=cfg.memory_budget,
             optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=cfg.weight_decay), clip=cfg.grad_clip)
+        self.prec.runner.announce_skips = False  # _log says it, once
         if self.planned:
             self.prec.micro_sizes = self.planned.micro_sizes(env.rank)
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=_bucket_mb(cfg),
@@ -324,7 +325,9 @@ class Trainer:
     def _log(self, rec: dict, bar: ProgressBar) -> None:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
         if rec["skipped"]:
-            bar.log(f"step {self.step}: non-finite gradient, optimizer step skipped")
+            runner = self.prec.runner
+            scale = f"; loss scale now {runner.scaler.get_scale():g}" if runner.scaler is not None else ""
+            bar.log(f"step {self.step}: non-finite gradient ({runner.last_grad_norm}), optimizer step skipped{scale}")
         # the same on every rank (the average is non-finite): many in a row, or every step this process trained
         # (not where fp16's loss scaler is still finding its scale: a finite loss, its gradients overflowed)
         every = self.step == self.steps and self.skipped_in_a_row >= self.step - self.first_step
