@@ -203,6 +203,10 @@ def test_a_local_run_no_longer_than_its_warm_up_says_no_step_is_local(tmp_path):
     # the learning rate's own warm-up (20 steps) on a 3-step run: it reached 15% of --lr, and nothing said so
     assert ("warmup_steps=20 is not below --steps 3: the learning rate rises to 0.15x its peak at most and never "
             "decays; --set warmup_steps=0 gives the whole schedule") in " ".join(proc.stderr.split())
+    # auto's trial (10 + 2 x 20 steps) longer than the run: it ended without a choice, and said nothing
+    proc = thinwire("train", "--workload", "digits", "--steps", "3", "--sync", "auto", "--out", str(tmp_path / "a"))
+    assert proc.returncode == 0 and "(50 in all), and the run has 3: it ends before choosing" in \
+        " ".join(proc.stderr.split()), proc.stderr[-2000:]
     # diloco's default period (100) on a 3-step run: no average while training, and it said nothing
     proc = thinwire("train", "--workload", "digits", "--steps", "3", "--sync", "diloco", "--out", str(tmp_path / "d"))
     assert proc.returncode == 0 and "the run has 3 local step(s) and its first average comes after 100" in proc.stderr

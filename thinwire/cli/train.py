@@ -351,6 +351,10 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
         print(f"thinwire: note: --sync {sync.text}: the run has {steps - sync.warmup} local step(s) and its first "
               f"average comes after {sync.sync_every}, so the ranks never average while training (only "
               "validation evaluates their average); give a smaller period or more --steps", file=sys.stderr, flush=True)
+    if sync.mode == "auto" and steps < sync.warmup + 2 * sync.trial and world is None:
+        print(f"thinwire: note: --sync {sync.text}: it chooses after {sync.warmup} warm-up steps and {sync.trial} "
+              f"timed steps of each mode ({sync.warmup + 2 * sync.trial} in all), and the run has {steps}: it ends "
+              f"before choosing; give a smaller trial= (at least 5) or more --steps", file=sys.stderr, flush=True)
     if cfg.warmup_steps >= steps and world is None:
         print(f"thinwire: note: warmup_steps={cfg.warmup_steps} is not below --steps {steps}: the learning rate rises "
               f"to {steps / max(1, cfg.warmup_steps):.2g}x its peak at most and never decays; --set warmup_steps="

@@ -235,8 +235,8 @@ class Trainer:
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
-        if step < warm:
-            return (step + 1) / warm
+        if step < warm:  # past a horizon inside the warm-up (a resume that kept it): the schedule's last LR
+            return (min(step, self.horizon - 1) + 1) / warm
         if self.cfg.schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warm) / max(1, self.horizon - warm))
@@ -676,6 +676,10 @@ class Trainer:
         x, y = B.to(x, self.device), B.to(y, self.device)
         model = self._module()
         devices = [self.device] if self.device.type == "cuda" else []
+        from thinwire.precision.quant import COUNTERS, Int8Stats
+
+        stats = [COUNTERS] + [m.stats for m in model.modules() if isinstance(getattr(m, "stats", None), Int8Stats)]
+        counts = [(s.int8, s.float) for s in stats]  # int8's matmul counts: a check is no training step
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
                 model.eval()
@@ -695,6 +699,8 @@ class Trainer:
                                 ) from None
         finally:
             model.train()
+            for s, (i, f) in zip(stats, counts):
+                s.int8, s.float = i, f
 
     def _unused_parameters(self, e: RuntimeError) -> ThinwireError | None:
         """DDP's error for parameters that got no gradient (its advice, ``find_unused_parameters``, is no option
