@@ -286,13 +286,6 @@ def test_resume_extending_steps_keeps_the_lr_horizon_unless_rescheduled(tmp_path
     assert lr_refit[31] == pytest.approx(0.0011, rel=1e-3)
     assert _final_model(kept)["lr_horizon"] == 30 and _final_model(refit)["lr_horizon"] == 40
     assert json.loads((refit / "summary.json").read_text())["lr_horizon"] == 40
-    # a first run inside its warm-up (12 of 20 steps) resumed past it: its last LR, not a warm-up still climbing
-    short = tmp_path / "short"
-    assert thinwire("train", *common, "--steps", "12", "--out", str(short)).returncode == 0
-    assert thinwire("train", "--resume", str(short), "--steps", "18").returncode == 0
-    lr_short = _lrs(short)
-    assert lr_short[12] == pytest.approx(peak * 12 / 20)
-    assert all(lr_short[s] == pytest.approx(lr_short[12], rel=1e-12) for s in range(13, 19)), lr_short
 
 
 def test_auto_resumes_on_its_plan_and_keeps_its_decisions(tmp_path):
@@ -494,7 +487,8 @@ def test_a_short_fp16_run_whose_loss_scaler_is_still_searching_is_no_divergence(
     r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "bigwl:build", "--steps", "3",
                         "--precision", "fp16", "--eval-every", "1000", "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
-    assert "non-finite gradient" in r.stderr, r.stderr[-2000:]  # the scaler did search: every step skipped
+    # the scaler did search: every step skipped (said once, by the trainer's progress output)
+    assert "non-finite gradient" in r.stdout + r.stderr, r.stderr[-2000:]
     assert r.returncode == 0 and "training diverged" not in r.stderr, r.stderr[-2000:]
 
     # one rank's loss NaN, the other's finite: every step skipped everywhere (the average is NaN), and every rank

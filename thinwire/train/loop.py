@@ -235,8 +235,8 @@ class Trainer:
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
-        if step < warm:  # past a horizon inside the warm-up (a resume that kept it): the schedule's last LR
-            return (min(step, self.horizon - 1) + 1) / warm
+        if step < warm:
+            return (step + 1) / warm
         if self.cfg.schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warm) / max(1, self.horizon - warm))

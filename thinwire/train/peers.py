@@ -192,8 +192,9 @@ class PeerComm:
             _, keys, pos, has_gauss, cached = st.rng.get_state()
             return {"psgd_iter": st.iter, "psgd_error": dict(st.error_dict), "psgd_p": dict(st.p_memory_dict),
                     "psgd_q": dict(st.q_memory_dict),
+                    # a bucket whose memory another layout took over has none (its memory is regrouped on load)
                     "psgd_layouts": {i: [[pi, list(shape)] for pi, shape in layout]
-                                     for i, layout in self._psgd_layouts.items()},
+                                     for i, layout in self._psgd_layouts.items() if layout is not None},
                     "psgd_rng": [torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]}
         return {}
 

@@ -52,7 +52,8 @@ def user_files(path: Path) -> list[Path]:
 
 def _skipped(rel: Path, root: Path) -> bool:
     """Hidden files and folders (``.git``'s objects) and thinwire run folders (a run written inside its own data
-    folder would train on its config, its marker and its summary, different at every launch)."""
+    folder would train on its config, its marker and its summary, different at every launch): a folder holding
+    ``thinwire.train.runfolder.MARKER`` (not imported: workloads sit below the trainer)."""
     if any(part.startswith(".") for part in rel.parts):
         return True
     return any((root.joinpath(*rel.parts[:i]) / ".thinwire-run").is_file() for i in range(1, len(rel.parts)))
