@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from thinwire.config import from_dict
@@ -76,7 +79,6 @@ def test_config_file_errors(tmp_path):
 
 def test_a_run_folder_written_with_a_tilde_in_a_config_is_under_home(tmp_path, monkeypatch):
     """``out: ~/x`` in YAML (or --set out=~/x) made a folder named '~' in the working directory."""
-    import argparse
 
     from thinwire.cli.train import FLAGS, resolve_config
 
@@ -125,3 +127,26 @@ def test_a_file_of_another_kind_is_named_as_such(tmp_path):
     prof.write_text("workload: charlm\nparameters: 10\ncompute: []\nbuckets: []\nthreadz: 1\n")
     with pytest.raises(ConfigError, match=r"^profile.threadz: must be one of the known fields"):
         load_profile(prof)
+
+
+def test_trains_default_folder_taken_in_the_same_second_gets_a_number(tmp_path, monkeypatch):
+    """`thinwire train` twice in one second without --out: the second refused ("claimed by another run") where
+    its default folder, named by the second, was the first's; it now takes NAME-2 (and creates nothing itself)."""
+    import datetime
+
+    from thinwire.cli.train import FLAGS, resolve_config
+
+    monkeypatch.chdir(tmp_path)
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 7, 12, 0, 0)
+
+    monkeypatch.setattr(datetime, "datetime", Frozen)
+    args = argparse.Namespace(**{**{k: None for k in FLAGS}, "config": None, "resume": None, "set": [],
+                                 "workload": "digits"})
+    first = resolve_config(args).out
+    assert first == str(Path("runs") / "digits-20261207-120000") and not Path(first).exists()
+    Path(first).mkdir(parents=True)
+    assert resolve_config(args).out == first + "-2" and not Path(first + "-2").exists()

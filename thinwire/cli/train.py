@@ -235,8 +235,18 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         cfg = _pipeline_from_plan(cfg)
     if not cfg.out:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg = dataclasses.replace(cfg, out=str(Path("runs") / f"{cfg.workload.replace(':', '.')}-{stamp}"))
+        cfg = dataclasses.replace(cfg, out=str(_free_folder(Path("runs") / f"{cfg.workload.replace(':', '.')}-{stamp}")))
     return cfg
+
+
+def _free_folder(path: Path) -> Path:
+    """The default run folder, or NAME-2, NAME-3, ... where a run started in the same second holds it (two runs
+    started together must not refuse each other's folder)."""
+    n = 2
+    out = path
+    while out.exists():
+        out, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return out
 
 
 def _same_workload(args: argparse.Namespace, base: str | dict) -> None:
