@@ -22,11 +22,13 @@ from thinwire.compress.codecs.powersgd import (
     matrix_view, near_square, orthogonalize_, payload_bytes_matrix, should_compress,
 )
 from thinwire.compress.spec import spec_string
+from thinwire.errors import ConfigError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CODECS = [
     NoneCodec(NoneConfig()), Fp16Codec(Fp16Config()), Bf16Codec(Bf16Config()),
     Int8Codec(Int8Config()), Int8Codec(Int8Config(block=64, stochastic=True)),
+    Int8Codec(Int8Config(bits=4)), Int8Codec(Int8Config(block=8, bits=4, stochastic=True)),
     BfpCodec(BfpConfig()), BfpCodec(BfpConfig(block=32, mantissa_bits=4)),
     QsgdCodec(QsgdConfig()), QsgdCodec(QsgdConfig(levels=1, block=100)),
     TopKCodec(TopKConfig()), TopKCodec(TopKConfig(ratio=0.1, approx=True, sample_size=500)),
@@ -212,16 +214,31 @@ def test_summed_payloads_decode_to_the_sum(codec):
 # -- int8 --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block", [8, 256])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_int8_per_block_error_bound(block, stochastic):
-    """|err| <= absmax / 254 (nearest) or < absmax / 127 (stochastic), absmax of the value's block;
-    plus 2**-22 absmax for fp32 rounding of q * scale and of the subtraction."""
-    codec = Int8Codec(Int8Config(block=block, stochastic=stochastic))
+def test_int8_per_block_error_bound(block, stochastic, bits):
+    """|err| <= absmax / 254 (nearest) or < absmax / 127 (stochastic), absmax of the value's block (/ 14 and / 7
+    at 4 bits); plus 2**-22 absmax for fp32 rounding of q * scale and of the subtraction."""
+    codec = Int8Codec(Int8Config(block=block, stochastic=stochastic, bits=bits))
+    qmax = 127 if bits == 8 else 7
     for x in (randn(5000), wild(5000, decades=20), randn(5000, dtype=torch.float16).float()):
         absmax = block_absmax(x, block)
-        bound = absmax / (127 if stochastic else 254) + absmax * 2**-22
+        bound = absmax / (qmax if stochastic else 2 * qmax) + absmax * 2**-22
         assert ((roundtrip(codec, x, seed=3) - x).abs() <= bound).all()
+
+
+def test_int8_at_4_bits_sends_half_the_bytes_and_uses_all_fifteen_levels():
+    """Two values a byte: the payload is half int8's (plus the same scales), and every level -7..7 decodes to itself
+    (a packing that mixed up nibbles or values would move them)."""
+    four, eight = Int8Codec(Int8Config(bits=4)), Int8Codec(Int8Config())
+    assert four.payload_bytes(1000) == 4 * 256 // 2 + 4 * 4 and eight.payload_bytes(1000) == 4 * 256 + 4 * 4
+    x = torch.arange(-7.0, 8.0).repeat(20)[:256] * 0.5  # absmax 3.5: q = 2x (the scale is one ulp under 0.5)
+    assert torch.allclose(roundtrip(four, x), x, rtol=1e-6, atol=0)
+    assert four.compress(x, meta_of(x))[0].dtype == torch.uint8
+    for bad in ({"bits": 3}, {"bits": 16}, {"bits": True}, {"bits": 4, "block": 9}):
+        with pytest.raises(ConfigError, match="int8.b"):
+            Int8Config(**bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -84,7 +84,7 @@ def test_a_codec_parameter_out_of_range_is_named_once(spec, field):
 @pytest.mark.parametrize("spec,message", [
     ("zstd", f"compression: must be one of {ALL_NAMES}, got 'zstd'"),
     ("", "compression: must be name or name:key=value,key=value (e.g. 'int8:block=64'), got ''"),
-    ("int8:blok=3", "int8 parameter: must be one of block=256, stochastic=false, got 'blok'. "
+    ("int8:blok=3", "int8 parameter: must be one of block=256, stochastic=false, bits=8, got 'blok'. "
                     "E.g. int8:block=256."),
     ("topk:k=5", "topk parameter: must be one of ratio=0.01, approx=none, approx_threshold=1000000, "
                  "sample_size=10000, got 'k'"),
