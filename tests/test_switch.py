@@ -154,8 +154,9 @@ def test_train_config_refuses_what_the_switch_cannot_sum():
     assert TrainConfig(**{**ok, "compression": "auto"}).aggregation == "switch"  # int8 is a default candidate
     cases = [({"cluster": None}, r"^cluster: must be a cluster spec with --aggregation switch"),
              ({"compression": "auto:candidates=none|bf16"}, r"^compression: must be int8 .*, or auto with int8 among"),
-             ({"compression": "bf16"}, r"^compression: must be int8 \(nearest rounding, any block\), or auto with int8 among its candidates, with --aggregation switch"),
+             ({"compression": "bf16"}, r"^compression: must be int8 \(8 bits, nearest rounding, any block\), or auto with int8 among its candidates, with --aggregation switch"),
              ({"compression": "int8:stochastic=true"}, r"^compression: must be int8"),
+             ({"compression": "int8:bits=4"}, r"^compression: must be int8 \(8 bits"),
              ({"sync": "delayed"}, r"^sync: must be allreduce with --aggregation switch"),
              ({"min_hosts": 2, "max_restarts": 1}, r"^min_hosts: must be left out with --aggregation switch"),
              ({"aggregation": "tree"}, r"^aggregation: must be ring or switch, got 'tree'")]

@@ -116,7 +116,7 @@ class TrainConfig:
         auto = isinstance(self.comm, AutoSpec) and any(switchable(c) for c in self.comm.config.candidates)
         check(self.plan is not None or auto or (codec is not None and Switched.accepts(codec)),
               "compression", self.compression,
-              "int8 (nearest rounding, any block), or auto with int8 among its candidates, with --aggregation switch",
+              "int8 (8 bits, nearest rounding, any block), or auto with int8 among its candidates, with --aggregation switch",
               "The switch sums int8 at agreed block scales; other codecs travel around the ring: " + ring)
         check(self.sync_spec.mode == "allreduce", "sync", self.sync, "allreduce with --aggregation switch", ring)
         check(self.min_hosts is None, "min_hosts", self.min_hosts, "left out with --aggregation switch",

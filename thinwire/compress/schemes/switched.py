@@ -30,7 +30,7 @@ def base_spec(spec: str) -> str:
 
 
 def switchable(spec: str) -> bool:
-    """Whether the codec of spec string ``spec`` can be summed by the switch's aggregator (int8, nearest
+    """Whether the codec of spec string ``spec`` can be summed by the switch's aggregator (int8 in 8 bits, nearest
     rounding): the one test ``simulate``, ``plan``, a plan file and ``train`` ask."""
     from thinwire.compress.spec import parse_codec_spec
 
@@ -42,7 +42,7 @@ class Switched(Scheme):
 
     @staticmethod
     def accepts(codec: Codec) -> bool:
-        return codec.name == "int8" and not codec.config.stochastic
+        return codec.name == "int8" and not codec.config.stochastic and codec.config.bits == 8
 
     def run(self, job: BucketJob) -> tuple[Tensor, bool]:
         port: switch.SwitchPort = job.state.switch
