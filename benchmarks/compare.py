@@ -602,7 +602,8 @@ def plots(results: dict, folder: Path, stem: str) -> list[Path]:
         ax.set_xlabel("wall-clock (s)")
         ax.set_ylabel("validation loss")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6)
+        if ax.get_lines():  # each cluster its own: clusters merged from several runs hold other contenders
+            ax.legend(fontsize=6)
     fig.tight_layout()
     p1 = folder / f"{stem}_loss_vs_wall.png"
     fig.savefig(p1, dpi=110)
