@@ -36,6 +36,8 @@ def assert_refused(proc: subprocess.CompletedProcess, pattern: str) -> None:
     (["--workload", "nosuch"], r"workload: must be one of charlm, digits or package.module:function, got 'nosuch'"),
     (["--workload", "digits", "--set", "model.depth=3"], r"model.depth: must be one of the known fields"),
     (["--compression", "zstd"], r"compression: must be one of .*none.*got 'zstd'"),
+    (["--workload", "digits", "--batch-size", "100000", "--steps", "1"],  # a MemoryError's traceback at 10**9
+     r"batch_size: 100000 is \d+x the training set \(\d+ items\).*at most \d+"),
 ])
 def test_bad_input_is_refused(tmp_path, args, pattern):
     proc = thinwire("train", *args, "--out", str(tmp_path / "run"))
@@ -181,6 +183,18 @@ def test_simulate_refuses_a_gossip_topology_the_hosts_cannot_form(tmp_path):
     assert_refused(thinwire("simulate", "--cluster", spec, "--workload", "digits", "--sync", "gossip:topology=torus",
                             "--hosts", "4,6,7", "--out", str(tmp_path / "s")), r"with 7 hosts")
     assert not (tmp_path / "s").exists()
+
+
+def test_simulate_names_a_mistyped_pipeline_before_it_measures_a_profile(tmp_path):
+    """`--pipeline foo` measured a profile first, then blamed it (digits has no per-layer costs, so a new profile
+    would not help) and never named foo; it is refused at once, as train refuses it."""
+    import time
+
+    spec = str(ROOT / "examples" / "clusters" / "pair-100mbit.yaml")
+    t0 = time.monotonic()
+    assert_refused(thinwire("simulate", "--cluster", spec, "--workload", "digits", "--pipeline", "foo",
+                            "--out", str(tmp_path / "s")), r"pipeline\.schedule: must be none or one of gpipe, 1f1b")
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "s").exists()
 
 
 def test_a_torus_that_fewer_hosts_cannot_form_names_min_hosts(tmp_path):

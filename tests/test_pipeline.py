@@ -566,7 +566,7 @@ def _last(out):
 
 
 def _merged(out, state):
-    return ckpt.model_state(_last(out), state)
+    return ckpt.model_state(str(_last(out)), state)  # as the README writes it: a path string (Path() raised there)
 
 
 @pytest.mark.slow

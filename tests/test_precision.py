@@ -498,3 +498,27 @@ def test_auto_that_does_not_choose_int8_drops_its_trials_noise_buffer_and_counts
     setup = setup_mod.prepare_precision(_mlp(), "auto", device=torch.device("cpu"), batch=4, sample=_mlp_sample,
                                         loss_fn=_token_loss, optimizer_fn=MEM["optimizer_fn"], ddp=False)
     assert setup.mode == "fp32" and DITHER.tensors() == [] and COUNTERS.int8 == 0
+
+
+def test_the_reported_peak_leaves_out_the_validation_set_a_first_step_check_looks_at(tmp_path):
+    """A plain TensorDataset: the first step checks the validation set's first item, a view of the whole set's
+    storage, inside the step's memory meter: the reported peak was ~90x the budget (the set exists before the step)."""
+    (tmp_path / "tinywl.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nimport thinwire\n\n"
+        "def _set(n, seed):\n"
+        "    g = torch.Generator().manual_seed(seed)\n"
+        "    x = torch.randn(n, 13, generator=g)\n"
+        "    return TensorDataset(x, (x[:, 0] > 0).long())\n\n"
+        "def build():\n"
+        "    model = nn.Sequential(nn.Linear(13, 29), nn.ReLU(), nn.Linear(29, 2))\n"
+        "    return thinwire.Workload(model=model, train=_set(2000, 0), val=_set(100000, 1),\n"
+        "                             loss=nn.functional.cross_entropy,\n"
+        "                             task='classification', lr=3e-3, batch_size=32, steps=10)\n")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}
+    proc = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "tinywl:build", "--steps", "3",
+                           "--eval-every", "100", "--memory-budget", "64KiB", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads((out / "summary.json").read_text())["precision_report"]
+    assert 0 < rep["peak_memory_bytes"] <= rep["memory_plan"]["budget_bytes"], rep  # the set is 6 MB

@@ -41,6 +41,18 @@ def test_new_and_empty_folders_are_accepted_and_claimed(tmp_path):
     folder.release()
 
 
+@pytest.mark.parametrize("name", [MARKER, "metrics.jsonl"])
+def test_a_folder_where_the_run_writes_a_file_is_refused_before_anything_is_written(tmp_path, name):
+    """OUT/.thinwire-run a folder: the claim failed with IsADirectoryError and left .thinwire-run.tmp behind; a resumed
+    run's metrics.jsonl a folder: a traceback from the metrics writer on rank 0."""
+    out = tmp_path / "run"
+    (out / name).mkdir(parents=True)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ThinwireError, match=rf"^out: '.*{name}' is a folder, where the run writes a file"):
+        RunFolder(_cfg(out, resume=out), "r1")
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
 def test_restart_of_own_run_accepted_another_run_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

@@ -142,3 +142,26 @@ def test_codec_help_prices_bytes_per_value():
 def test_config_errors_name_field_value_and_range(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
+
+
+def test_attach_and_convert_name_only_what_they_take():
+    """A codec typo given to thinwire.attach listed the torch:* forms (and blamed `compression`), which attach then
+    refused; convert's mode typo listed fp16 and auto, which convert then refused; a negative link rate was told
+    to use other units."""
+    import torch
+
+    from thinwire.commspec import as_policy
+    from thinwire.precision import convert
+    from thinwire.units import parse_rate
+
+    with pytest.raises(ConfigError) as e:
+        as_policy("int9")
+    assert str(e.value).startswith("codec: must be one of none,") and "torch:" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^codec: must be a thinwire codec or auto, got 'torch:bf16'\. PyTorch's hooks"):
+        as_policy("torch:bf16")
+    for mode, fix in (("int9", r"E.g. convert\(model, 'int8'\)"), ("auto", "auto is chosen by trial"),
+                      ("fp16", "fp16 needs a loss scaler")):
+        with pytest.raises(ValueError, match=rf"^convert: mode must be one of fp32, int8, bf16, got '{mode}'\. {fix}"):
+            convert(torch.nn.Linear(2, 2), mode)
+    with pytest.raises(ConfigError, match=r"got '-100mbit'\. A link needs a positive rate\.$"):
+        parse_rate("-100mbit", "bandwidth")

@@ -4,6 +4,7 @@ refusals, the bytes they put on the wire, and a mid-period resume through ``thin
 from __future__ import annotations
 
 import contextlib
+import os
 import copy
 import dataclasses
 import json
@@ -316,7 +317,7 @@ def test_sync_refuses_what_it_cannot_average_in_one_line(mode, codec, sparse, ma
 
 
 def _loop_resumed(rank: int, world: int, stop: int | None, mode_spec: str = "delayed", codec: str = "int8",
-                  net=_net, optimizer=torch.optim.AdamW) -> dict:
+                  net=_net, optimizer=torch.optim.AdamW, comm_first: bool = False) -> dict:
     """A user's loop with ``mode_spec`` that saves its state at step ``stop`` as the README says and goes on in
     fresh objects, as a resumed process would; None: straight through. Each rank's own final state."""
     def fresh(saved=None):
@@ -333,8 +334,9 @@ def _loop_resumed(rank: int, world: int, stop: int | None, mode_spec: str = "del
     ddp, opt, mode = fresh()
     for step in range(STEPS):
         if step == stop:
+            comm = mode.comm.state_dict() if comm_first else None  # the README names no order
             saved = copy.deepcopy({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
-                                   "mode": mode.state_dict(), "comm": mode.comm.state_dict()})
+                                   "mode": mode.state_dict(), "comm": comm or mode.comm.state_dict()})
             mode.close()
             ddp, opt, mode = fresh(saved)
         x, y = _data(step, rank)
@@ -353,6 +355,138 @@ def test_delayed_resumes_exactly_in_a_users_loop_given_its_optimizer():
     resumed = run_ranks(_loop_resumed, 2, 3)[0]
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
+
+
+@pytest.mark.parametrize("mode, codec", [("delayed", "fp16"), ("delayed", "randomk:ratio=0.3"),
+                                         ("diloco:period=2,fragments=2", "fp16")])
+def test_a_resume_is_exact_whichever_state_is_saved_first_and_a_summable_codecs_residual_is_the_last_steps(mode, codec):
+    """Two defects: the comm state saved before the mode's read the residuals while the last average was on the
+    wire (the resume forked); and with a summable codec (fp16, random-k), whose collectives are issued on the
+    caller's thread and whose residual is written when the average arrives, `delayed` sent step t before step
+    t - 1's residual was written, so a residual was fed back twice (two identical runs ended apart)."""
+    straight = [run_ranks(_loop_resumed, 2, None, mode, codec)[0] for _ in range(2)]
+    resumed = run_ranks(_loop_resumed, 2, 3, mode, codec, _net, torch.optim.AdamW, True)[0]
+    for k in straight[0]:
+        assert torch.equal(straight[0][k], straight[1][k]), k
+        assert torch.equal(straight[0][k], resumed[k]), k
+
+
+def _residual_order(rank: int, world: int, codec: str) -> int:
+    """`delayed` with a summable codec, each residual read and write seen: the reads that found an older residual than
+    the step before's (step t's encode ran before step t - 1's average had arrived and written its residual)."""
+    import torch.nn.functional as F
+
+    import thinwire.compress.schemes.summed as summed
+
+    events: list[tuple[str, int]] = []
+    corrected, remember = summed.corrected, summed.remember
+
+    def reading(job, key, x):
+        events.append(("read", job.step))
+        return corrected(job, key, x)
+
+    def writing(job, key, c, sent):
+        events.append(("write", job.step))
+        return remember(job, key, c, sent)
+
+    summed.corrected, summed.remember = reading, writing
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    mode = thinwire.sync(ddp, "delayed", codec=codec, optimizer=opt)
+    try:
+        for step in range(12):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+            with mode.no_sync():
+                F.cross_entropy(ddp(x), y).backward()
+            mode.step(opt)
+            opt.zero_grad()
+    finally:
+        mode.close()
+        summed.corrected, summed.remember = corrected, remember
+    written, stale = -1, 0
+    for kind, step in events:
+        if kind == "write":
+            written = max(written, step)
+        elif step > 0 and written < step - 1:
+            stale += 1
+    return stale
+
+
+@pytest.mark.parametrize("codec", ["fp16", "randomk:ratio=0.3"])
+def test_delayed_with_a_summable_codec_reads_each_residual_after_the_step_before_wrote_it(codec):
+    """A summable codec's collectives are issued on the caller's thread and its residual written when the average
+    arrives; `delayed` sends step t before it collects t - 1, and read t - 2's residual (half the reads, two identical
+    runs ending apart): a residual fed back twice, the next one lost."""
+    assert run_ranks(_residual_order, 2, codec) == [0, 0]
+
+
+def _stepped_alone(rank: int, world: int, mode_spec: str, how: str) -> str:
+    ddp = DistributedDataParallel(_net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=LR)  # another model's optimizer: not refused
+    mode = thinwire.sync(ddp, mode_spec, codec="int8", optimizer=opt)
+    try:
+        for step in range(3):
+            with mode.no_sync():
+                _loss(ddp, *_data(step, rank)).backward()
+            other.step()
+            if how == "mode.step":
+                mode.step(opt)
+            elif how == "three calls":
+                mode.before_step()
+                opt.step()
+                mode.after_step()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        mode.close()
+    opt.step()  # after close(): the model's optimizer is the user's again
+    return "trained"
+
+
+@pytest.mark.parametrize("mode", ["delayed", "local:period=2,warmup=1", "diloco:period=2"])
+def test_an_optimizer_step_that_no_before_step_prepared_is_refused(mode):
+    """`opt.step()` where `mode.step(opt)` belongs averaged nothing, and the ranks drifted apart without a word."""
+    for said in run_ranks(_stepped_alone, 2, mode, "opt.step"):
+        assert said.startswith(f"thinwire.sync {mode.partition(':')[0]}: optimizer.step() was called without "
+                               "mode.before_step()") and "call mode.step(optimizer) instead" in said, said
+    assert run_ranks(_stepped_alone, 2, mode, "mode.step") == ["trained", "trained"]
+    assert run_ranks(_stepped_alone, 2, mode, "three calls") == ["trained", "trained"]
+
+
+def _state_of_another_mode(rank: int, world: int, saved_by: str, loaded_by: str) -> str:
+    nets = [DistributedDataParallel(_net()) for _ in range(2)]
+    opts = [torch.optim.SGD(n.parameters(), lr=LR) for n in nets]
+    first, second = (thinwire.sync(n, spec, codec="none", optimizer=o)
+                     for n, spec, o in zip(nets, (saved_by, loaded_by), opts))
+    with first.no_sync():
+        _loss(nets[0], *_data(0, rank)).backward()
+    first.step(opts[0])
+    try:
+        second.load_state_dict(first.state_dict())
+        return "loaded"
+    except ValueError as e:
+        return str(e)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("saved_by, loaded_by, names", [
+    ("local:period=4,warmup=0", "diloco:period=4", ("LocalSGD", "DiLoCo")),
+    ("local:period=4,warmup=0", "dynamic", ("LocalSGD", "Dynamic")),
+    ("diloco:period=4,fragments=2", "local:period=4,fragments=2,warmup=0", ("StreamingDiLoCo", "StreamingLocal"))])
+def test_another_modes_state_is_refused_though_its_keys_fit(saved_by, loaded_by, names):
+    """Local SGD's keys are a subset of DiLoCo's and dynamic averaging's, and the two streaming modes' are the same:
+    each took the other's state without a word."""
+    said = run_ranks(_state_of_another_mode, 1, saved_by, loaded_by)[0]
+    assert said.startswith(f"{names[1]}.load_state_dict: this is a {names[0]} mode's state"), said
 
 
 def _auto_resumed(rank: int, world: int, stop: int | None) -> dict:
@@ -1459,7 +1593,9 @@ def _misloaded(rank: int, world: int) -> dict:
         except (TypeError, ValueError) as e:
             got[name] = str(e)
     local.load_state_dict({})  # a fresh state (a checkpoint that predates the mode's)
-    diloco.load_state_dict(local.state_dict())  # the same fields: DiLoCo's momentum starts afresh
+    old = local.state_dict()
+    del old["mode"]  # a state saved before the mode's name was: told apart by its keys, which DiLoCo's hold
+    diloco.load_state_dict(old)
     local.close(), diloco.close()
     return got
 
@@ -1468,5 +1604,35 @@ def test_a_modes_load_state_dict_refuses_what_no_state_dict_of_it_returned():
     got = run_ranks(_misloaded, 2)[0]
     assert got["none"] == "LocalSGD.load_state_dict needs the dict its state_dict() returned, got NoneType"
     assert "keys ['foo'] are not a local mode's state (it holds steps, anchor)" in got["foo"]
-    assert "keys ['momentum'] are not a local mode's state" in got["diloco"]
+    assert got["diloco"].startswith("LocalSGD.load_state_dict: this is a DiLoCo mode's state")
     assert "are not a diloco mode's state" in got["comm"] and "the CommState's?" in got["comm"]
+
+
+def test_a_script_that_ends_without_close_exits_cleanly(tmp_path):
+    """The README's snippets end without close(): `delayed`'s last average, still on the wire at exit, met the process
+    group's teardown, and every worker died of SIGABRT ("terminate called without an active exception") after
+    training had finished; thinwire now closes what the script left open when the interpreter exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "import thinwire\n"
+        "dist.init_process_group('gloo')\n"
+        "m = DDP(torch.nn.Linear(2000, 4))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "mode = thinwire.sync(m, 'delayed', codec='int8', optimizer=opt)\n"
+        "for i in range(3):\n"
+        "    opt.zero_grad()\n"
+        "    with mode.no_sync():\n"
+        "        m(torch.randn(8, 2000)).sum().backward()\n"
+        "    mode.step(opt)\n"
+        "print('done', dist.get_rank(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1",
+                              "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "terminate called" not in said and said.count("done") == 2, said[-3000:]

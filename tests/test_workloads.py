@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 
 def test_digits_reads_scikit_learns_set_as_load_digits_gives_it_without_importing_scikit_learn(monkeypatch):
@@ -57,3 +58,21 @@ def test_a_data_folder_leaves_out_hidden_binary_and_run_folders_and_says_where_i
     assert (info["corpus_files"], info["corpus_files_found"], info["corpus_bytes"], info["corpus_capped"]) == (2, 3, 4000, True)
     _, _, whole = corpus.load_corpus(str(root), max_bytes=10_000, min_bytes=10)
     assert (whole["corpus_files"], whole["corpus_bytes"], whole["corpus_capped"]) == (3, 6011, False)
+
+
+def test_data_naming_a_binary_file_or_a_run_folder_itself_is_refused(tmp_path):
+    """`--data corpus.txt.gz` trained on the compressed bytes, and `--data RUN` (mistaken for --resume) on the run's
+    config and summary, each without a word: the folder check left both out only below the folder given."""
+    from thinwire.errors import ThinwireError
+    from thinwire.workloads import corpus
+
+    gz = tmp_path / "corpus.txt.gz"
+    gz.write_bytes(b"\x1f\x8b\x08\0" + bytes(100))
+    run = tmp_path / "run1"
+    run.mkdir()
+    for name, data in ((".thinwire-run", b"id"), ("config.yaml", b"steps: 3\n"), ("summary.json", b"{}")):
+        (run / name).write_bytes(data)
+    with pytest.raises(ThinwireError, match=r"^data: '.*corpus.txt.gz' is not a text file .*decompress a .gz first"):
+        corpus.user_files(gz)
+    with pytest.raises(ThinwireError, match=r"^data: '.*run1' is a thinwire run folder .*pass --resume .*run1"):
+        corpus.user_files(run)

@@ -7,9 +7,13 @@ as a policy, and compress/ never imports the performance model or the planner.
 
 from __future__ import annotations
 
+import logging
+
 from thinwire.commspec import AutoSpec, CodecSpec, TorchSpec, as_policy
 from thinwire.compress.hook import CommState
 from thinwire.compress.hook import attach as _attach
+
+log = logging.getLogger("thinwire")
 
 
 def attach(model, codec="none", **kwargs) -> CommState:
@@ -22,6 +26,14 @@ def attach(model, codec="none", **kwargs) -> CommState:
     guard, re-deciding when the measured bandwidth moves by more than 30%; every decision is logged
     with its reason.
     """
+    state = attach_policy(model, codec, **kwargs)
+    close_at_exit(state)
+    return state
+
+
+def attach_policy(model, codec="none", **kwargs) -> CommState:
+    """:func:`attach` for a trainer that closes the state itself (``thinwire train``): not closed at exit, where a
+    failing worker's exit would otherwise wait for its communication thread."""
     if isinstance(codec, (str, CodecSpec, AutoSpec, TorchSpec)):
         codec = as_policy(codec)
     return _attach(model, codec, **kwargs)
@@ -68,7 +80,31 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
                          "build it without static_graph, or use 'allreduce'")
     m = create(model, spec, as_policy(comm), **kwargs)
     m.optimizer = optimizer
+    if spec.mode != "allreduce":
+        m.guard_steps()
+    close_at_exit(m)
     return m
+
+
+def close_at_exit(obj) -> None:
+    """Close ``obj`` (a CommState or a sync mode) when the interpreter exits, if the script did not: an average
+    still on the wire (a sync mode's last) met the process group's teardown at exit, and the process died of
+    SIGABRT ("terminate called without an active exception") after training had finished. Held weakly."""
+    import atexit
+    import weakref
+
+    ref = weakref.ref(obj)
+
+    def close() -> None:
+        target = ref()
+        if target is None or getattr(target, "comm", target).closed:
+            return
+        try:
+            target.close()
+        except Exception as e:  # noqa: BLE001 - at exit: say it, do not raise over the script's own outcome
+            log.warning("thinwire: closing at exit: %s", e)
+
+    atexit.register(close)
 
 
 def check_sync(mode, codec, optimizer, kwargs: dict):
@@ -96,6 +132,6 @@ def check_sync(mode, codec, optimizer, kwargs: dict):
                         + (f" (did you mean {near[0]!r}?)" if near else "") + f"; it takes {', '.join(SYNC_OPTIONS)}, "
                         "optimizer")
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
-    comm = parse_comm_spec(codec) if isinstance(codec, str) else codec
+    comm = parse_comm_spec(codec, "codec", peers=False) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)
     return spec, comm

@@ -86,16 +86,20 @@ class TorchSpec:
 CommSpec = Union[CodecSpec, AutoSpec, TorchSpec]
 
 
-def parse_comm_spec(text: str) -> CommSpec:
-    """Any form of the table above to its object; a mistake names every valid form."""
+def parse_comm_spec(text: str, field: str = "compression", peers: bool = True) -> CommSpec:
+    """Any form of the table above to its object; a mistake names every valid form. ``field``: the name the
+    caller knows the value by; ``peers`` False: the caller runs no PyTorch hook (``thinwire.attach``'s
+    ``codec``), so a mistake is not told of the ``torch:*`` forms."""
     if not isinstance(text, str) or not text.strip():
-        raise ConfigError("compression", text, "a codec spec, auto[:...] or torch:HOOK", _fix())
+        raise ConfigError(field, text, "a codec spec, auto[:...]" + (" or torch:HOOK" if peers else ""), _fix(peers))
     head = text.partition(":")[0].strip().lower()
     parse = _FORMS.get(head)
+    if head == "torch" and not peers:
+        raise ConfigError(field, text, "a thinwire codec or auto", _HOOKS_ARE_PYTORCHS)
     if parse is not None:
         return parse(text.strip())
     if head not in REGISTRY.names():
-        raise ConfigError("compression", text, "one of " + ", ".join(forms()), _fix())
+        raise ConfigError(field, text, "one of " + ", ".join(forms(peers)), _fix(peers))
     return CodecSpec(parse_codec_spec(text))
 
 
@@ -133,13 +137,14 @@ def _torch_localsgd(text: str, params: str) -> TorchSpec:
 _FORMS: dict[str, Callable[[str], CommSpec]] = {"auto": _auto, "torch": _torch}
 
 
-def forms() -> list[str]:
-    """Every valid head of a communication spec: the registered codecs, ``auto``, ``torch:HOOK``."""
-    return [*REGISTRY.names(), "auto", *(f"torch:{h}" for h in TORCH_HOOKS)]
+def forms(peers: bool = True) -> list[str]:
+    """Every valid head of a communication spec: the registered codecs, ``auto``, ``torch:HOOK`` (``peers``)."""
+    return [*REGISTRY.names(), "auto", *(f"torch:{h}" for h in TORCH_HOOKS if peers)]
 
 
-def _fix() -> str:
-    return "E.g. int8, topk:ratio=0.01, auto, torch:bf16; `thinwire codecs` lists every codec's parameters."
+def _fix(peers: bool = True) -> str:
+    return ("E.g. int8, topk:ratio=0.01, auto" + (", torch:bf16" if peers else "")
+            + "; `thinwire codecs` lists every codec's parameters.")
 
 
 def comm_help() -> str:
@@ -155,13 +160,15 @@ def comm_help() -> str:
     ])
 
 
+_HOOKS_ARE_PYTORCHS = ("PyTorch's hooks are registered with model.register_comm_hook; "
+                       "`thinwire train --compression torch:...` runs them as peers.")
+
+
 def as_policy(spec: CommSpec | str) -> Policy:
     """What :func:`thinwire.compress.hook.attach` runs for ``spec``; a PyTorch peer has no thinwire policy."""
-    spec = parse_comm_spec(spec) if isinstance(spec, str) else spec
+    spec = parse_comm_spec(spec, "codec", peers=False) if isinstance(spec, str) else spec
     if isinstance(spec, TorchSpec):
-        raise ConfigError("codec", spec.text, "a thinwire codec or auto",
-                          "PyTorch's hooks are registered with model.register_comm_hook; "
-                          "`thinwire train --compression torch:...` runs them as peers.")
+        raise ConfigError("codec", spec.text, "a thinwire codec or auto", _HOOKS_ARE_PYTORCHS)
     return spec.policy()
 
 

@@ -54,7 +54,9 @@ def parse_rate(value: float | str, field_name: str) -> float:
     allowed = "a rate > 0 such as 500kbit, 100mbit, 1gbit or a number of bit/s"
     parts = _number(value, "")
     if parts is None or parts[1] not in _RATE_UNITS:
-        fix = _rate_hint(value) if parts else "Use the units bit, kbit, mbit, gbit."
+        negative = isinstance(value, str) and value.strip().startswith("-")
+        fix = _rate_hint(value) if parts else ("A link needs a positive rate." if negative else
+                                               "Use the units bit, kbit, mbit, gbit.")
         raise ConfigError(field_name, value, allowed, fix)
     rate = parts[0] * _RATE_UNITS[parts[1]]
     check(rate > 0, field_name, value, allowed, "A link needs a positive rate.")

@@ -68,4 +68,13 @@ def split_codecs(text: str) -> tuple[str, ...]:
             items[-1] += "," + piece
         else:
             items.append(piece)
+    from thinwire.compress.spec import parse_codec_spec
+
+    for item in items:
+        try:
+            parse_codec_spec(item)
+        except ConfigError as e:  # a name no codec has was blamed on `compression`, which these commands lack
+            if e.field != "compression":
+                raise
+            raise ConfigError("--codecs", item, e.allowed, e.fix) from None
     return tuple(items)

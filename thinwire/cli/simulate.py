@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
           "Add switch: (the aggregator's cpu and link) to the spec, as `thinwire train --aggregation switch` needs, or "
           "leave --aggregation out.")
     hosts = parse_hosts(args.hosts) if args.hosts else None
+    if args.pipeline:  # its mistakes before the profile's minutes of measuring, as train names them
+        from thinwire.pipespec import parse_pipeline_spec
+
+        parse_pipeline_spec(args.pipeline)
     if sync.mode == "gossip":  # a topology a host count cannot form is refused, as train refuses it
         from thinwire.compress.sync.gossip import check_topology
 
@@ -238,9 +242,13 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
         console.print(f"[yellow]{note}[/yellow]")
     short = [h for h in spec.hosts if h.memory is not None and h.memory < own.memory.total]
     if short:  # the model prices time only: a host that cannot hold a rank would refuse the run
-        console.print(f"[yellow]{', '.join(f'{h.name} ({h.memory / 2**20:.0f} MiB)' for h in short)}: below the "
-                      f"{own.memory.total / 2**20:.0f} MiB a rank needs here (mem/rank): training there would be "
-                      "refused or killed; `thinwire plan` leaves such hosts out or pipelines the model.[/yellow]")
+        # as many decimals as tell each host's memory from the need (237 MiB "below" 237 MiB read as a mistake)
+        digits = next((d for d in range(4) if all(round(h.memory / 2**20, d) < round(own.memory.total / 2**20, d)
+                                                   for h in short)), 4)
+        console.print(f"[yellow]{', '.join(f'{h.name} ({h.memory / 2**20:.{digits}f} MiB)' for h in short)}: below "
+                      f"the {own.memory.total / 2**20:.{digits}f} MiB ({own.memory.total / 1e6:.{digits}f} MB) a rank "
+                      "needs here (mem/rank): training there would be refused or killed; `thinwire plan` leaves such "
+                      "hosts out or pipelines the model.[/yellow]")
     console.print(f"simulated {len(points)} host count(s) in {elapsed * 1e3:.0f} ms; wrote {out}/simulate.json, "
                   "scaling.png, timeline.png")
     return 0

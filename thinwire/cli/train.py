@@ -68,7 +68,8 @@ def add_parser(sub) -> None:
     p.add_argument("--partition", help="which training items each worker draws from: iid (default), "
                    "label_skew:alpha=A (Dirichlet class skew, classification) or by_file (an equal, contiguous run each: for charlm, different files)")
     p.add_argument("--precision", help="fp32, bf16, fp16, int8 (int8 matmuls, Mandheling-style) or auto")
-    p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch that fits, accumulated to --batch-size")
+    p.add_argument("--memory-budget", help="e.g. 512MiB: largest micro-batch whose step's live tensors fit, "
+                   "accumulated to --batch-size (the process itself, ~250 MiB on a CPU, is not counted)")
     p.add_argument("--seed", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--checkpoint-every", type=int)

@@ -143,6 +143,10 @@ class CommState:
         self.resumed: dict[int, tuple] | None = None  # the layouts a loaded checkpoint's buckets had (see hook)
         self._layouts_step = -1
         self._thread = CommThread()
+        # a bucket's collectives issued on the caller's thread (_send), whose decode and error-feedback write run in
+        # their completion callback: the next send of that bucket waits for it (a sync mode may send step t before
+        # it collects step t - 1; the residual it reads must be t - 1's)
+        self._inflight: dict[int, torch.futures.Future] = {}
         # every bucket's whole job on the engine thread, none on DDP's (a host with an offload engine:
         # the thread runs on the engine's CPU, see thinwire.compress.engine)
         self.offload = False
@@ -255,11 +259,26 @@ class CommState:
                 f.value()      # error; the payload it left behind is no average
             return state._finish(job, *pending.finish())
 
-        return done.then(finish)
+        result = done.then(finish)
+        self._inflight[index] = result
+        return result
+
+    def _settle(self, index: int | None = None) -> None:
+        """Wait until bucket ``index``'s (None: every bucket's) collectives issued on the caller's thread have
+        run their callbacks: its error-feedback residual is written. An error is left to whoever awaits the
+        future (the step that collects it)."""
+        for i in [index] if index is not None else list(self._inflight):
+            fut = self._inflight.pop(i, None)
+            if fut is not None and not fut.done():
+                try:
+                    fut.wait()
+                except Exception:  # noqa: BLE001 - raised where the average is collected
+                    pass
 
     def _prepare(self, buf: Tensor, index: int, step: int, shapes: list[tuple], layout: tuple) -> schemes.BucketJob | None:
         """Average-scale the bucket, show it to the policy, pick its codec: the job, or None when it
         goes uncompressed (warm-up, small bucket) as a plain fp32 all-reduce."""
+        self._settle(index)
         self.bytes_raw += buf.numel() * buf.element_size()
         buf.div_(self.wire.world)
         self.policy.observe(index, buf, step, shapes)  # online policies (auto) look before it travels
@@ -314,6 +333,11 @@ class CommState:
         }
 
     def state_dict(self) -> dict:
+        """The residuals, the policy's state and the counters, once every average handed over has run (a sync mode's
+        last one may still be on the wire: its residuals are written when it arrives)."""
+        if not self._thread.closed:
+            self._thread.submit(lambda: None).wait()  # after every job handed to the thread before it
+        self._settle()
         return {
             "step": self.step,
             "residuals": self.feedback.state_dict() if self.feedback else {},
@@ -360,6 +384,11 @@ class CommState:
         self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
         self.wire.calls = int(counters.get("calls", 0))
         self.counts = Counter({str(k): int(v) for k, v in counters.get("counts", {}).items()})
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._thread.closed
 
     def check_open(self) -> None:
         """Raise where :meth:`close` was called: a closed state averages nothing."""

@@ -107,7 +107,7 @@ class _Shadow:
     def __init__(self, model, mode, optimizer_fn, device, int8_options) -> None:
         self.mode, self.model = mode, copy.deepcopy(model)
         if mode == "int8":
-            convert(self.model, "int8", **int8_options)
+            convert(self.model, "int8", **int8_options, quiet=True)  # a trial's copy: the run's model is not converted
         self.runner = PrecisionRunner(mode, device)
         self.opt = optimizer_fn(self.model.parameters())
         self.losses: list[float] = []

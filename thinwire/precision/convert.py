@@ -46,17 +46,24 @@ class ConversionReport:
 
 
 def convert(model: nn.Module, mode: str, *, scaling: str = "pow2", stochastic: bool = True,
-            exclude: str | tuple[str, ...] | list[str] = ()) -> nn.Module:
+            exclude: str | tuple[str, ...] | list[str] = (), quiet: bool = False) -> nn.Module:
     """Switch ``model`` to ``mode`` in place and return it; :func:`conversion_report` says what changed.
 
     ``exclude``: glob patterns of module names (``"head"``, ``"blocks.*.mlp.0"``; one pattern or a list) to
     leave in fp32 under int8; a pattern that matches no module is refused (a typo would convert everything).
-    ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`.
+    ``scaling`` and ``stochastic`` configure :class:`Int8ComputeConfig`. ``quiet``: say nothing of the layers
+    converted (a trial's copy, which is not the model trained).
     """
-    target = parse_precision(mode)
+    try:
+        target = parse_precision(mode)
+    except ValueError:
+        target = None
     if target not in CONVERTERS:
+        why = {"fp16": "fp16 needs a loss scaler: use PrecisionRunner('fp16', device).",
+               "auto": "auto is chosen by trial: thinwire train --precision auto, or "
+                       "thinwire.precision.choose_precision."}
         raise ValueError(f"convert: mode must be one of {', '.join(p.value for p in CONVERTERS)}, got {mode!r}. "
-                         "fp16 needs a loss scaler: use PrecisionRunner('fp16', device).")
+                         + why.get(getattr(target, "value", None), "E.g. convert(model, 'int8')."))
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)  # "head", not "h", "e", "a", "d"
     names = [name for name, _ in model.named_modules() if name]
     unmatched = [pat for pat in exclude if not any(fnmatch.fnmatchcase(name, pat) for name in names)]
@@ -67,7 +74,7 @@ def convert(model: nn.Module, mode: str, *, scaling: str = "pow2", stochastic: b
     _to_fp32(model)
     report = CONVERTERS[target](model, Int8ComputeConfig(scaling=scaling, stochastic=stochastic), exclude)
     setattr(model, _REPORT, report)
-    if target is not Precision.FP32:
+    if target is not Precision.FP32 and not quiet:
         n = len(report.swapped)
         # layers of kinds no converter takes (an LSTM, an embedding, a norm) compute in fp32: say which
         taken = set(report.swapped) | set(report.kept)

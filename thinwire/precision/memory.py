@@ -29,8 +29,8 @@ Cost: four to six extra training steps at start (the measured ones are 1.5-3x sl
 
 Example::
 
-    plan = plan_memory(model, budget=parse_size("512MiB"), batch=32, sample=sample,
-                       loss_fn=loss_fn, optimizer_fn=lambda ps: torch.optim.AdamW(ps))
+    plan = plan_memory(model, budget=parse_size("512MiB"), batch=32, sample=sample, loss_fn=loss_fn,
+                       optimizer_fn=lambda ps: torch.optim.AdamW(ps), device=torch.device("cpu"))
     plan.micro_sizes          # e.g. [11, 11, 10]: accumulate three micro-batches per step
 """
 

@@ -109,7 +109,7 @@ def drop_partial(folder: Path, step: int) -> None:
 
 def shard_path(main: Path, rank: int) -> Path:
     """Rank ``rank``'s own part of checkpoint ``main`` (a pipeline stage's parameters and optimizer state):
-    ``checkpoints/shards/step_N.rankR.pt``."""
+    ``checkpoints/shards/step_NNNNNNNNN.rankRRRRR.pt``."""
     return main.parent / "shards" / f"{main.stem}.rank{rank:05d}.pt"
 
 
@@ -150,10 +150,11 @@ def check_shards(main: Path, state: dict) -> None:
                                 "checkpoint before it, or start a new run without --resume.") from None
 
 
-def model_state(main: Path, state: dict) -> dict:
+def model_state(main: str | Path, state: dict) -> dict:
     """The whole model's state dict of a checkpoint: its own, or its shards' stages merged (a pipeline's)."""
     if state["model"] or not state.get("shards"):
         return state["model"]
+    main = Path(main)
     merged: dict = {}
     for rank in range(int(state["shards"])):
         merged.update(load_shard(main, rank)["stage"])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import batch as B
-from thinwire.api import attach
+from thinwire.api import attach_policy as attach
 from thinwire.cluster.emulator import NIC_ENV
 from thinwire.config import to_dict
 from thinwire.errors import ThinwireError
@@ -121,6 +121,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.wl = build_workload(cfg.workload, cfg.model, cfg.data)
         self.steps, self.batch, lr = resolve(cfg, self.wl)
+        self._check_batch_against_data()
         self.lr = lr  # the schedule's peak
         self.planned = self._planned_run()
         self.shares = self._batch_shares()
@@ -610,6 +611,17 @@ class Trainer:
                           f"error-feedback residuals and RNG streams start fresh{mode}[/yellow]")
         self._retune()
 
+    def _check_batch_against_data(self) -> None:
+        """A global batch larger than the training set repeats its items within a step: said; far larger (a typo's
+        extra zeros) refused, where each step would gather that many items (10**9 ran out of memory in the sampler)."""
+        n, what = len(self.wl.train), f"the training set ({len(self.wl.train)} items)"
+        if self.batch > 16 * n:
+            raise ThinwireError(f"batch_size: {self.batch} is {self.batch / n:.0f}x {what}: every step would gather "
+                                f"each item {self.batch // n} times. Use a --batch-size of at most {n}, or more data.")
+        if self.batch > n and self.env.is_main:
+            console.print(f"[yellow]batch_size {self.batch} is larger than {what}: each step sees items more than "
+                          "once (a smaller --batch-size, or more data, does not)[/yellow]")
+
     def _forward_loss(self, x, y):
         """The workload's loss of its model's output. On this process's first step an error there is the
         workload's (its model does not take the data's inputs, its loss not the outputs): said in one paragraph,
@@ -622,7 +634,12 @@ class Trainer:
             if self.step == self.first_step and self.wl.task == "classification":
                 correct(out.detach(), y)  # targets accuracy cannot be read from: said now, not at the first validation
             if self.step == self.first_step:
-                self._check_validation_item()
+                # outside the step's memory meter: a validation item viewed from a tensor dataset counted the whole
+                # validation set's storage in the step's peak (90x the budget on a small one); this is no training
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():
+                    self._check_validation_item()
             return loss
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             if self.step != self.first_step or isinstance(e, (dist.DistError, torch.cuda.OutOfMemoryError)):

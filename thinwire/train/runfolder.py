@@ -89,6 +89,13 @@ class RunFolder:
         if self.out.is_dir():
             self._lock()
         try:
+            # the files a run appends to or replaces: a folder there fails the run midway (a traceback, a stray
+            # .tmp) where it can be refused now
+            odd = [name for name in (MARKER, "metrics.jsonl", "summary.json", "config.yaml")
+                   if (self.out / name).exists() and not (self.out / name).is_file()]
+            if odd:
+                raise ThinwireError(f"out: {str(self.out / odd[0])!r} is a folder, where the run writes a file of that "
+                                    "name. Move it away or pass another --out; nothing was changed.")
             self.kind = _classify(cfg, self.out, run_id)
         except ThinwireError:
             self.release()

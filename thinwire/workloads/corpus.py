@@ -39,7 +39,15 @@ def user_files(path: Path) -> list[Path]:
     if not path.exists():
         raise ThinwireError(f"data: path {str(path)!r} does not exist. Pass a text file or a folder of text files.")
     if path.is_file():
+        if _binary(path):
+            raise ThinwireError(f"data: {str(path)!r} is not a text file (it holds NUL bytes in its first 8 KiB: "
+                                "compressed, compiled or an image?). Pass a text file (decompress a .gz first) or a "
+                                "folder of text files.")
         return [path]
+    if (path / ".thinwire-run").is_file():
+        raise ThinwireError(f"data: {str(path)!r} is a thinwire run folder (its config, marker and summary are no "
+                            "corpus). To go on with that run pass --resume " + str(path) + "; to train on text, pass "
+                            "a text file or a folder of them.")
     if not path.is_dir():
         raise ThinwireError(f"data: {str(path)!r} is neither a file nor a folder (a device, a pipe?). Pass a text file "
                             "or a folder of text files.")

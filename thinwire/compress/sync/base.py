@@ -17,15 +17,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from thinwire.compress.hook import CommState
 from thinwire.compress.wire import ring_allreduce_bytes
 
+_PREVIEW = threading.local()  # ``active`` while delayed's weight prediction steps a copy (not one of the run's steps)
 log = logging.getLogger("thinwire.compress")
 
 
@@ -258,7 +262,13 @@ class SyncMode:
         if not isinstance(sd, dict):
             raise TypeError(f"{type(self).__name__}.load_state_dict needs the dict its state_dict() returned, got "
                             f"{type(sd).__name__}")
-        unknown = sorted(str(k) for k in set(sd) - set(self.state_keys))
+        saved = sd.get("mode")  # the class that saved it (local SGD's keys are DiLoCo's but its momentum; the two
+        # streaming modes' are the same): older states have none, and are told apart by their keys only
+        if saved is not None and saved != type(self).__name__:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: this is a {saved} mode's state, not a "
+                             f"{type(self).__name__}'s ({self.name}); a mode resumes from its own state (start this "
+                             "one fresh with load_state_dict({}), or resume with the mode that saved it)")
+        unknown = sorted(str(k) for k in set(sd) - set(self.state_keys) - {"mode"})
         if unknown:
             raise ValueError(f"{type(self).__name__}.load_state_dict: keys {unknown[:6]} are not a {self.name} mode's "
                              f"state (it holds {', '.join(self.state_keys) or 'nothing'}): the state of another mode, or "
@@ -274,7 +284,43 @@ class SyncMode:
                 outside = not ddp.require_backward_grad_sync
             ddp.require_forward_param_sync = not outside  # a new wrapper's value where forward runs inside
 
+    def guard_steps(self) -> None:
+        """Refuse an optimizer step on this model's parameters that no :meth:`before_step` prepared: a user's loop
+        that calls ``optimizer.step()`` where it should call ``mode.step(optimizer)`` averages nothing, and its
+        ranks drift apart without a word. For users' own loops (:func:`thinwire.sync`); removed by :meth:`close`."""
+        ids = {id(p) for p in self.model.parameters()}
+        ref = weakref.ref(self)
+        mine: dict[int, bool] = {}  # id(optimizer) -> whether it steps this model's parameters
+        inner = self.before_step
+
+        def before_step() -> None:
+            inner()
+            self._prepared = True
+
+        def refuse_unprepared(optimizer, args, kwargs) -> None:
+            mode = ref()
+            if mode is None or getattr(_PREVIEW, "active", False):
+                return
+            if id(optimizer) not in mine:
+                mine[id(optimizer)] = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+            if not mine[id(optimizer)]:
+                return
+            if not mode._prepared:
+                raise RuntimeError(f"thinwire.sync {mode.name}: optimizer.step() was called without "
+                                   "mode.before_step(), so this step's gradients were not averaged and the ranks drift apart; call "
+                                   "mode.step(optimizer) instead of optimizer.step() (or mode.before_step(), "
+                                   "optimizer.step(), mode.after_step())")
+            mode._prepared = False
+
+        self._prepared = False
+        self.before_step = before_step
+        self._guard = register_optimizer_step_pre_hook(refuse_unprepared)
+
     def close(self) -> None:
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.remove()
+            self._guard = None
         self.flush()
         self.comm.close()
 

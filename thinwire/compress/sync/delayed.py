@@ -51,7 +51,7 @@ import math
 import torch
 from torch import Tensor
 
-from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, drop_unused, on_device
+from thinwire.compress.sync.base import _PREVIEW, Buckets, StepParts, SyncMode, cpu_list, drop_unused, on_device
 from thinwire.perf.sync import delayed_step_s
 
 
@@ -89,6 +89,7 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
     saved_state = {p: optimizer.state[p] for p in params if p in optimizer.state}
     hooks = {name: getattr(optimizer, name) for name in _STEP_HOOKS if isinstance(getattr(optimizer, name, None), dict)}
     try:
+        _PREVIEW.active = True
         for name in hooks:
             setattr(optimizer, name, collections.OrderedDict())
         for p in every:
@@ -101,6 +102,7 @@ def preview_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: 
             torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
     finally:
+        _PREVIEW.active = False
         for name, value in hooks.items():
             setattr(optimizer, name, value)
         for p, g in zip(every, saved_grads):
@@ -227,7 +229,8 @@ class Delayed(SyncMode):
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"started": self.started, "pending": cpu_list(self.pending) if self.started else None,
+        return {"mode": type(self).__name__, "started": self.started,
+                "pending": cpu_list(self.pending) if self.started else None,
                 "held": cpu_list(self.held) if self.predict == "last" and not self.shifted else None,
                 "own": cpu_list(self.own) if self.predict == "own" and self.own is not None else None,
                 "used": self.pending_used.cpu().clone() if self.pending_used is not None else None}

@@ -264,7 +264,7 @@ class Gossip(SyncMode):
     def state_dict(self) -> dict:
         self.flush()
         r = self.pending
-        return {"steps": self.steps,
+        return {"mode": type(self).__name__, "steps": self.steps,
                 **({"public": {k: cpu_list(t) for k, t in self.public.items()}} if self.choco else {}),
                 **({"round": {"recv_from": r.recv_from, "own": r.own, "heard": r.heard,
                               "sent": [cpu_list([s]) if s is not None else None for s, _ in r.parts],

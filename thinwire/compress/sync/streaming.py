@@ -126,7 +126,8 @@ class StreamingDiLoCo(LocalSGD):
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"steps": self.steps, "syncs": self.syncs, "anchors": [cpu_list(a) for a in self.anchors or []],
+        return {"mode": type(self).__name__, "steps": self.steps, "syncs": self.syncs,
+                "anchors": [cpu_list(a) for a in self.anchors or []],
                 "momenta": [cpu_list(m) for m in self.momenta], "inflight": cpu_list(self.inflight)}
 
     def load_state_dict(self, sd: dict) -> None:
