@@ -150,3 +150,13 @@ def test_trains_default_folder_taken_in_the_same_second_gets_a_number(tmp_path, 
     assert first == str(Path("runs") / "digits-20261207-120000") and not Path(first).exists()
     Path(first).mkdir(parents=True)
     assert resolve_config(args).out == first + "-2" and not Path(first + "-2").exists()
+
+
+def test_a_set_under_a_key_the_config_file_sets_to_a_scalar_names_the_file(tmp_path):
+    """`model: null` in a file and `--set model.channels=4`: "model.channels: must be a key under a mapping, got 4"
+    named neither the file nor the null that was the mistake."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("workload: digits\nmodel: null\n")
+    with pytest.raises(ConfigError, match=r"^model\.channels: must be a key under a mapping \(config file '.*c\.yaml' "
+                                          r"sets model to None\), got 4"):
+        load_train_config(str(cfg), {}, ["model.channels=4"])

@@ -217,10 +217,12 @@ def load_train_config(path: str | dict | None, overrides: dict, sets: list[str])
             print(f"thinwire: note: --set {item} is overridden by the flag --{keys[0].replace('_', '-')} "
                   f"{flags[keys[0]]}", file=sys.stderr, flush=True)
         node = data
-        for k in keys[:-1]:
+        for i, k in enumerate(keys[:-1]):
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ConfigError(".".join(keys), value, "a key under a mapping")
+                where = f" (config file {str(path)!r} sets {'.'.join(keys[:i + 1])} to {node!r})" \
+                    if isinstance(path, (str, Path)) else ""
+                raise ConfigError(".".join(keys), value, "a key under a mapping" + where)
         node[keys[-1]] = value
     in_file = dict(data)
     data.update(flags)

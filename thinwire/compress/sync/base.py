@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from thinwire.compress.hook import CommState
 from thinwire.compress.wire import ring_allreduce_bytes
@@ -297,7 +297,7 @@ class SyncMode:
             inner()
             self._prepared = True
 
-        def refuse_unprepared(optimizer, args, kwargs) -> None:
+        def refuse_unprepared(optimizer, args, kwargs) -> None:  # after the step: a closure runs before_step inside it
             mode = ref()
             if mode is None or getattr(_PREVIEW, "active", False):
                 return
@@ -307,14 +307,15 @@ class SyncMode:
                 return
             if not mode._prepared:
                 raise RuntimeError(f"thinwire.sync {mode.name}: optimizer.step() was called without "
-                                   "mode.before_step(), so this step's gradients were not averaged and the ranks drift apart; call "
+                                   "mode.before_step(), so this step's gradients were not averaged and the ranks drift "
+                                   "apart; call "
                                    "mode.step(optimizer) instead of optimizer.step() (or mode.before_step(), "
                                    "optimizer.step(), mode.after_step())")
             mode._prepared = False
 
         self._prepared = False
         self.before_step = before_step
-        self._guard = register_optimizer_step_pre_hook(refuse_unprepared)
+        self._guard = register_optimizer_step_post_hook(refuse_unprepared)
 
     def close(self) -> None:
         guard = getattr(self, "_guard", None)
