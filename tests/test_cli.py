@@ -352,3 +352,14 @@ def test_the_progress_bars_last_frame_shows_the_last_validation(tmp_path):
     frames = re.findall(r"20/20 loss [\d.]+ val ([\d.]+)", text)
     final = json.loads((out / "summary.json").read_text())["val_loss"]
     assert frames and float(frames[-1]) == pytest.approx(final, abs=6e-4), (frames, final)
+
+
+@pytest.mark.parametrize("text", ["8,,4", "8,4,", ",8"])
+def test_profile_batch_sizes_with_an_empty_entry_are_refused(text):
+    """``--batch-sizes 8,,4`` was read as 8,4: a typo measured something else without a word."""
+    from thinwire.cli.profile import parse_ints
+    from thinwire.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--batch-sizes: must be comma-separated integers such as 12,8,6"):
+        parse_ints(text, "--batch-sizes")
+    assert parse_ints(" 12, 8 ,6", "--batch-sizes") == [12, 8, 6]

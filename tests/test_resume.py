@@ -118,8 +118,9 @@ def test_a_run_stopped_before_its_first_checkpoint_trains_again_from_step_0_on_r
     (tmp_path / "empty").mkdir()
     assert_refused(thinwire("train", "--resume", str(tmp_path / "empty")),
                    r"resume: .*empty' is not a thinwire run folder \(no \.thinwire-run, no checkpoints/\)")
-    assert_refused(thinwire("train", "--resume", str(tmp_path / "nothing-here")),
-                   r"resume: '.*nothing-here' does not exist\. Pass the --out folder of an earlier run")
+    gone = thinwire("train", "--resume", str(tmp_path / "nothing-here"), "--steps", "5")
+    assert_refused(gone, r"resume: '.*nothing-here' does not exist\. Pass the --out folder of an earlier run")
+    assert "note" not in gone.stderr, gone.stderr  # refused first: no note on a schedule that never runs
 
 
 def test_a_run_resumed_into_a_new_folder_and_stopped_before_its_first_checkpoint_goes_on_from_the_old_one(tmp_path):
@@ -378,8 +379,11 @@ def test_precision_auto_resumes_with_the_mode_its_run_chose():
         first = thinwire("train", "--workload", "digits", "--steps", "6", "--checkpoint-every", "3", "--precision",
                          "auto", "--out", str(run))
         assert first.returncode == 0, first.stderr[-2000:]
-        chosen = json.loads((run / "summary.json").read_text())["precision_report"]["mode"]
+        summary = json.loads((run / "summary.json").read_text())
+        chosen = summary["precision_report"]["mode"]
         assert _final_model(run)["precision_mode"] == chosen
+        # the summary (and its table) names the mode the run trained in, not "auto"
+        assert summary["precision"] == chosen and summary["precision_asked"] == "auto"
         second = thinwire("train", "--resume", str(run), "--steps", "9")
         assert second.returncode == 0, second.stderr[-2000:]
         assert f"precision auto: {chosen}, as the run chose at its start" in " ".join(second.stdout.split())

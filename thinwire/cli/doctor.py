@@ -189,7 +189,7 @@ def show(r: dict, *, as_json: bool = False) -> None:
         s.add_row(m_["sync"], m_["codec"], _ms(m_["predicted_step_s"]), f"{m_['speedup']:.2f}x")
     con.print(s)
     rec = r["recommendation"]
-    con.print(f"[bold]recommendation[/]: {rec['why']}.")
+    con.print(f"[bold]recommendation[/]: {rec['why'].rstrip('.')}.")
     if rec.get("command"):
         con.print(f"  run: {rec['command']}" + (f"\n  or in your DDP script: {rec['in_your_script']}"
                                                  if rec.get("in_your_script") else ""))

@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
 
 def parse_ints(text: str, field: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise ConfigError(field, text, "comma-separated integers such as 12,8,6") from None
     check(bool(values) and min(values) >= 1, field, text, "comma-separated integers >= 1")

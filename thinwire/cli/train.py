@@ -335,6 +335,8 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     from thinwire.workloads.registry import build_workload, check_workload_name
 
     check_workload_name(cfg.workload)
+    if cfg.resume and not Path(cfg.resume).exists():  # before the notes on the schedule: nothing runs
+        raise ThinwireError(f"resume: {cfg.resume!r} does not exist. Pass the --out folder of an earlier run.")
     check_writable(cfg.out or "runs", "out", folder=True)  # the default run folder goes under runs/
     _check_compression(cfg)
     if cfg.offload_core is not None:  # a core of this machine: workers (and emulated hosts) run here
@@ -555,8 +557,6 @@ def _absolute_guard(spec: str) -> str:
 def _check_resume(cfg: TrainConfig, wl) -> None:
     from thinwire.train import checkpoint as ckpt
 
-    if not Path(cfg.resume).exists():
-        raise ThinwireError(f"resume: {cfg.resume!r} does not exist. Pass the --out folder of an earlier run.")
     found, where = ckpt.resume_point(Path(cfg.resume))
     if found is not None and where != Path(cfg.resume):
         print(f"thinwire: note: {cfg.resume} holds no checkpoint: its run stopped before its first one, and it had "

@@ -864,7 +864,9 @@ class Trainer:
             "compression": self.comm.policy.describe(), "compression_stats": self._compression_stats(),
             "sync": {"mode": self.cfg.sync_spec.text, **self.sync.stats()},
             **({"auto_decisions": self.comm.policy.decisions} if hasattr(self.comm.policy, "decisions") else {}),
-            "precision": self.cfg.precision, "restarts": self.restarts, "lr_horizon": self.horizon,
+            "precision": self.prec.runner.mode.value,  # auto's choice, not "auto"
+            **({"precision_asked": self.cfg.precision} if self.cfg.precision != self.prec.runner.mode.value else {}),
+            "restarts": self.restarts, "lr_horizon": self.horizon,
             "peak_memory_bytes": self.prec.peak_memory_bytes(), "precision_report": self.prec.report(),
             "unigram_entropy_bits": self.wl.info.get("unigram_entropy_bits"),
             "workload_info": self.wl.info,
