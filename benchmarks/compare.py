@@ -35,7 +35,11 @@ hosts' even split of the cores, so a switch run's hosts may get a little less th
 the other contenders' runs). A cluster without DDP fp32 of its own (a slow link where fp32 would take hours) takes
 its targets from DDP fp32 on the same hosts at ``FLOOR_RATE``: the loss at equal samples does not
 depend on the link. With a floor cluster in the results every contender's median time to target is
-also given over the floor's (``/ floor``: DDP fp32 on unshaped links, the compute floor).
+also given over the floor's (``/ floor``: DDP fp32 on unshaped links, the compute floor), where the floor trained
+the same number of steps: the learning rate's cosine spans ``--steps``, so a run of more steps reaches a given loss
+in fewer of them (DDP fp32 with 640 steps passes its 480-step loss at step 408). Contenders that need more steps than
+the run that sets the targets get a floor of their own steps: ``--clusters 4x100gbit --contenders torch:none
+--steps 640 --targets-from FIRST.json`` times DDP fp32 on a 640-step schedule to the 480-step run's losses.
 Writes ``compare.json``, ``compare.md`` and PNG plots under ``benchmarks/results/``.
 """
 
@@ -276,11 +280,14 @@ def fp32_run(cluster: dict) -> dict | None:
     return next((r for r in cluster["runs"] if r["contender"] == "torch:none" and "error" not in r), None)
 
 
-def seed_targets(cluster: dict, floor: dict | None = None) -> dict[int, float]:
-    """Per seed, the target: PyTorch DDP fp32's final validation loss on that seed, on this cluster or,
-    if it has none, on ``floor`` (the same hosts on unshaped links: equal samples, equal loss)."""
-    base = fp32_run(cluster) or (fp32_run(floor) if floor else None)
-    cluster["target_from"] = None if base is None or fp32_run(cluster) else f"{floor['hosts']} @ {floor['rate']}"
+def seed_targets(cluster: dict, floor: dict | None = None, given: dict | None = None) -> dict[int, float]:
+    """Per seed, the target: PyTorch DDP fp32's final validation loss on that seed, on ``given`` (the cluster of
+    the same hosts at the floor rate in ``--targets-from``'s results: it sets every cluster's targets, the floor's
+    own included), else on this cluster or, if it has none, on ``floor`` (the same hosts on unshaped links: equal
+    samples, equal loss)."""
+    source = given if fp32_run(given or {"runs": []}) else cluster if fp32_run(cluster) else floor
+    base = fp32_run(source) if source else None
+    cluster["target_from"] = None if base is None or source is cluster else f"{source['hosts']} @ {source['rate']}"
     out = {}
     for seed in cluster.get("seeds", [0]):
         curve = seed_curve(base, seed) if base else None
@@ -298,9 +305,23 @@ def floor_of(results: dict, cluster: dict) -> dict | None:
     return None
 
 
-def score(cluster: dict, floor: dict | None = None) -> None:
+def given_targets(results: dict, cluster: dict) -> dict | None:
+    """The cluster of ``cluster``'s hosts at ``FLOOR_RATE`` in ``--targets-from``'s results (None without it)."""
+    given = results.get("targets_from_results") or {"clusters": []}
+    return next((c for c in given["clusters"] if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
+
+
+def same_schedule(floor_run: dict | None, run: dict) -> bool:
+    """Whether ``run`` trained as many samples as the floor's DDP fp32 run. The learning rate's cosine spans
+    ``--steps``, so a longer run is at a higher rate when it passes a shorter run's final loss and gets there in
+    fewer steps (DDP fp32 with 640 steps passes its 480-step loss at step 408): the floor of a run of other steps
+    is not that run's floor."""
+    return floor_run is not None and floor_run.get("samples") == run.get("samples")
+
+
+def score(cluster: dict, floor: dict | None = None, given: dict | None = None) -> None:
     """Each run's time to target per seed and its median over seeds (not reached counts as never)."""
-    targets = seed_targets(cluster, floor)
+    targets = seed_targets(cluster, floor, given)
     cluster["target_val_loss"] = targets.get(0)
     for r in cluster["runs"]:
         if "error" in r:
@@ -446,7 +467,8 @@ def markdown(results: dict) -> str:
              f"learning rate {results.get('lr') or '3e-3 (default)'} "
              f"(equal samples for every contender), gloo over tc-shaped links, the 2 cores split evenly across hosts.  ",
              "Target: the final validation loss of PyTorch DDP fp32 (`torch:none`) on the same cluster, or where a "
-             f"cluster has none on the same hosts at {FLOOR_RATE} (named in its heading; equal samples, equal loss) "
+             f"cluster has none on the same hosts at {FLOOR_RATE}, and with `--targets-from` for every cluster that file's "
+             "(named in its heading; equal samples, equal loss) "
              f"(reached = within 0.5%; validation every steps/{results.get('evals', 10)}). "
              "PyTorch's PowerSGD hook runs with a single DDP bucket (on gloo it aborts with more than one). "
              "Bytes for `torch:*` and `torchft:*` peers are computed by formula (ring all-reduce), thinwire's are counted "
@@ -484,6 +506,7 @@ def markdown(results: dict) -> str:
         base = fp32_run(c)
         floor = fp32_run(floor_of(results, c) or {"runs": []})
         fmed = floor.get("median_time_to_target_s") if floor and c["rate"] != FLOOR_RATE else None
+        other_steps = []
         for r in c["runs"]:
             if "error" in r:
                 lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} |||||||||||| ")
@@ -491,11 +514,19 @@ def markdown(results: dict) -> str:
             by_seed = " / ".join("-" if t is None else f"{t:.1f}" for t in r.get("time_to_target_by_seed", {}).values())
             med, bmed = r.get("median_time_to_target_s"), base and base.get("median_time_to_target_s")
             speed = f"{bmed / med:.2f}x" if med and bmed else "not reached" if med is None else ""
+            if fmed and not same_schedule(floor, r):
+                other_steps.append(r["contender"])
+            rfmed = fmed if same_schedule(floor, r) else None
             lines.append(f"| {r['contender']} | {r['median_step_s'] * 1e3:.0f} | {r['compute_s'] * 1e3:.0f} | "
                          f"{r['comm_wait_s'] * 1e3:.0f} | {r['other_s'] * 1e3:.0f} | {r['bytes_per_step'] / 1e6:.3f} | "
                          f"{r['final_val_loss']:.4f} | {by_seed} | {'not reached' if med is None else f'{med:.1f}'} | {speed} | "
-                         f"{f'{med / fmed:.2f}' if med and fmed else ''} | "
+                         f"{f'{med / rfmed:.2f}' if med and rfmed else ''} | "
                          f"{_seed_steps_ms(r)} | {_mean(r, 'mean_step_s', 1e3, '.0f')} | {_mean(r, 'mean_bytes_per_step', 1e-6, '.3f')} |")
+        if other_steps:
+            lines.append(f"\n`/ floor` left blank for {', '.join(other_steps)}: the floor trained "
+                         f"{floor['samples']} samples and they another number, and the learning rate's cosine spans a "
+                         "run's steps (a longer run reaches a loss in fewer steps). Run the floor with their `--steps` "
+                         "and `--targets-from` the run that sets the targets.")
     return "\n".join(lines + auto_section(results) + sync_auto_section(results)) + "\n"
 
 
@@ -561,7 +592,7 @@ def auto_section(results: dict) -> list[str]:
         ttt_fine = auto.get("median_time_to_target_interpolated_s")
         floor_run = next((r for r in floors.get(c["hosts"], {}).get("runs", []) if r["contender"] == "torch:none"
                           and "error" not in r), None)
-        floor = floor_run.get("median_time_to_target_s") if floor_run else None
+        floor = floor_run.get("median_time_to_target_s") if same_schedule(floor_run, auto) else None
         choices = ", ".join(sorted({auto.get("auto_choice", ""), *auto.get("seed_choices", {}).values()}))
         rows.append(f"| {c['hosts']} @ {c['rate']} | {auto['contender']} | {choices} | {auto.get('reached', 0)}/{len(c.get('seeds', [0]))} | "
                     f"{'not reached' if ttt is None else f'{ttt:.1f}'} | "
@@ -643,9 +674,10 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true", help="replace these clusters' contenders in an earlier result")
     ap.add_argument("--emulate-seeds", action="store_true", help="every contender runs every seed on the emulated "
                     "cluster (default: only auto; fixed contenders' other seeds are local loss curves)")
-    ap.add_argument("--targets-from", help="an earlier results JSON: clusters without DDP fp32 of their own take "
-                    "its targets (DDP fp32 at the floor rate, per seed) and its floor; for contenders given another "
-                    "--steps than the target's run (time to the same loss)")
+    ap.add_argument("--targets-from", help="an earlier results JSON: every cluster takes its targets (DDP fp32 at the "
+                    "floor rate on the same hosts, per seed), a floor cluster run now included, and a cluster without "
+                    "a floor in this run takes its floor; for contenders given another --steps than the target's run "
+                    "(time to the same loss; `/ floor` needs a floor of their --steps)")
     ap.add_argument("--switch-cpu", type=float, default=SWITCH_CPU, help="cores of the switch's aggregator for a "
                     f"CODEC+switch contender (default {SWITCH_CPU})")
     ap.add_argument("--seeds", default="0,1,2", help="seeds, starting with 0: every contender runs seed 0 on the "
@@ -705,7 +737,7 @@ def main() -> int:
         results["targets_from_results"] = {"clusters": [c for c in json.loads(Path(args.targets_from).read_text())[
             "clusters"] if c["rate"] == FLOOR_RATE]}
     for c in results["clusters"]:  # again, now that every cluster (and the floor) is in
-        score(c, floor_of(results, c))
+        score(c, floor_of(results, c), given_targets(results, c))
     results["load_average_at_end"] = os.getloadavg()
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -59,3 +59,31 @@ def test_torchft_records_merge_the_replicas_validation_and_refuse_replicas_that_
     _write(tmp_path / "peer1.jsonl", [{"step": 16, **step}, {**val, "param_sum": 5.1, "val_sum": 10.0, "val_count": 10}])
     with pytest.raises(RuntimeError, match="disagree at step 16"):
         compare.torchft_records(tmp_path, 2)
+
+
+def test_a_floor_of_other_steps_gets_no_ratio_and_targets_from_sets_the_floors_targets_too():
+    """Contenders run at 640 steps were divided by a floor of 480: DDP fp32 on a 640-step cosine passes its
+    480-step loss at step 408, so the ratio flattered them by ~1.2x. `/ floor` needs the floor's steps, and
+    --targets-from sets every cluster's targets (a 640-step floor is timed to the 480-step losses)."""
+    def fp32(samples, curve):
+        return {"contender": "torch:none", "val_curve": curve, "samples": samples, "median_step_s": 0.05,
+                "compute_s": 0.03, "comm_wait_s": 0.02, "other_s": 0.0, "bytes_per_step": 1, "final_val_loss": curve[-1][1]}
+    first = {"hosts": 4, "rate": compare.FLOOR_RATE, "seeds": [0], "runs": [fp32(480, [[10.0, 2.0, 10], [20.0, 1.0, 15]])]}
+    floor = {"hosts": 4, "rate": compare.FLOOR_RATE, "seeds": [0],
+             "runs": [fp32(640, [[10.0, 2.0, 10], [15.0, 1.0, 15], [25.0, 0.8, 20]])]}
+    slow = {"hosts": 4, "rate": "100mbit", "seeds": [0], "runs": [{**fp32(640, [[20.0, 2.0, 10], [30.0, 1.0, 15]]),
+                                                                    "contender": "int8"}]}
+    head = {"command": "compare.py", "model": {}, "batch": 32, "steps": 640, "lr": 0.0015}
+    results = {**head, "clusters": [floor, slow], "targets_from": "first.json", "targets_from_results": {"clusters": [first]}}
+    for c in results["clusters"]:
+        compare.score(c, compare.floor_of(results, c), compare.given_targets(results, c))
+    assert floor["target_val_loss"] == 1.0 and floor["runs"][0]["median_time_to_target_s"] == 15.0  # not its own 0.8
+    assert slow["runs"][0]["median_time_to_target_s"] == 30.0
+    row = next(line for line in compare.markdown(results).splitlines() if line.startswith("| int8 "))
+    assert row.split(" | ")[10] == "2.00"   # 30 s over the 640-step floor's 15 s
+    results = {**head, "clusters": [first, slow]}   # the floor of 480 steps: no ratio, and a line saying why
+    for c in results["clusters"]:
+        compare.score(c, compare.floor_of(results, c), compare.given_targets(results, c))
+    text = compare.markdown(results)
+    row = next(line for line in text.splitlines() if line.startswith("| int8 "))
+    assert row.split(" | ")[10] == "" and "`/ floor` left blank for int8" in text
