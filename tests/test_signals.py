@@ -99,6 +99,12 @@ def test_a_failed_job_is_named_by_the_worker_that_caused_it(tmp_path):
     msg = str(_worker_failed(ChildFailedError("w", {0: survivor, 1: caught}), 0, "runs/x"))
     assert msg.startswith("worker 1 was stopped by SIGTERM after 0 allowed restart(s); worker 0 then lost its "
                           "connection to it, and the job stopped") and "--resume runs/x" in msg, msg
+    # thinwire's own error (a full disk): the worker printed its paragraph; the job's error does not repeat it
+    full, survivor = failure(0, 2), failure(1, LOST_PEER_EXIT)
+    full.message = "ThinwireError: cannot write runs/x/checkpoints/step_000000020.pt: No space left on device."
+    msg = str(_worker_failed(ChildFailedError("w", {0: full, 1: survivor}), 0, "runs/x"))
+    assert msg == ("worker 0 failed (exit code 2) after 0 allowed restart(s); worker 1 then lost its connection to it, "
+                   "with the error above."), msg
     both = {0: failure(0, LOST_PEER_EXIT), 1: failure(1, LOST_PEER_EXIT)}  # a cut link: nobody died
     assert str(_worker_failed(ChildFailedError("w", both), 0)).startswith("the workers lost their connections to each other")
 
@@ -194,3 +200,28 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     finally:
         for pid in workers():
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stop_signal_after_the_command_is_done_keeps_its_exit_code(tmp_path):
+    """SIGTERM in the half second a finished `thinwire train` spends leaving (the interpreter's shutdown, torch's
+    exit hooks) killed it with 143 and no word: a scheduler read a complete run as failed."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "import thinwire.cli.main as m\n"
+        "m.main = lambda argv=None: 0\n"           # the command: done, exit code 0
+        "real_exit = sys.exit\n"
+        "def leaving(code):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"  # lands while the process leaves
+        "    time.sleep(2)\n"
+        "    real_exit(code)\n"
+        "sys.exit = leaving\n"
+        "m.run()\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, (r.returncode, r.stderr)

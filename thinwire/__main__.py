@@ -1,3 +1,3 @@
-from thinwire.cli.main import main
+from thinwire.cli.main import run
 
-raise SystemExit(main())
+run()

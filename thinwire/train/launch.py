@@ -157,6 +157,14 @@ def _raised(failure) -> str:
     return "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
 
 
+def _own_error(failure) -> bool:
+    """Whether the worker left with thinwire's own error, which it printed itself (``thinwire: error: ...``)."""
+    detail = failure.message
+    if isinstance(detail, dict):
+        detail = detail.get("message", str(detail))
+    return isinstance(detail, str) and detail.startswith("ThinwireError: ")  # printed before it was recorded
+
+
 STOPPED_EXITS = tuple(128 + s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM))
 
 
@@ -193,4 +201,6 @@ def _worker_failed(e, max_restarts: int, out: str | None = None) -> ThinwireErro
         again = f"`thinwire train --resume {out}`" if out else "--resume"
         return ThinwireError(f"{what} after {max_restarts} allowed restart(s){others}, and the job stopped. Go on from "
                              f"its last checkpoint with {again}; --max-restarts N restarts by itself.")
+    if _own_error(failure):  # printed by the worker already: once is enough
+        return ThinwireError(f"{what} after {max_restarts} allowed restart(s){others}, with the error above.")
     return ThinwireError(f"{what} after {max_restarts} allowed restart(s){others}: {detail or 'see its output above'}")

@@ -34,7 +34,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from thinwire.errors import ConfigError, cannot_write
+from thinwire.errors import ConfigError, ThinwireError, cannot_write
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -89,6 +89,11 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self._f is not None:
             try:
+                if os.fstat(self._f.fileno()).st_nlink == 0:  # unlinked: the records would go nowhere, silently
+                    raise ThinwireError(
+                        f"{self._f.name} was deleted while this run wrote it (its run folder removed, or the file): "
+                        "the run stopped rather than train on into records and checkpoints nobody keeps. Train "
+                        "again into a new --out, or --resume a copy of the folder.")
                 self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
             except OSError as e:
                 raise cannot_write(self._f.name, e) from None
