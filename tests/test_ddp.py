@@ -73,6 +73,26 @@ def test_attach_refuses_plain_module_and_double_attach():
     assert "already attached" in msg
 
 
+def _compiled_first(rank, world, who):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    compiled = torch.compile(DDP(_model()))  # wrapped, not yet compiled (compiling happens at the first call)
+    try:
+        thinwire.attach(compiled, "int8") if who == "attach" else thinwire.sync(compiled, "delayed", codec="int8")
+    except TypeError as e:
+        return str(e)
+    return "taken"
+
+
+@pytest.mark.parametrize("who", ["attach", "sync"])
+def test_a_compiled_ddp_model_is_told_to_attach_before_compiling(who):
+    """`attach(torch.compile(DDP(net)))` was told to wrap the model in DDP, which it was."""
+    (msg,) = run_ranks(_compiled_first, 1, who)
+    assert msg.startswith(f"thinwire.{who} needs the DistributedDataParallel model itself, got it compiled "
+                          "(OptimizedModule)") and f"call thinwire.{who} on the DDP model first, then torch.compile" in msg, msg
+
+
 def _attach_error(rank, world, model_kind, kwargs):
     import thinwire
     from torch.nn.parallel import DistributedDataParallel as DDP

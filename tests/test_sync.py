@@ -439,6 +439,17 @@ def _stepped_alone(rank: int, world: int, mode_spec: str, how: str) -> str:
                 mode.before_step()
                 opt.step()
                 mode.after_step()
+            elif how == "two optimizers":  # one for a layer, one for the rest, both between before and after
+                params = list(ddp.parameters())
+                first, rest = torch.optim.SGD(params[:1], lr=LR), torch.optim.SGD(params[1:], lr=LR)
+                mode.before_step()
+                first.step()
+                rest.step()
+                mode.after_step()
+            elif how == "twice":  # one before_step, then the same optimizer again: the second step is bare
+                mode.before_step()
+                opt.step()
+                opt.step()
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
@@ -458,6 +469,9 @@ def test_an_optimizer_step_that_no_before_step_prepared_is_refused(mode):
                                "mode.before_step()") and "call mode.step(optimizer) instead" in said, said
     assert run_ranks(_stepped_alone, 2, mode, "mode.step") == ["trained", "trained"]
     assert run_ranks(_stepped_alone, 2, mode, "three calls") == ["trained", "trained"]
+    # two optimizers on one model (a layer of its own): the second one's step was refused as if bare
+    assert run_ranks(_stepped_alone, 2, mode, "two optimizers") == ["trained", "trained"]
+    assert all("was called without mode.before_step()" in said for said in run_ranks(_stepped_alone, 2, mode, "twice"))
 
 
 def _state_of_another_mode(rank: int, world: int, saved_by: str, loaded_by: str) -> str:

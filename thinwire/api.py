@@ -66,13 +66,10 @@ def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
     ``GradScaler``: a mode that averages outside backward applies or predicts with gradients scaled by another
     step's loss scale (``thinwire train`` refuses fp16 with every ``--sync`` mode but ``allreduce``).
     """
-    from torch.nn.parallel import DistributedDataParallel
-
+    from thinwire.compress.hook import need_ddp
     from thinwire.compress.sync import create
 
-    if not isinstance(model, DistributedDataParallel):  # every mode averages through DDP's process group
-        raise TypeError(f"thinwire.sync needs a DistributedDataParallel model, got {type(model).__name__}; "
-                        "wrap it first: model = DistributedDataParallel(model)")
+    need_ddp(model, "thinwire.sync")  # every mode averages through DDP's process group
     spec, comm = check_sync(mode, codec, optimizer, kwargs)
     if spec.mode != "allreduce" and getattr(model, "static_graph", False):
         raise ValueError(f"thinwire.sync: {spec.mode!r} runs its steps under model.no_sync(), which a DDP model built "

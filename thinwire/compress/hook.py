@@ -404,6 +404,17 @@ class CommState:
                 log.warning("could not say goodbye to the switch's aggregator: %s", e)
 
 
+def need_ddp(model, who: str) -> None:
+    """Refuse what is not a DDP model, saying how to get one (a ``torch.compile``d DDP: attach before compiling)."""
+    if isinstance(model, DistributedDataParallel):
+        return
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(inner, DistributedDataParallel):
+        raise TypeError(f"{who} needs the DistributedDataParallel model itself, got it compiled ({type(model).__name__}); "
+                        f"call {who} on the DDP model first, then torch.compile it (or pass model._orig_mod)")
+    raise TypeError(f"{who} needs a DistributedDataParallel model, got {type(model).__name__}; "
+                    "wrap it first: model = DistributedDataParallel(model)")
+
 def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none", *, error_feedback: bool = True,
            warmup_steps: int = 0, min_compress_bytes: int = MIN_COMPRESS_BYTES, nonfinite: Literal["skip", "raise"] = "skip",
            process_group=None, timeout_s: float | None = None) -> CommState:
@@ -422,9 +433,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
         state = thinwire.attach(model, "int8")
         loss_fn(model(x), y).backward()   # gradients arrive averaged, int8 on the wire
     """
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"thinwire.attach needs a DistributedDataParallel model, got {type(model).__name__}; "
-                        "wrap it first: model = DistributedDataParallel(model)")
+    need_ddp(model, "thinwire.attach")
     if getattr(model, "_thinwire_state", None) is not None:
         raise ValueError("thinwire.attach: a thinwire hook is already attached to this model; attach once per model")
     refuse_sparse(model.module, "thinwire.attach")  # DDP hands a hook a sparse bucket no codec's encoding takes

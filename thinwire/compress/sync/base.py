@@ -291,10 +291,12 @@ class SyncMode:
         ids = {id(p) for p in self.model.parameters()}
         ref = weakref.ref(self)
         mine: dict[int, bool] = {}  # id(optimizer) -> whether it steps this model's parameters
+        stepped: set[int] = set()    # the optimizers that stepped since the last before_step (two may: one a layer)
         inner = self.before_step
 
         def before_step() -> None:
             inner()
+            stepped.clear()
             self._prepared = True
 
         def refuse_unprepared(optimizer, args, kwargs) -> None:  # after the step: a closure runs before_step inside it
@@ -305,13 +307,13 @@ class SyncMode:
                 mine[id(optimizer)] = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
             if not mine[id(optimizer)]:
                 return
-            if not mode._prepared:
+            if not mode._prepared or id(optimizer) in stepped:
                 raise RuntimeError(f"thinwire.sync {mode.name}: optimizer.step() was called without "
                                    "mode.before_step(), so this step's gradients were not averaged and the ranks drift "
                                    "apart; call "
                                    "mode.step(optimizer) instead of optimizer.step() (or mode.before_step(), "
-                                   "optimizer.step(), mode.after_step())")
-            mode._prepared = False
+                                   "optimizer.step(), mode.after_step(); with two optimizers, both steps between them)")
+            stepped.add(id(optimizer))
 
         self._prepared = False
         self.before_step = before_step
