@@ -176,3 +176,30 @@ def test_powersgd_runs_on_float64_parameters():
     a, b = run_ranks(_float64_grads, 2, "powersgd:rank=2")
     assert all(g.dtype == torch.float64 and torch.isfinite(g).all() for g in a)
     assert all(torch.equal(g, h) for g, h in zip(a, b))
+
+
+def _another_models_state(rank, world):
+    import thinwire
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    small, big = DDP(torch.nn.Linear(4, 2)), DDP(torch.nn.Linear(8, 2))
+    first, second = (thinwire.attach(m, "int8", warmup_steps=0, min_compress_bytes=0) for m in (small, big))
+    try:
+        small(torch.randn(3, 4)).sum().backward()
+        saved = first.state_dict()
+        assert saved["residuals"]["params"], "int8 leaves residuals"
+        try:
+            second.load_state_dict(saved)
+        except ValueError as e:
+            return str(e)
+        return "loaded"
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_comm_state_of_another_model_is_refused():
+    """Another model's residuals were taken without a word and dropped where their sizes did not fit."""
+    msg = run_ranks(_another_models_state, 2)[0]
+    assert msg.startswith("CommState.load_state_dict: this state is another model's: its residual of parameter 0 "
+                          "holds 8 values, and this model's parameter 0 has 16"), msg

@@ -139,6 +139,7 @@ class CommState:
         self.extra: dict = {}           # per-scheme state, e.g. PowerSGD's Q matrices
         self.last_bucket_ready = 0.0    # perf_counter() when the last bucket was handed over
         self.param_index: dict[int, int] = {}  # id(parameter) -> its index in model.parameters()
+        self.param_numels: dict[int, int] = {}  # that index -> the parameter's size (a state of another model: refused)
         self.layouts: dict[int, tuple] = {}    # bucket index -> its layout at its last step (kept in checkpoints)
         self.resumed: dict[int, tuple] | None = None  # the layouts a loaded checkpoint's buckets had (see hook)
         self._layouts_step = -1
@@ -356,6 +357,7 @@ class CommState:
             what = f"a dict with keys {sorted(map(str, sd))[:6]}" if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"CommState.load_state_dict takes what CommState.state_dict() returned (a dict with "
                              f"step, residuals, counters, ...), got {what}; save state.state_dict() with the model's")
+        self._check_model(sd.get("residuals") or {})
         world = sd.get("world", self.wire.world)  # states from before it was kept: as this job's
         rank = sd.get("rank", self.wire.rank)
         if world == self.wire.world and rank != self.wire.rank:  # one file for every rank: residuals swapped
@@ -384,6 +386,18 @@ class CommState:
         self.wire.bytes_sent = int(counters.get("bytes_sent", 0))
         self.wire.calls = int(counters.get("calls", 0))
         self.counts = Counter({str(k): int(v) for k, v in counters.get("counts", {}).items()})
+
+    def _check_model(self, residuals: dict) -> None:
+        """Refuse another model's residuals: they were dropped without a word where their sizes did not fit."""
+        if not self.param_numels:
+            return
+        for key, t in (residuals.get("params") or {}).items():
+            i, have = int(key), self.param_numels.get(int(key))
+            if have != t.numel():
+                mine = f"has {have}" if have is not None else f"does not exist (it has {len(self.param_numels)})"
+                raise ValueError(f"CommState.load_state_dict: this state is another model's: its residual of parameter "
+                                 f"{i} holds {t.numel()} values, and this model's parameter {i} {mine}; load the "
+                                 "state saved with this model (without one, its residuals start empty)")
 
     @property
     def closed(self) -> bool:
@@ -452,6 +466,7 @@ def attach(model: DistributedDataParallel, codec: str | Codec | Policy = "none",
         state.close()
         raise ValueError(f"thinwire.attach: DDP refused the hook ({e}); a communication hook can be registered only once") from None
     state.param_index = {id(p): i for i, p in enumerate(model.module.parameters())}
+    state.param_numels = {i: p.numel() for i, p in enumerate(model.module.parameters())}
     policy.bind(state, model.module)  # online policies (e.g. "auto") measure through the state
     model._thinwire_state = state
     return state
