@@ -183,3 +183,57 @@ def test_auto_takes_the_new_codec_as_a_candidate(int4):
     assert decisions == other
     assert "int4" in decisions[0]["shadow_errors"][0]  # guarded like every candidate
     assert "int4" in decisions[0]["choices"].values()  # a slow link: the strongest candidate under the cap
+
+
+class _ShortCodec(Int4Codec):
+    """payload_bytes one byte more than compress gives: every rank receives what payload_bytes says."""
+    name = "int4short"
+    candidate = None
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return super().payload_bytes(numel, dtype) + 1
+
+
+class _NanCodec(Int4Codec):
+    """Decodes finite gradients to NaN (a scale divided by zero, say)."""
+    name = "int4nan"
+    candidate = None
+
+    def decompress(self, payload: list[Tensor], meta: Meta) -> Tensor:
+        return torch.full((meta.numel,), float("nan"))
+
+
+def _broken(rank, world, codec):
+    import thinwire
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(nn.Linear(64, 32))
+    state = thinwire.attach(model, codec, error_feedback=False, min_compress_bytes=0)
+    try:
+        model(torch.randn(8, 64)).square().sum().backward()
+        return "trained"
+    except Exception as e:  # noqa: BLE001 - what reaches the user's loop, whatever DDP wraps it in
+        return str(e)
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("cls, says", [
+    (_ShortCodec, r"codec int4short: compress gave \d+ bytes for \d+ values, and payload_bytes\(\d+\) says \d+; they "
+                  r"must agree"),
+    (_NanCodec, r"codec int4nan decoded bucket 0 at step 0 to non-finite values though every rank's gradient was "
+                r"finite")])
+def test_a_codec_that_breaks_its_contract_is_named(cls, says):
+    """A payload of another size than payload_bytes failed deep in the codec's decode or aborted gloo ("Received data
+    size doesn't match expected size"); a codec decoding finite gradients to NaN was blamed on the gradient."""
+    import re
+
+    from tests.distributed import run_ranks
+
+    register_codec(cls)
+    try:
+        for said in run_ranks(_broken, 2, cls.name):
+            assert re.search(says, said), said
+    finally:
+        REGISTRY.unregister(cls.name)

@@ -727,10 +727,10 @@ def test_a_modes_state_of_another_model_is_refused(mode, codec):
             and "the state of another model" in said, said
 
 
-def _gossip_state(rank: int, world: int, path: str, save: bool) -> str:
+def _gossip_state(rank: int, world: int, path: str, save: bool, spec: str = "gossip") -> str:
     ddp = DistributedDataParallel(_net())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    mode = thinwire.sync(ddp, "gossip", codec="int8", optimizer=opt)
+    mode = thinwire.sync(ddp, spec, codec="int8", optimizer=opt)
     try:
         if save:
             with mode.no_sync():
@@ -750,8 +750,13 @@ def test_a_gossip_state_of_another_world_size_is_refused(tmp_path):
     """Saved on 2 ranks, loaded on 3: a bare KeyError ('to:2') at the first step, and the other ranks hung."""
     assert run_ranks(_gossip_state, 2, str(tmp_path / "g"), True) == ["saved", "saved"]
     said = run_ranks(_gossip_state, 3, str(tmp_path / "g"), False)
-    assert all(s.startswith("gossip: the state holds public copies") and "saved on another number of ranks" in s
-               for s in said), said
+    assert all(s.startswith("gossip: the state was saved with topology=exp2 on 2 ranks, and this mode runs "
+                            "topology=exp2 on 3") for s in said), said
+    # another topology on as many ranks was said to be another number of ranks
+    assert run_ranks(_gossip_state, 2, str(tmp_path / "r"), True, "gossip:topology=ring") == ["saved", "saved"]
+    said = run_ranks(_gossip_state, 2, str(tmp_path / "r"), False)
+    assert all(s.startswith("gossip: the state was saved with topology=ring on 2 ranks, and this mode runs "
+                            "topology=exp2 on 2") for s in said), said
 
 
 def _warned(rank: int, world: int) -> list[str]:

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress.codecs.base import Codec
+from thinwire.compress.codecs.common import all_finite
 from thinwire.compress.wire import Wire
 from thinwire.compress.engine import CommThread, for_ddp
 from thinwire.compress.feedback import ErrorFeedback
@@ -308,6 +309,10 @@ class CommState:
         return out
 
     def _finish(self, job: schemes.BucketJob, out: Tensor, finite: bool) -> Tensor:
+        if finite and not all_finite(out):  # every rank's gradient finite, their average decoded not: the codec's
+            raise FloatingPointError(f"codec {job.codec.name} decoded bucket {job.key} at step {job.step} to non-finite "
+                                     "values though every rank's gradient was finite: its compress or decompress is "
+                                     "wrong (a codec of your own: check it on this bucket's values)")
         return out if finite else self._on_nonfinite(job.buf, int(job.key), job.step)
 
     def _on_nonfinite(self, buf: Tensor, index: int, step: int) -> Tensor:

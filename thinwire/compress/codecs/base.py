@@ -103,3 +103,24 @@ class Codec(ABC):
 def payload_nbytes(payload: list[Tensor]) -> int:
     """Bytes a list of tensors occupies on the wire."""
     return sum(t.numel() * t.element_size() for t in payload)
+
+
+def checked_payload(codec: Codec, payload: list[Tensor], numel: int) -> list[Tensor]:
+    """``payload`` if it holds the bytes ``codec.payload_bytes(numel)`` says: every rank receives that many, and a
+    codec whose two disagree failed deep in its own decode or aborted the collective (gloo: "Received data size
+    doesn't match expected size"), naming neither the codec nor the cause."""
+    got, want = payload_nbytes(payload), codec.payload_bytes(numel)
+    if got != want:
+        raise ValueError(f"codec {codec.name}: compress gave {got} bytes for {numel} values, and payload_bytes({numel}) "
+                         f"says {want}; they must agree (the receivers expect payload_bytes' count): fix the codec's "
+                         "compress or its payload_bytes")
+    return payload
+
+
+def checked_decoded(codec: Codec, out: Tensor, numel: int) -> Tensor:
+    """``out`` if it holds the ``numel`` values ``decompress`` must return (else a clear error naming the codec)."""
+    if out.numel() != numel:
+        raise ValueError(f"codec {codec.name}: decompress returned {out.numel()} values for a payload of {numel}; it must "
+                         "return meta.numel values")
+    return out
+

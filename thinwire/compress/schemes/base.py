@@ -11,7 +11,7 @@ from typing import Callable, ClassVar, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from thinwire.compress.codecs.base import Codec, Meta
+from thinwire.compress.codecs.base import Codec, Meta, checked_decoded, checked_payload
 from thinwire.compress.codecs.common import all_finite
 
 
@@ -116,7 +116,7 @@ def flag(x: Tensor) -> Tensor:
 
 def encode(job: BucketJob, x: Tensor, m: Meta) -> list[Tensor]:
     t0 = time.perf_counter()
-    payload = job.codec.compress(x, m)
+    payload = checked_payload(job.codec, job.codec.compress(x, m), m.numel)
     job.state.compress_s += time.perf_counter() - t0
     return payload
 
@@ -125,12 +125,13 @@ def encode_checked(job: BucketJob, x: Tensor, m: Meta) -> tuple[list[Tensor], bo
     """:func:`encode`, and whether ``x`` is all finite (from the encoding pass where the codec can tell)."""
     t0 = time.perf_counter()
     payload, finite = job.codec.compress_checked(x, m)
+    checked_payload(job.codec, payload, m.numel)
     job.state.compress_s += time.perf_counter() - t0
     return payload, finite
 
 
 def decode(job: BucketJob, payload: list[Tensor], m: Meta) -> Tensor:
     t0 = time.perf_counter()
-    out = job.codec.decompress(payload, m).to(torch.float32)
+    out = checked_decoded(job.codec, job.codec.decompress(payload, m), m.numel).to(torch.float32)
     job.state.compress_s += time.perf_counter() - t0
     return out

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.codecs import Meta
+from thinwire.compress.codecs.base import checked_decoded, checked_payload
 from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
 from thinwire.compress.wire import pack, unpack
 from thinwire.errors import ConfigError
@@ -123,7 +124,7 @@ def degree(topology: str, world: int) -> int:
 
 class Gossip(SyncMode):
     name = "gossip"
-    state_keys = ("steps", "public", "round")
+    state_keys = ("steps", "public", "round", "topology", "world")
     diverges = True
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
@@ -208,11 +209,11 @@ class Gossip(SyncMode):
                 continue
             meta = Meta(numel=flat.numel(), seed=self.steps * 1009 + b, rank=me)
             t0 = time.perf_counter()
-            payload = codec.compress(flat - self.public[own][b], meta)
+            payload = checked_payload(codec, codec.compress(flat - self.public[own][b], meta), meta.numel)
             self.comm.compress_s += time.perf_counter() - t0
             wait = self.comm.wire.start_exchange(pack(payload), send_to, recv_from)
             t0 = time.perf_counter()
-            self.public[own][b] += codec.decompress(payload, meta)
+            self.public[own][b] += checked_decoded(codec, codec.decompress(payload, meta), meta.numel)
             self.comm.compress_s += time.perf_counter() - t0
             parts.append([(payload, meta), wait])
         return Round(recv_from, own, heard, parts)
@@ -264,7 +265,8 @@ class Gossip(SyncMode):
     def state_dict(self) -> dict:
         self.flush()
         r = self.pending
-        return {"mode": type(self).__name__, "steps": self.steps,
+        return {"mode": type(self).__name__, "steps": self.steps, "topology": self.topology,
+                "world": self.comm.wire.world,
                 **({"public": {k: cpu_list(t) for k, t in self.public.items()}} if self.choco else {}),
                 **({"round": {"recv_from": r.recv_from, "own": r.own, "heard": r.heard,
                               "sent": [cpu_list([s]) if s is not None else None for s, _ in r.parts],
@@ -272,6 +274,12 @@ class Gossip(SyncMode):
 
     def load_state_dict(self, sd: dict) -> None:
         self.check_state(sd)
+        saved = (sd.get("topology", self.topology), sd.get("world", self.comm.wire.world))  # older states: as now
+        if saved != (self.topology, self.comm.wire.world):
+            raise ValueError(f"gossip: the state was saved with topology={saved[0]} on {saved[1]} ranks, and this mode "
+                             f"runs topology={self.topology} on {self.comm.wire.world}: each rank's state is for its "
+                             "neighbours there; resume with the same topology and ranks, or start the mode fresh "
+                             "from the ranks' averaged model (mode.consensus())")
         self.steps = int(sd.get("steps", 0))
         like = self.buckets.flatten(list(self.buckets.params))
         if self.choco and "public" in sd:
@@ -279,7 +287,7 @@ class Gossip(SyncMode):
             if set(map(str, sd["public"])) != set(self.public):
                 raise ValueError(f"gossip: the state holds public copies {sorted(map(str, sd['public']))[:6]}, where rank "
                                  f"{self.comm.wire.rank} of {self.comm.wire.world} keeps {sorted(self.public)[:6]}: a state "
-                                 "saved on another number of ranks (each rank's is its own, for its neighbours); start "
+                                 "saved on another number of ranks or topology (each rank's is its own, for its neighbours); start "
                                  "the mode fresh, from the ranks' averaged model (mode.consensus())")
             self.public = {str(k): on_device(t, like) for k, t in sd["public"].items()}
         self.pending = None
