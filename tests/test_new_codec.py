@@ -237,3 +237,34 @@ def test_a_codec_that_breaks_its_contract_is_named(cls, says):
             assert re.search(says, said), said
     finally:
         REGISTRY.unregister(cls.name)
+
+
+def _gossip_nan(rank, world):
+    import thinwire
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(nn.Linear(64, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = thinwire.sync(model, "gossip:topology=ring,gamma=0.5", codec="int4nan", optimizer=opt)
+    try:
+        with mode.no_sync():
+            model(torch.randn(8, 64)).square().sum().backward()
+        mode.step(opt)
+        return "trained"
+    except FloatingPointError as e:
+        return str(e)
+    finally:
+        mode.close()
+
+
+def test_a_codec_decoding_to_nan_under_gossip_is_named():
+    """CHOCO gossip with such a codec trained on to NaN parameters and exited 0 without a word."""
+    from tests.distributed import run_ranks
+
+    register_codec(_NanCodec)
+    try:
+        for said in run_ranks(_gossip_nan, 2):
+            assert said.startswith("gossip: codec int4nan decoded bucket 0 at step 1 to non-finite values"), said
+    finally:
+        REGISTRY.unregister(_NanCodec.name)

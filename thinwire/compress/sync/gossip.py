@@ -62,6 +62,7 @@ from torch import Tensor
 
 from thinwire.compress.codecs import Meta
 from thinwire.compress.codecs.base import checked_decoded, checked_payload
+from thinwire.compress.codecs.common import all_finite
 from thinwire.compress.sync.base import Buckets, StepParts, SyncMode, cpu_list, on_device
 from thinwire.compress.wire import pack, unpack
 from thinwire.errors import ConfigError
@@ -209,11 +210,17 @@ class Gossip(SyncMode):
                 continue
             meta = Meta(numel=flat.numel(), seed=self.steps * 1009 + b, rank=me)
             t0 = time.perf_counter()
-            payload = checked_payload(codec, codec.compress(flat - self.public[own][b], meta), meta.numel)
+            change = flat - self.public[own][b]
+            payload = checked_payload(codec, codec.compress(change, meta), meta.numel)
             self.comm.compress_s += time.perf_counter() - t0
             wait = self.comm.wire.start_exchange(pack(payload), send_to, recv_from)
             t0 = time.perf_counter()
-            self.public[own][b] += checked_decoded(codec, codec.decompress(payload, meta), meta.numel)
+            decoded = checked_decoded(codec, codec.decompress(payload, meta), meta.numel)
+            if not all_finite(decoded) and all_finite(change):
+                raise FloatingPointError(f"gossip: codec {codec.name} decoded bucket {b} at step {self.steps} to "
+                                         "non-finite values though this rank's parameters were finite: its compress or "
+                                         "decompress is wrong")
+            self.public[own][b] += decoded
             self.comm.compress_s += time.perf_counter() - t0
             parts.append([(payload, meta), wait])
         return Round(recv_from, own, heard, parts)
