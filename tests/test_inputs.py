@@ -83,7 +83,7 @@ def from_dict_train(data):
 # -- finite numbers with ranges -------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, sets, match", [
     pytest.param({"memory_budget": "1e999GiB"}, [],
-                 r"memory_budget: must be a positive size such as 512MiB.*\(at most 1EiB\), got .1e999GiB.",
+                 r"memory_budget: must be a positive size such as 512MiB.*\(at most 1048576TiB\), got .1e999GiB.",
                  id="memory-1e999GiB"),
     pytest.param({"lr": float("inf")}, [], r"lr: must be a finite number or null, got inf", id="lr-inf-flag"),
     pytest.param({}, ["lr=inf"], r"lr: must be a finite number or null, got 'inf'", id="lr-inf-set"),
@@ -610,3 +610,50 @@ def test_a_user_workload_that_exits_draws_from_numpy_or_suggests_bad_defaults_is
     for bad in (0, -1, 2.5):
         with pytest.raises(ThinwireError, match=rf"numpy_split's Workload has steps={bad}; it must be an integer >= 1"):
             build_workload("tests.test_inputs:numpy_split", {"steps": bad}, None)
+
+
+def test_a_memory_budget_below_the_models_parameters_is_refused_before_the_workers(tmp_path):
+    """`--memory-budget 1KiB` was refused by every worker at start-up, and again at each of --max-restarts'
+    restarts (the paragraph six times); it is refused once, before anything starts."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--workload", "digits", "--nproc", "2",
+                        "--max-restarts", "2", "--memory-budget", "1KiB", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr.count("memory_budget: must be at least") == 1, r.stderr[-2000:]
+    assert "restart" not in r.stderr and not out.exists()
+
+
+def test_an_empty_config_file_is_refused(tmp_path):
+    """A blank (or cut) --config file ran the default job, minutes long, without a word."""
+    from thinwire.errors import ConfigError
+    from thinwire.train.config import load_train_config
+
+    empty = tmp_path / "run.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"config file '.*run.yaml': must be a mapping of field: value, got 'a file "
+                                          r"without fields'"):
+        load_train_config(str(empty), {}, [])
+
+
+@pytest.mark.parametrize("text, field", [("colour: red\n", "colour"), ('compression: "int8:bitz=4"\n', "int8 parameter")])
+def test_an_unknown_key_or_codec_parameter_in_a_config_file_names_the_file(tmp_path, text, field):
+    """An unknown top-level key or a codec's unknown parameter in the file named neither the file nor where."""
+    from thinwire.errors import ConfigError
+    from thinwire.train.config import load_train_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("workload: digits\n" + text)
+    with pytest.raises(ConfigError, match=rf"^{field}: must be .*It is in config file '.*run.yaml'"):
+        load_train_config(str(path), {}, [])
+
+
+def test_a_piped_table_is_not_cut_to_80_columns():
+    """`thinwire simulate | tee log` cut its table's numbers to ellipses (0.1… for 0.183)."""
+    from thinwire.cli.common import wide_console
+
+    assert wide_console().width == 200  # pytest's stdout is no terminal

@@ -97,9 +97,9 @@ def parse_size(value: int | str, field_name: str = "size") -> int:
     allowed = "a size > 0 such as 512MiB, 2GiB, 1GB or a number of bytes"
     parts = _number(value, "")
     if parts is None or parts[1] not in _SIZE_UNITS:
-        raise ConfigError(field_name, value, allowed, "Use the units KiB, MiB, GiB (or KB, MB, GB).")
+        raise ConfigError(field_name, value, allowed, "Use the units KiB, MiB, GiB, TiB (or KB, MB, GB, TB).")
     size = parts[0] * _SIZE_UNITS[parts[1]]
-    check(0 < size <= MAX_BYTES, field_name, value, "a size in (0, 1EiB] such as 512MiB, 2GiB or 1GB")
+    check(0 < size <= MAX_BYTES, field_name, value, "a size in (0, 1048576TiB] such as 512MiB, 2GiB or 1GB")
     size = int(size)
     check(size > 0, field_name, value, allowed)
     return size

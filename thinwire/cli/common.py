@@ -78,3 +78,15 @@ def split_codecs(text: str) -> tuple[str, ...]:
                 raise
             raise ConfigError("--codecs", item, e.allowed, e.fix) from None
     return tuple(items)
+
+
+def wide_console(**kwargs):
+    """A rich Console that does not cut a table's numbers when the output is a pipe or a log (rich takes 80 columns
+    there, and ``simulate``'s table lost its digits to ellipses: "0.1…" for 0.183); a terminal keeps its width."""
+    import sys
+
+    from rich.console import Console
+
+    stream = sys.stderr if kwargs.get("stderr") else sys.stdout
+    return Console(width=None if stream.isatty() else 200, **kwargs)
+

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from thinwire.cli.common import COMMANDS, add_workload_args, workload_of
+from thinwire.cli.common import COMMANDS, add_workload_args, wide_console, workload_of
 from thinwire.config import check, check_outputs, check_writable, mark_outputs, new_folder
 from thinwire.errors import ConfigError
 
@@ -220,7 +220,7 @@ def _simulate(args, spec, profile, opts, default_batch: int, out: Path) -> int:
     if args.json:
         print(output.to_json(points, meta))
         return 0
-    console = Console()
+    console = wide_console()
     console.print(output.table(points, f"predicted: {title} ({opts.scaling} scaling)"))
     if sync_table is not None:
         console.print(sync_table)
@@ -345,7 +345,7 @@ def _validate(args, spec, profile, opts, model: dict, default_batch: int, out: P
         t.add_row(str(r.hosts), f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}", f"{r.error:+.1%}",
                   f"{r.predicted_bytes:,}", f"{r.measured_bytes:,.0f}", f"{r.foreign_cores:.2f} cores",
                   f"{r.predicted_loaded_s * 1e3:.1f}", *([f"{r.compute_drift - 1:+.0%}"] if drift else []))
-    Console().print(t)
+    wide_console().print(t)
     if any(r.foreign_cores > 0.1 for r in rows):
         Console().print("[yellow]other processes used CPU during a run: its hosts computed slower than the spec "
                         "says, and the error above includes that[/yellow]")

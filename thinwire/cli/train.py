@@ -355,6 +355,7 @@ def preflight(cfg: TrainConfig, run_id: str, world: int | None = None) -> runfol
     wl = build_workload(cfg.workload, cfg.model, cfg.data)
     steps, batch, _ = resolve(cfg, wl)
     _check_fragments(cfg, wl.model)
+    _check_budget_holds_the_model(cfg, wl.model)
     sync = cfg.sync_spec
     if sync.mode in ("local", "diloco") and sync.warmup >= steps and world is None:
         print(f"thinwire: note: --sync {sync.text}: all {steps} steps are its synchronous warm-up (warmup="
@@ -552,6 +553,20 @@ def _absolute_guard(spec: str) -> str:
     """``auto:guard=PATH`` with PATH absolute where it names a file (as the cluster, plan and data paths)."""
     return re.sub(r"(guard=)([^,]+)", lambda m: m.group(1) + (str(Path(m.group(2)).resolve())
                                                               if Path(m.group(2)).is_file() else m.group(2)), spec)
+
+
+def _check_budget_holds_the_model(cfg: TrainConfig, model) -> None:
+    """A budget below the model's parameters (a byte each, as int8 holds them) cannot fit any step: refused here,
+    once, not by every worker at start-up (each restart of ``--max-restarts`` refused it again)."""
+    if not cfg.memory_budget or cfg.pipeline != "none" or cfg.plan:  # a stage holds a part of the model
+        return
+    from thinwire.units import parse_size
+
+    numel = sum(p.numel() for p in model.parameters())
+    if parse_size(cfg.memory_budget, "memory_budget") < numel:
+        raise ConfigError("memory_budget", cfg.memory_budget, f"at least {numel:,} bytes: the model's {numel:,} "
+                          f"parameters take that much even in int8 ({4 * numel / 2**20:.1f} MiB in fp32)",
+                          "Raise it, or leave it out to train without a budget")
 
 
 def _check_resume(cfg: TrainConfig, wl) -> None:

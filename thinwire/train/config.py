@@ -192,8 +192,8 @@ def _check_size(name: str, value: str) -> None:
     try:
         parse_size(value, name)
     except ConfigError:
-        raise ConfigError(name, value, "a positive size such as 512MiB, 1.5GiB or 800MB (at most 1EiB)",
-                          "Units: B, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000).") from None
+        raise ConfigError(name, value, "a positive size such as 512MiB, 1.5GiB or 800MB (at most 1048576TiB)",
+                          "Units: B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000).") from None
 
 
 def parse_override(item: str) -> tuple[list[str], object]:
@@ -210,6 +210,9 @@ def load_train_config(path: str | dict | None, overrides: dict, sets: list[str])
     """File (if any; or the fields themselves, as a checkpoint holds them) < ``--set KEY=VALUE`` < explicit
     flags; then type and range checks."""
     data = dict(path) if isinstance(path, dict) else load_yaml(path) if path else {}
+    if isinstance(path, (str, Path)) and path and not data:  # a blank or cut file ran every default without a word
+        raise ConfigError(f"config file {str(path)!r}", "a file without fields", "a mapping of field: value",
+                          "Write the fields to set (e.g. workload: charlm), or leave --config out for every default")
     flags = {k: v for k, v in overrides.items() if v is not None}
     for item in sets:
         keys, value = parse_override(item)
@@ -239,9 +242,9 @@ def _from_file(e: ConfigError, in_file: dict, flags: dict, sets: list[str]) -> b
     """Whether the field ``e`` names came from the config file, not from a flag or ``--set``. A codec's or sync
     mode's own parameter (``int8.block``) is no key of the config: it came from the file where its spec did
     (``compression: int8:block=7`` there, no --compression here)."""
-    top = str(e.field).split(".")[0].split("[")[0]
+    top = re.split(r"[.\[ ]", str(e.field))[0]  # "int8 parameter" (a codec's unknown key) names its codec
     given = {**flags, **{parse_override(item)[0][0]: parse_override(item)[1] for item in sets}}
-    if top in {f.name for f in dataclasses.fields(TrainConfig)}:
+    if top in {f.name for f in dataclasses.fields(TrainConfig)} or top in in_file:  # an unknown key of the file's
         return top not in given
 
     def names(values) -> bool:
