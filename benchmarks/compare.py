@@ -296,19 +296,20 @@ def seed_targets(cluster: dict, floor: dict | None = None, given: dict | None = 
     return out
 
 
+def _floor_in(res: dict | None, cluster: dict) -> dict | None:
+    """The cluster of ``cluster``'s hosts at ``FLOOR_RATE`` in the results ``res`` (None without one)."""
+    return next((c for c in (res or {"clusters": []})["clusters"]
+                 if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
+
+
 def floor_of(results: dict, cluster: dict) -> dict | None:
     """The cluster of the same hosts at ``FLOOR_RATE`` in ``results``, or in ``--targets-from``'s results."""
-    for res in (results, results.get("targets_from_results") or {"clusters": []}):
-        c = next((c for c in res["clusters"] if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
-        if c is not None:
-            return c
-    return None
+    return _floor_in(results, cluster) or _floor_in(results.get("targets_from_results"), cluster)
 
 
 def given_targets(results: dict, cluster: dict) -> dict | None:
     """The cluster of ``cluster``'s hosts at ``FLOOR_RATE`` in ``--targets-from``'s results (None without it)."""
-    given = results.get("targets_from_results") or {"clusters": []}
-    return next((c for c in given["clusters"] if c["hosts"] == cluster["hosts"] and c["rate"] == FLOOR_RATE), None)
+    return _floor_in(results.get("targets_from_results"), cluster)
 
 
 def same_schedule(floor_run: dict | None, run: dict) -> bool:

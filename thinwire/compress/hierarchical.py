@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.compress import schemes
 from thinwire.compress.wire import Wire
-from thinwire.compress.hook import MIN_COMPRESS_BYTES, CommState, _as_policy
+from thinwire.compress.hook import MIN_COMPRESS_BYTES, CommState, _as_policy, need_ddp
 
 
 class _Leg:
@@ -150,8 +150,7 @@ def attach_hierarchical(model: DistributedDataParallel, codec="none", *, groups:
     ``groups``: lists of global ranks, each group's first rank its leader; ``codec``: a spec string,
     a codec or a policy (used between leaders only). Other arguments as :func:`thinwire.attach`.
     """
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"attach_hierarchical needs a DistributedDataParallel model, got {type(model).__name__}")
+    need_ddp(model, "attach_hierarchical")
     if getattr(model, "_thinwire_state", None) is not None:
         raise ValueError("attach_hierarchical: a thinwire hook is already attached to this model; attach once per model")
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None

@@ -148,21 +148,22 @@ def launch_local(cfg: TrainConfig, config_path: Path, module: str = "thinwire.tr
         raise _worker_failed(e, cfg.max_restarts, cfg.out) from None
 
 
-def _raised(failure) -> str:
-    """The exception a failed worker's error file records (torch's ``@record``), or ''."""
+def _recorded(failure) -> str:
+    """The text a failed worker's error file records (torch's ``@record``)."""
     detail = failure.message
-    if isinstance(detail, dict):
-        detail = detail.get("message", str(detail))
-    detail = detail.removeprefix("ThinwireError: ")  # a worker's own one-paragraph error
+    return str(detail.get("message", detail)) if isinstance(detail, dict) else str(detail)
+
+
+def _raised(failure) -> str:
+    """The exception a failed worker's error file records, or ''."""
+    detail = _recorded(failure).removeprefix("ThinwireError: ")  # a worker's own one-paragraph error
     return "" if detail.startswith(("To enable traceback", "Signal ")) else detail.strip()[:800]
 
 
 def _own_error(failure) -> bool:
-    """Whether the worker left with thinwire's own error, which it printed itself (``thinwire: error: ...``)."""
-    detail = failure.message
-    if isinstance(detail, dict):
-        detail = detail.get("message", str(detail))
-    return isinstance(detail, str) and detail.startswith("ThinwireError: ")  # printed before it was recorded
+    """Whether the worker left with thinwire's own error, which it printed itself (``thinwire: error: ...``)
+    before it recorded it."""
+    return _recorded(failure).startswith("ThinwireError: ")
 
 
 STOPPED_EXITS = tuple(128 + s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM))
