@@ -600,11 +600,11 @@ def test_diloco_equals_its_outer_nesterov_reference():
 
 
 def _streaming_reference(period: int, fragments: list[list[str]], delay: int, alpha: float,
-                         lr: float = 0.7, mu: float = 0.9) -> list[dict]:
+                         lr: float = 0.7, mu: float = 0.9, keep: bool = False) -> list[dict]:
     """Each rank's parameters after STEPS of Streaming DiLoCo, written out by hand: inner SGD on each
     rank's own data; every period/F steps the next fragment (round robin) has its pseudo-gradient taken
     ``delay`` steps before and averaged, an outer Nesterov step moves its anchor, and its parameters
-    become anchor + alpha (local - anchor)."""
+    become anchor + alpha (local - anchor); with ``keep`` (CoCoD-SGD) anchor + (local - the point it sent)."""
     every, w = period // len(fragments), [_net().state_dict() for _ in range(2)]
     anchor, momenta, sent, syncs, pending = dict(w[0]), [None] * len(fragments), [], 0, None
     for step in range(STEPS):
@@ -613,6 +613,7 @@ def _streaming_reference(period: int, fragments: list[list[str]], delay: int, al
         if (local + delay) % every == 0:
             names = fragments[syncs % len(fragments)]
             pending = {k: sum(anchor[k] - w[r][k] for r in range(2)) / 2 for k in names}
+            sent = [{k: w[r][k].clone() for k in names} for r in range(2)]
         if local % every == 0:
             k_frag = syncs % len(fragments)
             m = momenta[k_frag]
@@ -621,7 +622,7 @@ def _streaming_reference(period: int, fragments: list[list[str]], delay: int, al
             for k in pending:
                 anchor[k] = anchor[k] - lr * (pending[k] + mu * m[k])
                 for r in range(2):
-                    w[r][k] = anchor[k] + alpha * (w[r][k] - anchor[k])
+                    w[r][k] = anchor[k] + ((w[r][k] - sent[r][k]) if keep else alpha * (w[r][k] - anchor[k]))
             syncs += 1
     return w
 
@@ -643,6 +644,23 @@ def test_streaming_diloco_equals_its_reference(mode, delay, alpha):
     for i, numel in zip(sync_steps, [15, 3, 15]):
         expected[i - 1] = 4 * numel  # ring all-reduce on 2 ranks: 2(p-1)/p * 4n; one fragment at a time
     assert out[0]["sent"] == expected
+
+
+@pytest.mark.parametrize("mode, fragments, delay", [
+    ("local:period=4,merge=keep,warmup=0", [["weight", "bias"]], 3),  # one fragment: in flight 3 of 4 steps
+    ("diloco:period=4,fragments=2,merge=keep", [["weight"], ["bias"]], 1),
+    ("diloco:period=6,merge=keep,delay=2", [["weight", "bias"]], 2)])
+def test_streaming_keep_equals_its_reference(mode, fragments, delay):
+    """merge=keep: the landed average's new anchor plus each rank's own progress since its send (CoCoD-SGD)."""
+    spec = parse_sync_spec(mode)
+    assert (spec.merge, spec.delay, spec.streaming) == ("keep", delay, True)
+    out = run_ranks(_train, 2, mode, "none")
+    outer = {"lr": 1.0, "mu": 0.0} if mode.startswith("local") else {}
+    ref = _streaming_reference(spec.period, fragments, delay, 0.0, keep=True, **outer)
+    assert not torch.equal(ref[0]["weight"], ref[1]["weight"])  # the ranks' own progress stays their own
+    for r in range(2):
+        for k in ref[r]:
+            torch.testing.assert_close(out[r]["params"][k], ref[r][k], rtol=1e-5, atol=1e-6)
 
 
 def test_streaming_refuses_more_fragments_than_parameter_tensors(tmp_path):
@@ -911,6 +929,10 @@ def test_spec_defaults_and_text():
     s = parse_sync_spec("local:period=4,fragments=2")
     assert (s.fragments, s.delay, s.alpha, s.outer_lr, s.outer_momentum, s.warmup) == (2, 1, 0.5, 1.0, 0.0, 100)
     assert s.text == "local:period=4,warmup=100,fragments=2,delay=1,alpha=0.5" and parse_sync_spec(s.text) == s
+    k = parse_sync_spec("local:period=8,merge=keep")  # keep: in flight all but one step of the period by default
+    assert (k.merge, k.delay, k.streaming, k.text) == ("keep", 7, True, "local:period=8,warmup=100,fragments=1,delay=7,"
+                                                       "merge=keep")
+    assert parse_sync_spec(k.text) == k and parse_sync_spec("diloco:period=8,fragments=4,merge=keep").delay == 1
 
 
 @pytest.mark.parametrize("text, match", [
@@ -929,6 +951,8 @@ def test_spec_defaults_and_text():
                                               r"period/fragments = 4 steps\), got 4"),
     ("diloco:fragments=2,alpha=1.5", r"sync\.alpha: must be a number in \[0, 1\], got 1\.5"),
     ("diloco:period=8,alpha=0.5", r"sync\.alpha: must be given only with fragments > 1 or delay > 0, got 0\.5"),
+    ("local:period=4,merge=keep,alpha=0.5", r"sync\.alpha: must be not given with merge=keep, got 0\.5"),
+    ("local:period=4,merge=mean", r"sync\.merge: must be one of lerp, keep \(local and diloco only\), got 'mean'"),
     ("delayed:period=2", r"sync: must be delayed with keys predict"),
     ("delayed:predict=2", r"sync\.predict: must be one of own, last, off, got '2'\. own \(default\) computes each gradient"),
     ("local:period=x", r"sync\.period: must be a whole number, got 'x'"),
@@ -972,6 +996,7 @@ def test_cli_refuses_bad_sync_before_starting(tmp_path):
     ("diloco:period=4", "topk:ratio=0.05", {4, 8}),
     ("diloco:period=4,fragments=2,warmup=1", "int8", None),  # in flight across the resume at step 6
     ("local:period=4,fragments=2,warmup=1", "int8", None),
+    ("local:period=4,merge=keep,warmup=1", "int8", None),  # in flight steps 2-5 and 6-9: across the resume at 6
 ])
 def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", mode, "--eval-every", "5"]

@@ -21,6 +21,11 @@ form                                           what runs (:mod:`thinwire.compres
                                                steps, in flight during ``delay`` inner steps, then
                                                mixed as Streaming DiLoCo's (its outer step of lr 1
                                                without momentum: the average itself)
+``local:period=H,merge=keep[,delay=T]``        local SGD overlapped (CoCoD-SGD, Shen et al. 2019): the
+                                               average travels during T inner steps (H-1 by default),
+                                               then each rank takes the new global parameters plus its
+                                               own progress since it sent (``merge=keep``; also with
+                                               ``fragments`` and for ``diloco``)
 ``diloco:period=H[,outer_lr=,outer_momentum=   DiLoCo (Douillard et al. 2023): the training optimizer
 ,warmup=]``                                    inside, every H steps the averaged pseudo-gradient
                                                (anchor - params) takes an outer Nesterov SGD step
@@ -79,6 +84,7 @@ from thinwire.errors import ConfigError
 MODES = ("allreduce", "delayed", "local", "diloco", "gossip", "dynamic", "auto")
 TOPOLOGIES = ("exp2", "ring", "torus", "random")
 DYNAMIC_RULES = ("drift", "spread")
+MERGES = ("lerp", "keep")  # local and diloco: how a landed average meets the local parameters (streaming module)
 PREDICTORS = ("own", "last", "off")  # delayed's weight prediction (thinwire.compress.sync.delayed)
 #: The modes ``thinwire plan`` and ``thinwire simulate --sync all`` price side by side: one of each kind,
 #: at periods from the literature's range (post-local SGD's example uses 4-16; DiLoCo's default 100, streamed).
@@ -90,9 +96,9 @@ _INT = re.compile(r"[0-9]{1,10}", re.ASCII)
 _KEYS: dict[str, dict[str, tuple[type, object]]] = {
     "allreduce": {}, "delayed": {"predict": (str, "own")},
     "local": {"period": (int, None), "warmup": (int, 100), "fragments": (int, 1), "delay": (int, "auto"),
-              "alpha": (float, "auto")},
+              "alpha": (float, "auto"), "merge": (str, "lerp")},
     "diloco": {"period": (int, 100), "outer_lr": (float, 0.7), "outer_momentum": (float, 0.9), "warmup": (int, 0),
-               "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto")},
+               "fragments": (int, 1), "delay": (int, "auto"), "alpha": (float, "auto"), "merge": (str, "lerp")},
     "gossip": {"topology": (str, "exp2"), "gamma": (float, "auto"), "overlap": (int, 0)},
     "dynamic": {"threshold": (float, 0.05), "check_every": (int, 4), "warmup": (int, 0), "rule": (str, "drift"),
                 "by_lr": (int, 0)},
@@ -112,6 +118,7 @@ class SyncSpec:
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
+    merge: str = "lerp"         # local, diloco with a delay: lerp(global, local, alpha), or keep (global + own progress)
     topology: str = ""
     gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
     overlap: int = 0            # gossip: 1 sends each round during the next step's compute (SGP's overlap)
@@ -161,6 +168,10 @@ class SyncSpec:
                f"(fewer than period/fragments = {every} steps)", "A fragment's sync must land before the next one starts.")
         _check(math.isfinite(self.alpha) and 0 <= self.alpha <= 1, "alpha", self.alpha, "a number in [0, 1]",
                "0 keeps the global parameters, 1 the local ones; Streaming DiLoCo mixes 0.5.")
+        _check(self.merge in MERGES and (self.merge == "lerp" or self.periodic), "merge", self.merge,
+               "one of " + ", ".join(MERGES) + " (local and diloco only)",
+               "keep: the new global parameters plus this rank's progress while the average travelled (CoCoD-SGD); "
+               "lerp: lerp(global, local, alpha) (Streaming DiLoCo).")
 
     @property
     def sync_every(self) -> int:
@@ -181,11 +192,12 @@ class SyncSpec:
     def text(self) -> str:
         keys = [k for k in _KEYS[self.mode] if (k not in _STREAMING or self.streaming) and (k != "gamma" or self.gamma)
                 and (k != "guard" or self.guard) and (k != "predict" or self.predict != "own") and (k != "overlap" or self.overlap)
-                and (k != "rule" or self.rule != "drift") and (k != "by_lr" or self.by_lr)]
+                and (k != "rule" or self.rule != "drift") and (k != "by_lr" or self.by_lr)
+                and (k != "merge" or self.merge != "lerp") and (k != "alpha" or self.merge != "keep")]
         return self.mode + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 
-_STREAMING = ("fragments", "delay", "alpha")  # in the text only when set
+_STREAMING = ("fragments", "delay", "alpha", "merge")  # in the text only when set
 
 
 def _check(cond: bool, key: str, value: object, allowed: str, fix: str = "") -> None:
@@ -219,15 +231,20 @@ def parse_sync_spec(text: str) -> SyncSpec:
     missing = [k for k, v in values.items() if v is None]
     if missing:
         raise ConfigError(f"sync.{missing[0]}", text, f"given: {mode}:{missing[0]}=N", _FIX)
-    if values.get("delay") == "auto":  # streaming: overlap one inner step; one fragment: classic DiLoCo
-        every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0
-        values["delay"] = 1 if values["fragments"] > 1 and every > 1 else 0
+    keep = values.get("merge") == "keep"
+    if keep and "alpha" in given:
+        raise ConfigError("sync.alpha", values["alpha"], "not given with merge=keep",
+                          "merge=keep adds this rank's progress to the global parameters, alpha mixes the two (merge=lerp); "
+                          f"give one. E.g. {mode}:period=H,merge=keep")
+    if values.get("delay") == "auto":  # streaming: overlap one inner step; one fragment: classic DiLoCo;
+        every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0  # keep: all but one step
+        values["delay"] = (every - 1 if keep else 1 if values["fragments"] > 1 else 0) if every > 1 else 0
     if mode == "delayed":  # 1 and 0: the values before ``own`` (a run's saved config still says them)
         values["predict"] = {"1": "last", "0": "off"}.get(values["predict"], values["predict"])
     if values.get("gamma") == "auto":  # resolved against the codec (commspec.check_sync_pairing, Gossip)
         values["gamma"] = 0.0
     if values.get("alpha") == "auto":
-        values["alpha"] = 0.5 if values["delay"] > 0 else 0.0
+        values["alpha"] = 0.5 if values["delay"] > 0 and not keep else 0.0
     elif mode in ("local", "diloco") and not (values["fragments"] > 1 or values["delay"] > 0):  # it would be dropped
         raise ConfigError("sync.alpha", values["alpha"], "given only with fragments > 1 or delay > 0",
                           "alpha mixes local and global parameters after an overlapped average (Streaming "

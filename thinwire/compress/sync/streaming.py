@@ -16,6 +16,14 @@ Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Di
    parameters become ``lerp(anchor, local, A) = anchor + A (local - anchor)``: A = 0 keeps the global
    parameters (and drops the T steps' local progress), 1 the local ones.
 
+``merge=keep`` replaces step 4's mix: the parameters become the new anchor plus this rank's own progress
+since its pseudo-gradient left (``local - sent``), the rule of CoCoD-SGD (Shen et al., IJCAI 2019,
+https://arxiv.org/abs/1906.12043; overlapped local SGD): nothing of the T steps is dropped, and the ranks'
+mean is where the blocking outer step would have put the mean of their sent points, moved on by their mean
+progress. Ranks then differ by their last T steps only, so the default ``delay`` under ``keep`` is one step
+short of a fragment's turn (H - 1 with one fragment): the average travels during all but one inner step.
+Memory: this rank's sent pseudo-gradient of the fragment in flight (checkpointed with it).
+
 With F = 1 and T = 0 this is :class:`~thinwire.compress.sync.diloco.DiLoCo` exactly. Memory: per
 fragment an anchor and a momentum (together two fp32 copies of the parameters, as DiLoCo) and the
 average in flight (checkpointed once it lands; a checkpoint waits for it).
@@ -51,7 +59,7 @@ def split_even(numels: list[int], parts: int) -> list[list[int]]:
 
 class StreamingDiLoCo(LocalSGD):
     name = "diloco"
-    state_keys = ("steps", "syncs", "anchors", "momenta", "inflight")
+    state_keys = ("steps", "syncs", "anchors", "momenta", "inflight", "sent")
 
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)
@@ -60,6 +68,7 @@ class StreamingDiLoCo(LocalSGD):
             raise ConfigError("sync.fragments", spec.fragments, f"at most {len(params)}, the model's trainable "
                               "parameter tensors", "A fragment holds whole parameter tensors.")
         self.lr, self.mu, self.delay, self.alpha = spec.outer_lr, spec.outer_momentum, spec.delay, spec.alpha
+        self.keep = spec.merge == "keep"
         self.every = spec.sync_every
         cap = int(bucket_mb * 2**20)
         self.fragments = [Buckets([params[i] for i in g], cap, [self.buckets.indices[i] for i in g])
@@ -69,6 +78,7 @@ class StreamingDiLoCo(LocalSGD):
         self.momenta: list[list[Tensor] | None] = [None] * len(self.fragments)
         self.syncs = 0                                    # fragment syncs done; the next is syncs % F
         self.inflight: list | None = None                 # the next fragment's averages (futures or tensors)
+        self.sent: list[Tensor] | None = None             # keep: this rank's pseudo-gradient in flight
 
     @classmethod
     def step_s(cls, spec, parts: StepParts) -> float:
@@ -101,6 +111,7 @@ class StreamingDiLoCo(LocalSGD):
         k = self.syncs % len(self.fragments)
         frag = self.fragments[k]
         deltas = [a - x for a, x in zip(self.anchors[k], frag.flatten(list(frag.params)))]
+        self.sent = [d.clone() for d in deltas] if self.keep else None  # the codec may work on its input in place
         self.inflight = frag.average(self.comm, deltas, first=self.first[k])
 
     def perform(self) -> None:
@@ -109,10 +120,15 @@ class StreamingDiLoCo(LocalSGD):
         frag, anchor = self.fragments[k], self.anchors[k]
         averaged = self._collect()
         self.inflight = None
+        before = [a.clone() for a in anchor] if self.keep else None
         self.momenta[k] = nesterov_step(anchor, averaged, self.momenta[k], lr=self.lr, mu=self.mu)
         local = frag.flatten(list(frag.params))
         with torch.no_grad():
-            mixed = [a.lerp(x, self.alpha) for a, x in zip(anchor, local)]
+            if self.keep:  # new anchor + (local - sent), where sent = old anchor - own pseudo-gradient
+                mixed = [x.add_(a - b).add_(d) for x, a, b, d in zip(local, anchor, before, self.sent)]
+                self.sent = None
+            else:
+                mixed = [a.lerp(x, self.alpha) for a, x in zip(anchor, local)]
             for p, value in zip(frag.params, frag.unflatten(mixed)):
                 p.copy_(value)
         self.syncs += 1
@@ -128,7 +144,8 @@ class StreamingDiLoCo(LocalSGD):
         self.flush()
         return {"mode": type(self).__name__, "steps": self.steps, "syncs": self.syncs,
                 "anchors": [cpu_list(a) for a in self.anchors or []],
-                "momenta": [cpu_list(m) for m in self.momenta], "inflight": cpu_list(self.inflight)}
+                "momenta": [cpu_list(m) for m in self.momenta], "inflight": cpu_list(self.inflight),
+                "sent": cpu_list(self.sent)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.check_state(sd)
@@ -144,6 +161,11 @@ class StreamingDiLoCo(LocalSGD):
             k = self.syncs % len(self.fragments)
             inflight = on_device(inflight, flats[k])
         self.inflight = inflight
+        sent = sd.get("sent")
+        if self.keep and inflight is not None and sent is None:
+            raise ValueError(f"{self.name}: the state has an average in flight but not this rank's sent part, which "
+                             "merge=keep needs: it was saved with merge=lerp; resume with the merge that saved it")
+        self.sent = on_device(sent, flats[self.syncs % len(self.fragments)]) if self.keep and sent is not None else None
         self._own_buffers_on_resume()
 
 
