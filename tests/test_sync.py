@@ -647,7 +647,7 @@ def test_streaming_diloco_equals_its_reference(mode, delay, alpha):
 
 
 @pytest.mark.parametrize("mode, fragments, delay", [
-    ("local:period=4,merge=keep,warmup=0", [["weight", "bias"]], 3),  # one fragment: in flight 3 of 4 steps
+    ("local:period=4,merge=keep,warmup=0,delay=3", [["weight", "bias"]], 3),  # one fragment: in flight 3 of 4 steps
     ("diloco:period=4,fragments=2,merge=keep", [["weight"], ["bias"]], 1),
     ("diloco:period=6,merge=keep,delay=2", [["weight", "bias"]], 2)])
 def test_streaming_keep_equals_its_reference(mode, fragments, delay):
@@ -929,8 +929,8 @@ def test_spec_defaults_and_text():
     s = parse_sync_spec("local:period=4,fragments=2")
     assert (s.fragments, s.delay, s.alpha, s.outer_lr, s.outer_momentum, s.warmup) == (2, 1, 0.5, 1.0, 0.0, 100)
     assert s.text == "local:period=4,warmup=100,fragments=2,delay=1,alpha=0.5" and parse_sync_spec(s.text) == s
-    k = parse_sync_spec("local:period=8,merge=keep")  # keep: in flight all but one step of the period by default
-    assert (k.merge, k.delay, k.streaming, k.text) == ("keep", 7, True, "local:period=8,warmup=100,fragments=1,delay=7,"
+    k = parse_sync_spec("local:period=8,merge=keep")  # keep: in flight one step by default, as streaming
+    assert (k.merge, k.delay, k.streaming, k.text) == ("keep", 1, True, "local:period=8,warmup=100,fragments=1,delay=1,"
                                                        "merge=keep")
     assert parse_sync_spec(k.text) == k and parse_sync_spec("diloco:period=8,fragments=4,merge=keep").delay == 1
 
@@ -996,7 +996,7 @@ def test_cli_refuses_bad_sync_before_starting(tmp_path):
     ("diloco:period=4", "topk:ratio=0.05", {4, 8}),
     ("diloco:period=4,fragments=2,warmup=1", "int8", None),  # in flight across the resume at step 6
     ("local:period=4,fragments=2,warmup=1", "int8", None),
-    ("local:period=4,merge=keep,warmup=1", "int8", None),  # in flight steps 2-5 and 6-9: across the resume at 6
+    ("local:period=4,merge=keep,warmup=1,delay=3", "int8", None),  # in flight steps 2-5 and 6-9: across the resume
 ])
 def test_resume_mid_period_is_bit_identical(tmp_path, mode, codec, averaged):
     common = ["--workload", "digits", "--nproc", "2", "--compression", codec, "--sync", mode, "--eval-every", "5"]

@@ -22,7 +22,7 @@ form                                           what runs (:mod:`thinwire.compres
                                                mixed as Streaming DiLoCo's (its outer step of lr 1
                                                without momentum: the average itself)
 ``local:period=H,merge=keep[,delay=T]``        local SGD overlapped (CoCoD-SGD, Shen et al. 2019): the
-                                               average travels during T inner steps (H-1 by default),
+                                               average travels during T inner steps (1 by default),
                                                then each rank takes the new global parameters plus its
                                                own progress since it sent (``merge=keep``; also with
                                                ``fragments`` and for ``diloco``)
@@ -236,9 +236,9 @@ def parse_sync_spec(text: str) -> SyncSpec:
         raise ConfigError("sync.alpha", values["alpha"], "not given with merge=keep",
                           "merge=keep adds this rank's progress to the global parameters, alpha mixes the two (merge=lerp); "
                           f"give one. E.g. {mode}:period=H,merge=keep")
-    if values.get("delay") == "auto":  # streaming: overlap one inner step; one fragment: classic DiLoCo;
-        every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0  # keep: all but one step
-        values["delay"] = (every - 1 if keep else 1 if values["fragments"] > 1 else 0) if every > 1 else 0
+    if values.get("delay") == "auto":  # streaming or keep: overlap one inner step; one fragment: classic DiLoCo
+        every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0
+        values["delay"] = 1 if (values["fragments"] > 1 or keep) and every > 1 else 0
     if mode == "delayed":  # 1 and 0: the values before ``own`` (a run's saved config still says them)
         values["predict"] = {"1": "last", "0": "off"}.get(values["predict"], values["predict"])
     if values.get("gamma") == "auto":  # resolved against the codec (commspec.check_sync_pairing, Gossip)

@@ -20,8 +20,9 @@ Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Di
 since its pseudo-gradient left (``local - sent``), the rule of CoCoD-SGD (Shen et al., IJCAI 2019,
 https://arxiv.org/abs/1906.12043; overlapped local SGD): nothing of the T steps is dropped, and the ranks'
 mean is where the blocking outer step would have put the mean of their sent points, moved on by their mean
-progress. Ranks then differ by their last T steps only, so the default ``delay`` under ``keep`` is one step
-short of a fragment's turn (H - 1 with one fragment): the average travels during all but one inner step.
+progress. Ranks then differ by their last T steps only; ``delay`` defaults to 1 here too (fewer steps
+of own progress kept, the closer to the blocking average: charlm, 4 workers, H=4, 4-bit int8, 640 steps
+ended 0.3% above blocking local SGD with T=1 and 1.4% with T=3; ``lerp`` with T=3 and A=0.5, 6.5%).
 Memory: this rank's sent pseudo-gradient of the fragment in flight (checkpointed with it).
 
 With F = 1 and T = 0 this is :class:`~thinwire.compress.sync.diloco.DiLoCo` exactly. Memory: per
