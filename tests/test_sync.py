@@ -1522,6 +1522,9 @@ def test_sync_names_what_it_needs_for_a_module_outside_ddp_or_a_mode_that_is_no_
     with pytest.raises(TypeError, match=r"thinwire\.sync\(\) got an unexpected keyword argument 'error_feedbak' \(did you "
                                         r"mean 'error_feedback'\?\); it takes error_feedback, warmup_steps"):
         thinwire.sync(DistributedDataParallel.__new__(DistributedDataParallel), "local:period=4", error_feedbak=False)
+    with pytest.raises(TypeError, match=r"thinwire\.attach\(\) got an unexpected keyword argument 'min_compres_bytes' "
+                                        r"\(did you mean 'min_compress_bytes'\?\); it takes error_feedback, .*, process_group"):
+        thinwire.attach(DistributedDataParallel.__new__(DistributedDataParallel), "int8", min_compres_bytes=0)  # was bare
     with pytest.raises(TypeError, match=r"thinwire\.sync: optimizer must be the torch\.optim\.Optimizer the loop steps "
                                         r"\(or None\), got str 'sgd'"):   # was taken, and nothing said
         thinwire.sync(DistributedDataParallel.__new__(DistributedDataParallel), "delayed", optimizer="sgd")

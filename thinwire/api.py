@@ -34,12 +34,25 @@ def attach(model, codec="none", **kwargs) -> CommState:
 def attach_policy(model, codec="none", **kwargs) -> CommState:
     """:func:`attach` for a trainer that closes the state itself (``thinwire train``): not closed at exit, where a
     failing worker's exit would otherwise wait for its communication thread."""
+    check_options("thinwire.attach", kwargs, ATTACH_OPTIONS)
     if isinstance(codec, (str, CodecSpec, AutoSpec, TorchSpec)):
         codec = as_policy(codec)
     return _attach(model, codec, **kwargs)
 
 
 SYNC_OPTIONS = ("error_feedback", "warmup_steps", "min_compress_bytes", "nonfinite", "timeout_s")  # as attach()'s
+ATTACH_OPTIONS = (*SYNC_OPTIONS, "process_group")
+
+
+def check_options(who: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
+    """A misspelt keyword is named with the nearest one it takes (Python's own TypeError names neither)."""
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], allowed, n=1)
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "") + f"; it takes {', '.join(allowed)}")
 
 
 def sync(model, mode="allreduce", codec="none", *, optimizer=None, **kwargs):
@@ -120,14 +133,7 @@ def check_sync(mode, codec, optimizer, kwargs: dict):
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"thinwire.sync: optimizer must be the torch.optim.Optimizer the loop steps (or None), got "
                         f"{type(optimizer).__name__} {optimizer!r:.60}")
-    unknown = sorted(set(kwargs) - set(SYNC_OPTIONS))
-    if unknown:
-        import difflib
-
-        near = difflib.get_close_matches(unknown[0], SYNC_OPTIONS, n=1)
-        raise TypeError(f"thinwire.sync() got an unexpected keyword argument {unknown[0]!r}"
-                        + (f" (did you mean {near[0]!r}?)" if near else "") + f"; it takes {', '.join(SYNC_OPTIONS)}, "
-                        "optimizer")
+    check_options("thinwire.sync", kwargs, (*SYNC_OPTIONS, "optimizer"))
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec, "codec", peers=False) if isinstance(codec, str) else codec
     spec = check_sync_pairing(spec, comm)
