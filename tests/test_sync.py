@@ -1683,3 +1683,18 @@ def test_a_script_that_ends_without_close_exits_cleanly(tmp_path):
                               "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     said = out.stdout + out.stderr
     assert out.returncode == 0 and "terminate called" not in said and said.count("done") == 2, said[-3000:]
+
+
+def _gossip_without_feedback(rank: int, world: int) -> str:
+    try:
+        thinwire.sync(DistributedDataParallel(_net()), "gossip:topology=ring", codec="int8", error_feedback=False)
+    except ConfigError as e:
+        return str(e)
+    return "taken"
+
+
+def test_compressed_gossip_refuses_error_feedback_off():
+    """CHOCO's public copies are its error feedback; error_feedback=False was taken and ignored without a word."""
+    for said in run_ranks(_gossip_without_feedback, 2):
+        assert said.startswith("error_feedback: must be true with compressed gossip (--compression int8), got False. "
+                               "CHOCO-SGD's public copies are its error feedback"), said

@@ -136,5 +136,5 @@ def check_sync(mode, codec, optimizer, kwargs: dict):
     check_options("thinwire.sync", kwargs, (*SYNC_OPTIONS, "optimizer"))
     spec = parse_sync_spec(mode) if isinstance(mode, str) else mode
     comm = parse_comm_spec(codec, "codec", peers=False) if isinstance(codec, str) else codec
-    spec = check_sync_pairing(spec, comm)
+    spec = check_sync_pairing(spec, comm, error_feedback=kwargs.get("error_feedback", True) is not False)
     return spec, comm

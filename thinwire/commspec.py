@@ -172,9 +172,11 @@ def as_policy(spec: CommSpec | str) -> Policy:
     return spec.policy()
 
 
-def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32", plan: str | None = None) -> SyncSpec:
+def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32", plan: str | None = None,
+                       error_feedback: bool = True) -> SyncSpec:
     """Refuse a sync mode with what it cannot run: PyTorch's hooks or ``auto`` (a DDP-hook policy),
-    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook).
+    fp16's loss scaling (a stale gradient was scaled by an older scale), a plan (it attaches its own hook),
+    compressed gossip without error feedback (its public copies are the error feedback).
     Returns the spec resolved: ``auto:guard=P`` with its guard's verdict on ``delayed`` (``try_delayed``)."""
     if sync.mode == "allreduce":
         return sync
@@ -188,6 +190,11 @@ def check_sync_pairing(sync: SyncSpec, comm: CommSpec, *, precision: str = "fp32
         raise ConfigError("plan", plan, "no plan with --sync " + sync.mode, "A plan attaches its own per-bucket hook.")
     if sync.mode == "gossip" and not comm.codec.lossless:
         check_compressed_gossip(sync, comm.codec)
+        if not error_feedback:  # it would be taken and ignored
+            raise ConfigError("error_feedback", False, f"true with compressed gossip (--compression "
+                              f"{spec_string(comm.codec)})", "CHOCO-SGD's public copies are its error feedback: what "
+                              "the codec drops stays in x - h and is sent later. Drop error_feedback=false, or use a "
+                              "lossless codec (none) for plain gossip.")
     elif sync.mode == "gossip" and sync.gamma:  # plain gossip averages exactly: no consensus step to take
         raise ConfigError("sync.gamma", sync.gamma, "left out with a lossless codec (--compression "
                           f"{spec_string(comm.codec)})", "gamma is compressed gossip's (CHOCO-SGD) consensus step; "

@@ -82,7 +82,7 @@ class ThinwireStrategy(DDPStrategy):
             raise TypeError(f"ThinwireStrategy: sync must be a sync spec string such as 'allreduce', 'delayed' or "
                             f"'local:period=8' (see thinwire.syncspec), got {sync!r}")
         self.sync_spec = parse_sync_spec(sync) if isinstance(sync, str) else sync
-        self.sync_spec = check_sync_pairing(self.sync_spec, self.codec)
+        self.sync_spec = check_sync_pairing(self.sync_spec, self.codec, error_feedback=error_feedback is not False)
         if self.sync_spec.mode != "allreduce" and ddp_kwargs.get("static_graph"):
             raise ValueError(f"ThinwireStrategy: static_graph=True runs with sync='allreduce' only; "
                              f"sync={self.sync_spec.mode!r} skips DDP's all-reduce on its steps (no_sync), which a "

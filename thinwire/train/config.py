@@ -87,7 +87,8 @@ class TrainConfig:
         from thinwire.syncspec import parse_sync_spec
 
         self.sync_spec = parse_sync_spec(self.sync)
-        self.sync_spec = check_sync_pairing(self.sync_spec, self.comm, precision=self.precision, plan=self.plan)
+        self.sync_spec = check_sync_pairing(self.sync_spec, self.comm, precision=self.precision, plan=self.plan,
+                                            error_feedback=self.error_feedback)
         from thinwire.workloads.partition import parse_partition
 
         self.partition_spec = parse_partition(self.partition)
