@@ -227,6 +227,22 @@ def test_accelerate_sync_mode_resumes_exactly_between_two_averages(tmp_path, syn
         assert got["stats"]["counts"].get("int8", 0) > 0
 
 
+@pytest.mark.parametrize("sync", ["local:period=3,warmup=1", "delayed"])
+def test_accelerate_gradient_accumulation_steps_the_mode_once_per_optimizer_step(tmp_path, sync):
+    """accelerate's gradient accumulation (2 micro-batches per optimizer step) ends where one batch per step ends:
+    the mode counted micro-batches as steps (local: its period and warm-up halved) and ``delayed`` averaged and
+    applied half-accumulated gradients."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d, k in ((one, "1"), (two, "2")):
+        d.mkdir()
+        torchrun(WORKERS / "accelerate_sync_worker.py", "--out", str(d), "--steps", "7", "--sync", sync, "--codec", "none",
+                 "--accumulate", k)
+    for r in range(2):
+        want, got = load(one / f"end_rank{r}.pt"), load(two / f"end_rank{r}.pt")
+        torch.testing.assert_close(got["params"], want["params"], rtol=1e-5, atol=1e-6)
+        assert got["stats"]["collectives"] == want["stats"]["collectives"] > 0
+
+
 def test_accelerate_resume_into_another_mode(tmp_path):
     """save_state of attach() resumed with sync() (its mode starts fresh; was a KeyError in every worker), and of
     DiLoCo between two outer steps resumed as local SGD: every rank starts from the ranks' average, so the first

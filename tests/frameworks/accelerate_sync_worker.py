@@ -24,9 +24,10 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--accumulate", type=int, default=1, help="each step's batch as this many accumulated micro-batches")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=a.accumulate)
     rank = accelerator.process_index
     net = common.make_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -36,10 +37,12 @@ def main():
         accelerator.load_state(a.resume)
     for step in range(a.first_step, a.steps):
         x, y = common.batch(rank, step)
-        opt.zero_grad()
-        with mode.no_sync():
-            accelerator.backward(common.loss_fn(model, x, y))
-        mode.step(opt)
+        for xb, yb in zip(x.chunk(a.accumulate), y.chunk(a.accumulate)):
+            with accelerator.accumulate(model):
+                with mode.no_sync():
+                    accelerator.backward(common.loss_fn(model, xb, yb))
+                mode.step(opt)
+                opt.zero_grad()
     accelerator.save_state(f"{a.out}/state")
     torch.save({"params": [p.detach().clone() for p in model.module.parameters()], "stats": mode.comm.stats()},
                f"{a.out}/end_rank{rank}.pt")

@@ -181,6 +181,7 @@ def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, op
         raise TypeError(f"thinwire.integrations.accelerate.sync needs the model accelerator.prepare returned (a "
                         f"DistributedDataParallel), got {type(model).__name__}; only DDP is supported")
     m = _sync(model, mode, codec=codec, optimizer=optimizer, **kwargs)
+    m.accumulating = lambda: not accelerator.sync_gradients  # gradient accumulation: a micro-batch, not a step
     if m.diverges and optimizer is None:
         log.warning("thinwire: %s lets the ranks' optimizer states differ; pass optimizer= so that save_state keeps "
                     "each rank's own (without it every rank resumes with rank 0's)", mode)

@@ -136,6 +136,7 @@ class SyncMode:
         self.model, self.comm, self.spec = model, comm, spec
         self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
         self.optimizer = None     # the step's optimizer (set by :meth:`step`, or by a trainer that steps itself)
+        self.accumulating = None  # a callable: True on a micro-batch whose optimizer step is skipped (accelerate's)
         self.clip: float | None = None  # the gradient norm the trainer clips to (delayed's prediction clips alike)
         # DDP's find_unused_parameters: a parameter no rank gave a gradient keeps none, so the optimizer skips it
         # (weight decay and momentum do not move a layer or branch that no rank ran), as under DDP
@@ -182,8 +183,14 @@ class SyncMode:
         return self.comm.sum_exact(flags)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop."""
+        """``before_step``, ``optimizer.step()``, ``after_step``: one line in a user's loop. Under gradient
+        accumulation that skips the optimizer's step on all but the last micro-batch (``accumulating``, which
+        accelerate's integration sets), only ``optimizer.step()`` is called there: the mode counts, averages
+        and applies at optimizer steps only."""
         self.comm.check_open()
+        if self.accumulating is not None and self.accumulating():
+            optimizer.step()  # the wrapper's own no-op (accelerate's AcceleratedOptimizer), whatever it does there
+            return
         self.optimizer = optimizer
         self.before_step()
         optimizer.step()
