@@ -1698,3 +1698,23 @@ def test_compressed_gossip_refuses_error_feedback_off():
     for said in run_ranks(_gossip_without_feedback, 2):
         assert said.startswith("error_feedback: must be true with compressed gossip (--compression int8), got False. "
                                "CHOCO-SGD's public copies are its error feedback"), said
+
+
+def _refused_then_retried(rank: int, world: int) -> dict:
+    ddp = DistributedDataParallel(_net())  # Linear: 2 parameter tensors
+    try:
+        thinwire.sync(ddp, "diloco:period=4,fragments=4", codec="none")
+    except ConfigError as e:
+        said = str(e)
+    state = getattr(ddp, "_thinwire_state", None)
+    mode = thinwire.sync(ddp, "diloco:period=4,fragments=2", codec="none")  # registers DDP's hook: there was none
+    mode.close()
+    return {"said": said, "state": state}
+
+
+def test_a_refused_sync_leaves_the_ddp_model_as_it_was():
+    """The mode's own refusal (here: more fragments than parameter tensors) came after DDP got the no-op hook and
+    thinwire's mark: the retry was refused as a second attach, and plain DDP on the model averaged nothing."""
+    for r in run_ranks(_refused_then_retried, 2):
+        assert r["said"].startswith("sync.fragments: must be at most 2"), r["said"]
+        assert r["state"] is None, r

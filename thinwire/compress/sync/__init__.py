@@ -70,13 +70,33 @@ def create(model, spec, policy: Policy, *, error_feedback: bool = True, warmup_s
     if spec.mode == "delayed" or spec.delay > 0 or process_group is None:
         process_group = (group_like(model, timeout) if isinstance(model, DistributedDataParallel) else
                          dist.new_group(backend=dist.get_backend(), timeout=timeout))
+    ddp = isinstance(model, DistributedDataParallel)
+    if ddp:
+        _refuse_attached(model, spec)
     comm = CommState(policy, **options, group=process_group)
     policy.bind(comm, model.module)
-    mode = Averaged if spec.mode == "allreduce" else kind(spec)
-    if isinstance(model, DistributedDataParallel):
-        _keep_own_gradients(model, spec)
+    try:  # a mode that refuses its model (fragments=, topology=) leaves the DDP model as it was: a retry, or plain DDP
+        built = (Averaged if spec.mode == "allreduce" else kind(spec))(model, comm, spec, bucket_mb=bucket_mb)
+    except BaseException:
+        comm.close()
+        raise
+    if ddp:
+        try:
+            _keep_own_gradients(model, spec)
+        except BaseException:
+            built.close()
+            raise
         model._thinwire_state = comm  # a second attach or sync on this model is refused, saying why
-    return mode(model, comm, spec, bucket_mb=bucket_mb)
+    return built
+
+
+def _refuse_attached(model: DistributedDataParallel, spec) -> None:
+    from thinwire.errors import ConfigError
+
+    if getattr(model, "_thinwire_state", None) is not None:
+        raise ConfigError("sync", spec.mode, "a DDP model thinwire is not attached to yet",
+                          "thinwire.attach (or an earlier thinwire.sync) already averages this model; give the codec "
+                          "to thinwire.sync(model, mode, codec=...) instead, once per DDP model.")
 
 
 def _keep_own_gradients(model: DistributedDataParallel, spec) -> None:
@@ -86,10 +106,6 @@ def _keep_own_gradients(model: DistributedDataParallel, spec) -> None:
     backward gets torch's no-op hook (each rank keeps its own gradient), so such a backward costs no traffic."""
     from thinwire.errors import ConfigError
 
-    if getattr(model, "_thinwire_state", None) is not None:
-        raise ConfigError("sync", spec.mode, "a DDP model thinwire is not attached to yet",
-                          "thinwire.attach (or an earlier thinwire.sync) already averages this model; give the codec "
-                          "to thinwire.sync(model, mode, codec=...) instead, once per DDP model.")
     try:
         model.register_comm_hook(None, noop_hook)
     except RuntimeError:
