@@ -356,6 +356,9 @@ def test_accelerate_on_one_process_checks_what_several_would_and_has_every_metho
         sync(accelerator, model, "locall:period=4")
     with pytest.raises(TypeError, match="error_feedbak"):
         sync(accelerator, model, "local:period=4", error_feedbak=False)
+    tensors = len(list(model.parameters()))
+    with pytest.raises(ConfigError, match=rf"sync\.fragments: must be at most {tensors}, the model's trainable"):
+        sync(accelerator, model, f"diloco:period={2 * tensors},fragments={2 * tensors}")  # taken on one process only
     mode = sync(accelerator, model, "local:period=4", "int8", optimizer=opt)
     accelerator.backward(common.loss_fn(model, *common.batch(0, 0)))
     mode.before_step()

@@ -174,7 +174,10 @@ def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, op
         if accelerator.num_processes == 1:  # checked as on several: a mistake must not wait for the first big run
             from thinwire.api import check_sync
 
-            check_sync(mode, codec, optimizer, kwargs)
+            spec, _ = check_sync(mode, codec, optimizer, kwargs)
+            from thinwire.compress.sync.streaming import check_fragments
+
+            check_fragments(spec, sum(p.requires_grad for p in model.parameters()))  # the model's, as on several
             log.info("thinwire: one process, the model is not wrapped in DDP: nothing to average")
             accelerator.register_for_checkpointing(OneProcessStates())
             return OneProcess()

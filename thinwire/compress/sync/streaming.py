@@ -58,6 +58,13 @@ def split_even(numels: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+def check_fragments(spec, tensors: int) -> None:
+    """Refuse more fragments than the model's trainable parameter tensors (``tensors``): a fragment holds whole ones."""
+    if spec.fragments > tensors:
+        raise ConfigError("sync.fragments", spec.fragments, f"at most {tensors}, the model's trainable "
+                          "parameter tensors", "A fragment holds whole parameter tensors.")
+
+
 class StreamingDiLoCo(LocalSGD):
     name = "diloco"
     state_keys = ("steps", "syncs", "anchors", "momenta", "inflight", "sent")
@@ -65,9 +72,7 @@ class StreamingDiLoCo(LocalSGD):
     def __init__(self, model, comm, spec, *, bucket_mb: float = 25.0) -> None:
         super().__init__(model, comm, spec, bucket_mb=bucket_mb)
         params = self.buckets.params
-        if spec.fragments > len(params):
-            raise ConfigError("sync.fragments", spec.fragments, f"at most {len(params)}, the model's trainable "
-                              "parameter tensors", "A fragment holds whole parameter tensors.")
+        check_fragments(spec, len(params))
         self.lr, self.mu, self.delay, self.alpha = spec.outer_lr, spec.outer_momentum, spec.delay, spec.alpha
         self.keep = spec.merge == "keep"
         self.every = spec.sync_every
