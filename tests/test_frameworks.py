@@ -384,6 +384,24 @@ def test_an_accelerate_checkpoint_moves_between_one_process_and_several(tmp_path
         assert not load(back / f"start_state_rank{r}.pt")["residuals"].get("params")
 
 
+def test_an_accelerate_sync_checkpoint_between_averages_resumes_on_one_process_from_the_ranks_average(tmp_path):
+    """accelerate's model file holds rank 0's own model: a run of another size went on from it, not from the ranks'
+    average (which the checkpoint holds every part of), as thinwire train and Lightning's strategy do."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    worker = WORKERS / "accelerate_sync_worker.py"
+    torchrun(worker, "--out", str(two), "--steps", "4", "--sync", "local:period=8,warmup=0")
+    alone = subprocess.run([sys.executable, str(worker), "--out", str(one), "--first-step", "4", "--steps", "4",
+                            "--resume", str(two / "state"), "--sync", "local:period=8,warmup=0"],
+                           capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "this run of another size starts from their average" in alone.stderr, alone.stderr[-3000:]
+    ranks = [load(two / f"end_rank{r}.pt")["params"] for r in range(2)]
+    assert any(not torch.equal(a, b) for a, b in zip(*ranks)), "saved between averages: the ranks' models differ"
+    got = load(one / "end_rank0.pt")["params"]
+    torch.testing.assert_close(got, [(a + b) / 2 for a, b in zip(*ranks)], rtol=1e-6, atol=1e-7)
+
+
 def test_a_resume_under_the_same_modes_name_with_other_settings_says_so(caplog):
     """Classic and streaming DiLoCo are both ``diloco``: a checkpoint of one resumed as the other is refused by its
     state's keys, and the warning says the settings differ (it named the mode it resumed into as 'another')."""

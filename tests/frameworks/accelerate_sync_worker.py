@@ -44,7 +44,8 @@ def main():
                 mode.step(opt)
                 opt.zero_grad()
     accelerator.save_state(f"{a.out}/state")
-    torch.save({"params": [p.detach().clone() for p in model.module.parameters()], "stats": mode.comm.stats()},
+    net = getattr(model, "module", model)  # one process: accelerate does not wrap it
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "stats": mode.comm and mode.comm.stats()},
                f"{a.out}/end_rank{rank}.pt")
     mode.close()
     accelerator.wait_for_everyone()  # leave together: gloo torn down while a peer still talks aborts

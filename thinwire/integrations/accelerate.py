@@ -58,7 +58,7 @@ def attach(accelerator, model, codec: str = "int8", **kwargs):
             hook_codec(codec, "thinwire.integrations.accelerate.attach")
             check_hook_kwargs(kwargs, "thinwire.integrations.accelerate.attach")
             log.info("thinwire: one process, the model is not wrapped in DDP: nothing to attach")
-            accelerator.register_for_checkpointing(OneProcessStates())
+            accelerator.register_for_checkpointing(OneProcessStates(model))
             return None
         raise TypeError(f"thinwire.integrations.accelerate.attach needs the model accelerator.prepare returned "
                         f"(a DistributedDataParallel), got {type(model).__name__}; only DDP is supported "
@@ -92,6 +92,7 @@ class SyncStates:
     def load_state_dict(self, sd: dict) -> None:
         mine = rank_state(sd, "the accelerate checkpoint")
         if mine is None:
+            start_from_average(sd, self.model.module)
             return
         if "model" in mine:
             load_own_model(self.mode, self.model.module, sd, mine, "the model accelerate saved (rank 0's)")
@@ -104,13 +105,32 @@ class SyncStates:
 class OneProcessStates:
     """thinwire's entry in accelerate's checkpoint on one process, so that a checkpoint of one process and one of
     several have as many registered objects (accelerate refuses to load one into the other otherwise): it holds
-    nothing, and the state of several ranks loaded here is left as it is (residuals start empty, said once)."""
+    nothing; of the state of several ranks loaded here only the ranks' average model is taken, where their models
+    differed (residuals start empty, said once)."""
+
+    def __init__(self, model=None) -> None:
+        self.model = model
 
     def state_dict(self) -> dict:
         return gather_states({})
 
     def load_state_dict(self, sd: dict) -> None:
-        rank_state(sd, "the accelerate checkpoint")
+        if rank_state(sd, "the accelerate checkpoint") is None and self.model is not None:
+            start_from_average(sd, getattr(self.model, "module", self.model))
+
+
+def start_from_average(sd: dict | None, module) -> None:
+    """A checkpoint of another world size whose ranks held models of their own (a sync mode saved between averages):
+    this run starts from their average, as ``thinwire train`` and Lightning's strategy resume it, not from the model
+    accelerate saved (rank 0's own)."""
+    models = [r.get("model") for r in (sd or {}).get("ranks", [])]
+    if not models or any(m is None for m in models):
+        return
+    from thinwire.train.loop import average_states
+
+    module.load_state_dict(average_states(models))
+    log.warning("thinwire: the checkpoint's %d ranks held models of their own; this run of another size starts from "
+                "their average", len(models))
 
 
 class OneProcess:
@@ -179,7 +199,7 @@ def sync(accelerator, model, mode: str = "allreduce", codec: str = "none", *, op
 
             check_fragments(spec, sum(p.requires_grad for p in model.parameters()))  # the model's, as on several
             log.info("thinwire: one process, the model is not wrapped in DDP: nothing to average")
-            accelerator.register_for_checkpointing(OneProcessStates())
+            accelerator.register_for_checkpointing(OneProcessStates(model))
             return OneProcess()
         raise TypeError(f"thinwire.integrations.accelerate.sync needs the model accelerator.prepare returned (a "
                         f"DistributedDataParallel), got {type(model).__name__}; only DDP is supported")
