@@ -105,6 +105,26 @@ def test_lightning_sync_mode_resumes_exactly(tmp_path, sync, extra):
         assert got["stats"]["counts"].get("int8", 0) > 0
 
 
+def test_lightning_checkpoint_saved_after_fit_resumes_exactly(tmp_path):
+    """fit ends with every rank holding the ranks' average; trainer.save_checkpoint after it stored that average as
+    each rank's own model, so a fit resumed from it was not the straight run (0.016 apart)."""
+    straight, first, resumed = (tmp_path / n for n in ("straight", "first", "resumed"))
+    for d in (straight, first, resumed):
+        d.mkdir()
+    mode = ["--sync", "local:period=3,warmup=0"]
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(straight), "--steps", "8", *mode)
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", "--save-after-fit",
+             str(first / "after.ckpt"), *mode)
+    saved = load(first / "after.ckpt")["thinwire"]
+    a, b = (saved["ranks"][r]["model"] for r in range(2))
+    assert any(not torch.equal(a[k], b[k]) for k in a), "each rank's own model, between averages"
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "8", "--resume",
+             str(first / "after.ckpt"), *mode)
+    for r in range(2):
+        want, got = load(straight / f"end_rank{r}.pt"), load(resumed / f"end_rank{r}.pt")
+        torch.testing.assert_close(got["params"], want["params"], rtol=0, atol=0)
+
+
 def test_lightning_local_checkpoint_holds_the_average_and_resumes_equal_ranks_under_allreduce(tmp_path):
     """A checkpoint written between two local SGD averages (not at validation) holds the ranks' average as
     Lightning's state_dict (what a job of another size, or inference, loads); resumed with sync='allreduce',
@@ -204,8 +224,9 @@ def test_accelerate_attach_averages_int8_and_save_state_restores_residuals(tmp_p
     check_restored(ends, second)
 
 
-@pytest.mark.parametrize("sync", ["local:period=3,warmup=0", "delayed"])
-def test_accelerate_sync_mode_resumes_exactly_between_two_averages(tmp_path, sync):
+@pytest.mark.parametrize("sync, extra", [("local:period=3,warmup=0", ()), ("delayed", ()),
+                                         ("local:period=3,warmup=0", ("--save-in-consensus",))])
+def test_accelerate_sync_mode_resumes_exactly_between_two_averages(tmp_path, sync, extra):
     """Local SGD through thinwire.integrations.accelerate.sync (int8 averages every 3 steps, SGD with momentum):
     save_state after 4 steps (the ranks' parameters and momenta differ), load_state and 4 more steps end where
     8 straight steps end, on every rank, bit for bit. accelerate's own checkpoint holds rank 0's model and
@@ -215,7 +236,7 @@ def test_accelerate_sync_mode_resumes_exactly_between_two_averages(tmp_path, syn
         d.mkdir()
     worker = WORKERS / "accelerate_sync_worker.py"
     torchrun(worker, "--out", str(straight), "--steps", "8", "--sync", sync)
-    torchrun(worker, "--out", str(first), "--steps", "4", "--sync", sync)
+    torchrun(worker, "--out", str(first), "--steps", "4", "--sync", sync, *extra)  # in consensus: its own saved
     if sync.startswith("local"):
         a, b = (load(first / f"end_rank{r}.pt")["params"] for r in range(2))
         assert any(not torch.equal(x, y) for x, y in zip(a, b)), "the state should be saved between averages"

@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--accumulate", type=int, default=1, help="each step's batch as this many accumulated micro-batches")
+    ap.add_argument("--save-in-consensus", action="store_true", help="save_state inside mode.consensus()")
     a = ap.parse_args()
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=a.accumulate)
@@ -43,7 +44,11 @@ def main():
                     accelerator.backward(common.loss_fn(model, xb, yb))
                 mode.step(opt)
                 opt.zero_grad()
-    accelerator.save_state(f"{a.out}/state")
+    if a.save_in_consensus:  # accelerate's model file then holds the ranks' average
+        with mode.consensus():
+            accelerator.save_state(f"{a.out}/state")
+    else:
+        accelerator.save_state(f"{a.out}/state")
     net = getattr(model, "module", model)  # one process: accelerate does not wrap it
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "stats": mode.comm and mode.comm.stats()},
                f"{a.out}/end_rank{rank}.pt")

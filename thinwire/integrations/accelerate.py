@@ -84,7 +84,9 @@ class SyncStates:
         mine = mode_record(self.mode)  # first: it waits for averages in flight
         mine["comm"] = self.mode.comm.state_dict()
         if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics: delayed) differ
-            mine["model"] = self.model.module.state_dict()
+            own = self.mode.own_inside  # saved inside mode.consensus(): this rank's own, not the average it holds
+            mine["model"] = {k: own.get(id(v), v).detach().clone()
+                             for k, v in self.model.module.state_dict(keep_vars=True).items()}
         if self.mode.diverges and self.optimizer is not None:
             mine["optimizer"] = self.optimizer.state_dict()
         return gather_states(mine)

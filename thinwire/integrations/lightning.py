@@ -95,6 +95,7 @@ class ThinwireStrategy(DDPStrategy):
         self._restored = None   # this rank's state read from a checkpoint before the hook exists
         self._consensus = None  # during validation with a mode whose ranks diverge: the context, entered
         self._own: dict = {}    # ... and this rank's own tensors it replaced with the ranks' average
+        self._own_after_fit: dict = {}  # after fit (every rank holds the average): this rank's own, for a checkpoint
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -145,6 +146,7 @@ class ThinwireStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._own_after_fit = {}  # a fit again goes on from the average every rank holds
         if self.mode is not None:  # before the first forward (a resumed run's, an accumulated micro-batch's, which
             self.mode.optimizer = self.optimizers[0]  # run outside optimizer_step): delayed predicts each step's
             self.mode.clip = self._clip()             # weights with the optimizer, clipping as Lightning does
@@ -154,8 +156,9 @@ class ThinwireStrategy(DDPStrategy):
         follows fit (``trainer.validate``, ``test``, ``predict``, before which Lightning sends rank 0's parameters
         to every rank) uses it, not rank 0's own."""
         if self.mode is not None and self.mode.buffers_diverge:
-            with self.mode.consensus():
+            with self.mode.consensus() as own:
                 average = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+                self._own_after_fit = dict(own)  # what a checkpoint saved after fit keeps as this rank's own
             self.lightning_module.load_state_dict(average)
         super().on_train_end()
 
@@ -180,7 +183,7 @@ class ThinwireStrategy(DDPStrategy):
             if self.mode is not None:
                 mine.update(mode_record(self.mode))  # first: it waits for averages in flight
                 if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics) differ between averages
-                    own = self._own      # inside validation's consensus: the rank's own, not the average
+                    own = self._own or self._own_after_fit  # inside validation's consensus or after fit: the rank's own
                     mine["model"] = {k: own.get(id(v), v).detach().clone()
                                      for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
                     if self._consensus is None:  # outside validation: the checkpoint's model is the ranks' average too

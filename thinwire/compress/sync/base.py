@@ -137,6 +137,7 @@ class SyncMode:
         self.consensus_bytes = 0  # what :meth:`consensus` sent (this rank): measurement's, not training's
         self.optimizer = None     # the step's optimizer (set by :meth:`step`, or by a trainer that steps itself)
         self.accumulating = None  # a callable: True on a micro-batch whose optimizer step is skipped (accelerate's)
+        self.own_inside: dict = {}  # inside :meth:`consensus`: this rank's own tensors it replaced (for a checkpoint)
         self.clip: float | None = None  # the gradient norm the trainer clips to (delayed's prediction clips alike)
         # DDP's find_unused_parameters: a parameter no rank gave a gradient keeps none, so the optimizer skips it
         # (weight decay and momentum do not move a layer or branch that no rank ran), as under DDP
@@ -246,8 +247,10 @@ class SyncMode:
             with torch.no_grad():
                 for t, avg in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                     t.copy_(avg)
-            yield {id(t): mine for t, mine in zip(tensors, own)}
+            self.own_inside = {id(t): mine for t, mine in zip(tensors, own)}
+            yield self.own_inside
         finally:
+            self.own_inside = {}
             with torch.no_grad():
                 for t, mine in zip(tensors, own):
                     t.copy_(mine)
