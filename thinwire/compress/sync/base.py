@@ -278,11 +278,21 @@ class SyncMode:
             raise ValueError(f"{type(self).__name__}.load_state_dict: this is a {saved} mode's state, not a "
                              f"{type(self).__name__}'s ({self.name}); a mode resumes from its own state (start this "
                              "one fresh with load_state_dict({}), or resume with the mode that saved it)")
-        unknown = sorted(str(k) for k in set(sd) - set(self.state_keys) - {"mode"})
+        saved_rank, world = sd.get("rank"), sd.get("world")
+        if saved_rank is not None and world == self.comm.wire.world and saved_rank != self.comm.wire.rank:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: this state was saved by rank {saved_rank}, and this "
+                             f"is rank {self.comm.wire.rank} of {world}: each rank's state is its own (what it sent, its "
+                             "own gradient); load the state this rank saved")
+        unknown = sorted(str(k) for k in set(sd) - set(self.state_keys) - {"mode", "rank", "world"})
         if unknown:
             raise ValueError(f"{type(self).__name__}.load_state_dict: keys {unknown[:6]} are not a {self.name} mode's "
                              f"state (it holds {', '.join(self.state_keys) or 'nothing'}): the state of another mode, or "
                              "another object's (the CommState's?); pass what this mode's state_dict() returned")
+
+    def saved_by(self) -> dict:
+        """What each mode's :meth:`state_dict` starts with: the class that saved it and the rank (of how many), so a
+        state loaded into another mode or by another rank is refused (:meth:`check_state`)."""
+        return {"mode": type(self).__name__, "rank": self.comm.wire.rank, "world": self.comm.wire.world}
 
     def _own_buffers_on_resume(self) -> None:
         """As if the run never stopped (each mode's ``load_state_dict`` ends here): a new DDP wrapper's first

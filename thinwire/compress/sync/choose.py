@@ -138,7 +138,7 @@ class ChooseSync(SyncMode):
                 **({"chosen_by": "the guard: delayed does not reach fp32's loss"} if self.by_guard else {})}
 
     def state_dict(self) -> dict:
-        return {"mode": type(self).__name__, "steps": self.steps, "choice": self.choice, "agreed": self.agreed,
+        return {**self.saved_by(), "steps": self.steps, "choice": self.choice, "agreed": self.agreed,
                 "times": {k: list(v) for k, v in self.times.items()}, "delayed": self.delayed.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:

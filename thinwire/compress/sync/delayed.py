@@ -229,7 +229,7 @@ class Delayed(SyncMode):
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"mode": type(self).__name__, "started": self.started,
+        return {**self.saved_by(), "started": self.started,
                 "pending": cpu_list(self.pending) if self.started else None,
                 "held": cpu_list(self.held) if self.predict == "last" and not self.shifted else None,
                 "own": cpu_list(self.own) if self.predict == "own" and self.own is not None else None,

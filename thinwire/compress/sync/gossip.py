@@ -272,7 +272,7 @@ class Gossip(SyncMode):
     def state_dict(self) -> dict:
         self.flush()
         r = self.pending
-        return {"mode": type(self).__name__, "steps": self.steps, "topology": self.topology,
+        return {**self.saved_by(), "steps": self.steps, "topology": self.topology,
                 "world": self.comm.wire.world,
                 **({"public": {k: cpu_list(t) for k, t in self.public.items()}} if self.choco else {}),
                 **({"round": {"recv_from": r.recv_from, "own": r.own, "heard": r.heard,

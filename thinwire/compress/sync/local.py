@@ -96,7 +96,7 @@ class LocalSGD(SyncMode):
         return self.buckets.flatten(list(self.buckets.params))
 
     def state_dict(self) -> dict:
-        return {"mode": type(self).__name__, "steps": self.steps, "anchor": cpu_list(self.anchor)}
+        return {**self.saved_by(), "steps": self.steps, "anchor": cpu_list(self.anchor)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.check_state(sd)

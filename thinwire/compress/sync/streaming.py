@@ -148,7 +148,7 @@ class StreamingDiLoCo(LocalSGD):
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"mode": type(self).__name__, "steps": self.steps, "syncs": self.syncs,
+        return {**self.saved_by(), "steps": self.steps, "syncs": self.syncs,
                 "anchors": [cpu_list(a) for a in self.anchors or []],
                 "momenta": [cpu_list(m) for m in self.momenta], "inflight": cpu_list(self.inflight),
                 "sent": cpu_list(self.sent)}
