@@ -1746,3 +1746,30 @@ def test_a_sync_state_saved_by_another_rank_is_refused(mode_text):
     a word and the run went on 0.02 away from the straight one (the CommState and gossip refused it already)."""
     for r, said in enumerate(run_ranks(_loads_the_other_ranks_state, 2, mode_text)):
         assert f"this state was saved by rank {1 - r}, and this is rank {r} of 2" in said, said
+
+
+def _two_mode_steps(rank: int, world: int) -> list[str]:
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("thinwire.compress").addHandler(handler)
+    ddp = DistributedDataParallel(_net())
+    mode = thinwire.sync(ddp, "local:period=4,warmup=0", codec="none")
+    a = torch.optim.SGD([ddp.module.weight], lr=LR)
+    b = torch.optim.SGD([ddp.module.bias], lr=LR)
+    for step in range(3):
+        x, y = _data(step, rank)
+        with mode.no_sync():
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        mode.step(a)
+        mode.step(b)  # the mode's period counts this as a step of its own
+    mode.close()
+    return [m for m in said if "a second step with no forward" in m]
+
+
+def test_two_mode_steps_per_iteration_are_told():
+    """mode.step(opt_a); mode.step(opt_b): local SGD averaged every 2 iterations instead of 4, without a word."""
+    for said in run_ranks(_two_mode_steps, 2):
+        assert len(said) == 1 and "with several optimizers call mode.before_step(), each optimizer.step()" in said[0]

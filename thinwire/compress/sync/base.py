@@ -313,8 +313,19 @@ class SyncMode:
         mine: dict[int, bool] = {}  # id(optimizer) -> whether it steps this model's parameters
         stepped: set[int] = set()    # the optimizers that stepped since the last before_step (two may: one a layer)
         inner = self.before_step
+        forwards = [0, -1]           # the model's forwards so far, and that count at the last before_step
+
+        def count_forward(module, args) -> None:
+            forwards[0] += 1
 
         def before_step() -> None:
+            if forwards[0] == forwards[1] and not self._told_twice:  # no forward since the last step
+                self._told_twice = True
+                log.warning("sync %s: a second step with no forward of the model since the last (mode.step called once "
+                            "per optimizer?): the mode counts, averages and applies at each, so a period shrinks; with "
+                            "several optimizers call mode.before_step(), each optimizer.step(), then mode.after_step()",
+                            self.name)
+            forwards[1] = forwards[0]
             inner()
             stepped.clear()
             self._prepared = True
@@ -336,14 +347,17 @@ class SyncMode:
             stepped.add(id(optimizer))
 
         self._prepared = False
+        self._told_twice = False
         self.before_step = before_step
         self._guard = register_optimizer_step_post_hook(refuse_unprepared)
+        self._counter = self.model.register_forward_pre_hook(count_forward)
 
     def close(self) -> None:
         guard = getattr(self, "_guard", None)
         if guard is not None:
             guard.remove()
             self._guard = None
+            self._counter.remove()
         self.flush()
         self.comm.close()
 
