@@ -185,12 +185,16 @@ class CommState:
         codecs that quantize or select over a bucket (int8's blocks, bfp, top-k, sign) would send that step's
         gradient otherwise than the run that was never stopped, so its first step is averaged bucket by bucket
         as saved, and a resume is bit-identical. Where DDP's layout already is the saved one (it does not
-        rebuild with ``find_unused_parameters``) or does not hold all of it, the step runs as DDP hands it."""
-        saved, self.resumed = self.resumed, None
+        rebuild with ``find_unused_parameters``) or does not hold all of it, the step runs as DDP hands it. The
+        saved layouts are kept while DDP hands over its initial one: with ``static_graph`` it rebuilds after its
+        second iteration, not its first."""
+        saved = self.resumed
         if saved.get(index) == layout or not saved:
+            self.resumed = None
             return None
         mine = sorted(layout)
         if sorted(pair for part in saved.values() for pair in part) != mine:
+            self.resumed = None
             log.info("resume: DDP's first buckets after the checkpoint are not the saved ones; the first step "
                      "averages its gradient in DDP's layout")
             return None
