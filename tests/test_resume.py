@@ -517,10 +517,13 @@ def test_a_resume_with_nothing_to_train_writes_no_summary_of_a_job_that_never_ra
     first = thinwire("train", "--workload", "digits", "--steps", "8", "--checkpoint-every", "4", "--eval-every", "8",
                      "--out", str(out))
     assert first.returncode == 0, first.stderr[-2000:]
+    result = json.loads((out / "summary.json").read_text())
     (out / "summary.json").unlink()  # as if stopped after its last checkpoint
     listing = sorted(p.name for p in out.iterdir())
     again = thinwire("train", "--resume", str(out), "--steps", "4")
     assert again.returncode == 0 and "nothing to train" in " ".join(again.stdout.split()), again.stdout[-2000:]
     assert sorted(p.name for p in out.iterdir()) == listing
     done = thinwire("train", "--resume", str(out))
-    assert done.returncode == 0 and json.loads((out / "summary.json").read_text())["steps"] == 8, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert done.returncode == 0 and summary["steps"] == 8, done.stderr[-2000:]
+    assert summary["val_loss"] == result["val_loss"] and summary["val_accuracy"] == result["val_accuracy"]  # were None

@@ -473,7 +473,7 @@ class Trainer:
         if not self.env.is_main:
             return
         state = {"step": self.step, "samples": self._samples(), "wall_s": self._wall(), "eval_s": self.eval_s,
-                 "eval_due": self.eval_due,
+                 "eval_due": self.eval_due, "last_val": self.last_val,  # the summary's result, where only it is left
                  "model": self._model_state(ranks), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "lr_horizon": self.horizon,
                  "compression_counts": self._compression_counts(), "signature": self.signature,
@@ -517,12 +517,16 @@ class Trainer:
         self._load(box[0])
         self.metrics.resumed_at(self.step)
         event = "restart" if self.env.restart_count else "resume"
-        if self.step < self.steps:  # with nothing to train the run's folder stays as it was
-            self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts, "from": str(source),
-                                "world_size": self.env.world, "checkpoint_world_size": len(box[0]["ranks"])})
+        if self.step < self.steps or self.env.restart_count:  # with nothing to train the folder stays as it was,
+            self.metrics.write({"event": event, "step": self.step, "restart_count": self.restarts,  # but a restart's
+                                "from": str(source), "world_size": self.env.world,               # record is kept
+                                "checkpoint_world_size": len(box[0]["ranks"])})
         if self.env.is_main:
             console.print(f"[bold]{event}[/bold] from {source} at step {self.step}")
-            if self.step >= self.steps:
+            if self.step >= self.steps and self.env.restart_count:  # a worker failed after the last checkpoint
+                console.print(f"the run had reached step {self.step} of {self.steps} before the failure: only its "
+                              "summary is left to write")
+            elif self.step >= self.steps:
                 console.print(f"[yellow]the run is already at step {self.step} and --steps is {self.steps}: nothing "
                               f"to train. Pass a larger --steps to go on.[/yellow]")
 
@@ -589,6 +593,7 @@ class Trainer:
         self._load_batch = int(state.get("config", {}).get("batch_size") or self.wl.batch_size)
         self.eval_s = float(state.get("eval_s", 0.0))
         self.eval_due = bool(state.get("eval_due", False))  # a validation waiting for the ranks' next average
+        self.last_val = {str(k): float(v) for k, v in (state.get("last_val") or {}).items()}
         self._load_horizon(state)
         self._note_changes(state.get("config", {}))
         self.counts_before = {str(k): int(v) for k, v in state.get("compression_counts", {}).items()}
