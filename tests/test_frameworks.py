@@ -80,49 +80,32 @@ def test_lightning_strategy_averages_int8_and_checkpoint_restores_residuals(tmp_
 
 
 @pytest.mark.parametrize("sync, extra", [("local:period=3,warmup=0", []), ("delayed", []),
-                                         ("delayed", ["--clip", "0.5", "--accumulate", "2"])])
+                                         ("delayed", ["--clip", "0.5", "--accumulate", "2"]),
+                                         ("local:period=3,warmup=0", ["--save-after-fit"])])
 def test_lightning_sync_mode_resumes_exactly(tmp_path, sync, extra):
     """Local SGD in Lightning (int8 parameter averages every 3 steps, SGD with momentum): 4 steps, a
     checkpoint between averages (the ranks' parameters and momenta differ), 4 more from it, ends
     where 8 straight steps end, on every rank, bit for bit. delayed likewise: its first step after the resume
     predicts its weights with the optimizer (the strategy tells the mode before the step's forward), also where
-    Lightning clips the gradients and where the first micro-batch's forward runs before the optimizer's step."""
+    Lightning clips the gradients and where the first micro-batch's forward runs before the optimizer's step. And from
+    trainer.save_checkpoint after fit, where every rank holds the ranks' average: it stored that as each rank's own
+    model, so the fit resumed from it was not the straight run (0.016 apart)."""
     straight, first, resumed = (tmp_path / n for n in ("straight", "first", "resumed"))
     for d in (straight, first, resumed):
         d.mkdir()
     mode = ["--sync", sync, *extra]
     torchrun(WORKERS / "lightning_worker.py", "--out", str(straight), "--steps", "8", *mode)
     torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", *mode)
-    saved = load(first / "last.ckpt")["thinwire"]
+    ckpt = first / ("after.ckpt" if "--save-after-fit" in extra else "last.ckpt")
+    saved = load(ckpt)["thinwire"]
     if sync.startswith("local"):
         a, b = (saved["ranks"][r]["model"] for r in range(2))
         assert any(not torch.equal(a[k], b[k]) for k in a), "the checkpoint should fall between averages"
-    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "8", "--resume",
-             str(first / "last.ckpt"), *mode)
+    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "8", "--resume", str(ckpt), *mode)
     for r in range(2):
         want, got = load(straight / f"end_rank{r}.pt"), load(resumed / f"end_rank{r}.pt")
         torch.testing.assert_close(got["params"], want["params"], rtol=0, atol=0)
         assert got["stats"]["counts"].get("int8", 0) > 0
-
-
-def test_lightning_checkpoint_saved_after_fit_resumes_exactly(tmp_path):
-    """fit ends with every rank holding the ranks' average; trainer.save_checkpoint after it stored that average as
-    each rank's own model, so a fit resumed from it was not the straight run (0.016 apart)."""
-    straight, first, resumed = (tmp_path / n for n in ("straight", "first", "resumed"))
-    for d in (straight, first, resumed):
-        d.mkdir()
-    mode = ["--sync", "local:period=3,warmup=0"]
-    torchrun(WORKERS / "lightning_worker.py", "--out", str(straight), "--steps", "8", *mode)
-    torchrun(WORKERS / "lightning_worker.py", "--out", str(first), "--steps", "4", "--save-after-fit",
-             str(first / "after.ckpt"), *mode)
-    saved = load(first / "after.ckpt")["thinwire"]
-    a, b = (saved["ranks"][r]["model"] for r in range(2))
-    assert any(not torch.equal(a[k], b[k]) for k in a), "each rank's own model, between averages"
-    torchrun(WORKERS / "lightning_worker.py", "--out", str(resumed), "--steps", "8", "--resume",
-             str(first / "after.ckpt"), *mode)
-    for r in range(2):
-        want, got = load(straight / f"end_rank{r}.pt"), load(resumed / f"end_rank{r}.pt")
-        torch.testing.assert_close(got["params"], want["params"], rtol=0, atol=0)
 
 
 def test_lightning_local_checkpoint_holds_the_average_and_resumes_equal_ranks_under_allreduce(tmp_path):

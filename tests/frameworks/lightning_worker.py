@@ -90,7 +90,7 @@ def main():
     ap.add_argument("--validate-after-fit", action="store_true", help="trainer.validate once fit is done")
     ap.add_argument("--clip", type=float, help="gradient_clip_val")
     ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
-    ap.add_argument("--save-after-fit", help="trainer.save_checkpoint(PATH) once fit is done")
+    ap.add_argument("--save-after-fit", action="store_true", help="trainer.save_checkpoint(OUT/after.ckpt) after fit")
     a = ap.parse_args()
     torch.set_num_threads(1)
     module = (Validated if a.val or a.validate_after_fit else TwoOptimizers if a.two_optimizers else Module)(a.out)
@@ -104,7 +104,7 @@ def main():
                          callbacks=callbacks, gradient_clip_val=a.clip, accumulate_grad_batches=a.accumulate)
     trainer.fit(module, ckpt_path=a.resume)
     if a.save_after_fit:
-        trainer.save_checkpoint(a.save_after_fit)
+        trainer.save_checkpoint(f"{a.out}/after.ckpt")
     if a.validate_after_fit:
         trainer.validate(module, verbose=False)
     comm = trainer.strategy.comm
