@@ -118,7 +118,7 @@ class SyncSpec:
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
-    merge: str = "lerp"         # local, diloco with a delay: lerp(global, local, alpha), or keep (global + own progress)
+    merge: str = "lerp"         # local, diloco with a delay: lerp(global, local, alpha), or keep (global + own)
     topology: str = ""
     gamma: float = 0.0          # gossip with a lossy codec (CHOCO-SGD): the consensus step; 0: auto
     overlap: int = 0            # gossip: 1 sends each round during the next step's compute (SGP's overlap)
@@ -234,8 +234,8 @@ def parse_sync_spec(text: str) -> SyncSpec:
     keep = values.get("merge") == "keep"
     if keep and "alpha" in given:
         raise ConfigError("sync.alpha", values["alpha"], "not given with merge=keep",
-                          "merge=keep adds this rank's progress to the global parameters, alpha mixes the two (merge=lerp); "
-                          f"give one. E.g. {mode}:period=H,merge=keep")
+                          "merge=keep adds this rank's progress to the global parameters, alpha mixes the two "
+                          f"(merge=lerp); give one. E.g. {mode}:period=H,merge=keep")
     if values.get("delay") == "auto":  # streaming or keep: overlap one inner step; one fragment: classic DiLoCo
         every = values["period"] // values["fragments"] if values["fragments"] >= 1 else 0
         values["delay"] = 1 if (values["fragments"] > 1 or keep) and every > 1 else 0

@@ -94,7 +94,6 @@ class ThinwireStrategy(DDPStrategy):
         self.mode = None        # the SyncMode, when sync is not allreduce
         self._restored = None   # this rank's state read from a checkpoint before the hook exists
         self._consensus = None  # during validation with a mode whose ranks diverge: the context, entered
-        self._own: dict = {}    # ... and this rank's own tensors it replaced with the ranks' average
         self._own_after_fit: dict = {}  # after fit (every rank holds the average): this rank's own, for a checkpoint
 
     def setup(self, trainer) -> None:
@@ -167,11 +166,11 @@ class ThinwireStrategy(DDPStrategy):
         super().on_validation_start()
         if self.mode is not None and self.mode.buffers_diverge and self._consensus is None:
             self._consensus = self.mode.consensus()
-            self._own = self._consensus.__enter__()
+            self._consensus.__enter__()  # the mode holds this rank's own tensors meanwhile (own_inside)
 
     def on_validation_end(self) -> None:
         if self._consensus is not None:
-            consensus, self._consensus, self._own = self._consensus, None, {}
+            consensus, self._consensus = self._consensus, None
             consensus.__exit__(None, None, None)
         super().on_validation_end()
 
@@ -183,7 +182,7 @@ class ThinwireStrategy(DDPStrategy):
             if self.mode is not None:
                 mine.update(mode_record(self.mode))  # first: it waits for averages in flight
                 if self.mode.buffers_diverge:  # ranks' parameters (or BatchNorm's statistics) differ between averages
-                    own = self._own or self._own_after_fit  # inside validation's consensus or after fit: the rank's own
+                    own = self.mode.own_inside or self._own_after_fit  # in validation's consensus or after fit: its own
                     mine["model"] = {k: own.get(id(v), v).detach().clone()
                                      for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
                     if self._consensus is None:  # outside validation: the checkpoint's model is the ranks' average too

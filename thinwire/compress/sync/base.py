@@ -280,9 +280,9 @@ class SyncMode:
                              "one fresh with load_state_dict({}), or resume with the mode that saved it)")
         saved_rank, world = sd.get("rank"), sd.get("world")
         if saved_rank is not None and world == self.comm.wire.world and saved_rank != self.comm.wire.rank:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: this state was saved by rank {saved_rank}, and this "
-                             f"is rank {self.comm.wire.rank} of {world}: each rank's state is its own (what it sent, its "
-                             "own gradient); load the state this rank saved")
+            raise ValueError(f"{type(self).__name__}.load_state_dict: this state was saved by rank {saved_rank}, and "
+                             f"this is rank {self.comm.wire.rank} of {world}: each rank's state is its own (what it "
+                             "sent, its own gradient); load the state this rank saved")
         unknown = sorted(str(k) for k in set(sd) - set(self.state_keys) - {"mode", "rank", "world"})
         if unknown:
             raise ValueError(f"{type(self).__name__}.load_state_dict: keys {unknown[:6]} are not a {self.name} mode's "
